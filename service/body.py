@@ -1,0 +1,119 @@
+"""Request bodies, bounded: a size cap before and after gzip, so a gzip bomb is refused cheaply.
+
+Pure ASGI middleware: the body is read (at most `limit` bytes), inflated in bounded steps when
+`Content-Encoding: gzip`, and handed to the app as a plain body.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from service.errors import error_response
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def inflate_bounded(data: bytes, limit: int) -> bytes:
+    """Gunzip `data`, refusing (OverflowError) as soon as the output would pass `limit` bytes."""
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    out: list[bytes] = []
+    produced = 0
+    pending = data
+    while True:
+        try:
+            chunk = inflater.decompress(pending, limit + 1 - produced)
+        except zlib.error as e:
+            raise ValueError(f"invalid gzip body: {e}") from None
+        produced += len(chunk)
+        if produced > limit:
+            raise OverflowError
+        out.append(chunk)
+        pending = inflater.unconsumed_tail
+        if not pending:
+            break
+    if not inflater.eof:
+        raise ValueError("invalid gzip body: truncated")
+    return b"".join(out)
+
+
+class BodyLimitMiddleware:
+    """Caps every request body at `limit` bytes (`limits` overrides it by path prefix)."""
+
+    def __init__(self, app: ASGIApp, limit: int, limits: dict[str, int] | None = None) -> None:
+        self.app, self.limit, self.limits = app, limit, limits or {}
+
+    def _limit_for(self, path: str) -> int:
+        for prefix, limit in self.limits.items():
+            if path.startswith(prefix):
+                return limit
+        return self.limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        limit = self._limit_for(scope["path"])
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+        if encoding not in ("identity", "gzip"):
+            await self._fail(scope, receive, send, 415, "unsupported_encoding",
+                             f"Content-Encoding {encoding!r} is not supported; use gzip or none")
+            return
+        declared = headers.get(b"content-length")
+        too_large = f"request body is over the {limit} byte limit"
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._fail(scope, receive, send, 413, "too_large", too_large)
+            return
+
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await self._fail(scope, receive, send, 413, "too_large", too_large)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+
+        if encoding == "gzip":
+            try:
+                body = inflate_bounded(body, limit)
+            except OverflowError:
+                await self._fail(scope, receive, send, 413, "too_large",
+                                 f"decompressed body is over the {limit} byte limit")
+                return
+            except ValueError as e:
+                await self._fail(scope, receive, send, 400, "bad_encoding", str(e))
+                return
+            scope = dict(scope)
+            scope["headers"] = [
+                (k, v) for k, v in scope["headers"]
+                if k.lower() not in (b"content-encoding", b"content-length")
+            ] + [(b"content-length", str(len(body)).encode())]
+
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _fail(scope: Scope, receive: Receive, send: Send, status: int, code: str, msg: str) -> None:
+        await error_response(status, code, msg, {"Connection": "close"})(scope, receive, send)

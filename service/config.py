@@ -1,0 +1,122 @@
+"""Settings: one object per process, built from `TABLOOP_*` environment variables at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything a tabloop process can be told. Invalid values fail at start with a clear message."""
+
+    model_config = SettingsConfigDict(env_prefix="TABLOOP_", extra="ignore", frozen=True)
+
+    # "prod" keeps production time constants; "sim" shrinks every window to seconds.
+    profile: Literal["prod", "sim"] = "prod"
+    # Where the embedded database, checkpoints and other local state live.
+    data_dir: Path = Path(".tabloop")
+    # SQLAlchemy URL; unset means SQLite under data_dir (embedded mode).
+    database_url: str | None = None
+    # Comma-separated Kafka bootstrap servers; unset means the outbox table is the event log.
+    kafka_bootstrap_servers: str | None = None
+    # Partitions for the topics the relay creates (keyed by user_id).
+    kafka_topic_partitions: int = Field(6, ge=1, le=1024)
+    kafka_replication_factor: int = Field(1, ge=1, le=16)
+    # Consumer group timeouts (the RUNBOOK's values work with Tansu and Apache Kafka alike).
+    kafka_session_timeout_ms: int = Field(6000, ge=1000)
+    kafka_heartbeat_interval_ms: int = Field(1000, ge=100)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    # uvicorn worker processes for `tabloop serve`.
+    workers: int = Field(1, ge=1, le=64)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    # Bounds on POST /v1/events: events per batch, body bytes (after gzip), bytes per event.
+    max_events_per_batch: int = Field(1000, ge=1, le=100_000)
+    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    max_event_bytes: int = Field(16 * 1024, ge=256)
+    # Ingestion answers 503 once this many outbox rows wait for the relay (full mode).
+    outbox_backlog_limit: int = Field(200_000, ge=1)
+    # Seconds a client is told to wait on 429/503.
+    retry_after_s: int = Field(1, ge=1, le=3600)
+
+    # Per API key token bucket: sustained requests per second and burst size.
+    rate_limit_per_s: float = Field(200.0, gt=0)
+    rate_limit_burst: int = Field(400, ge=1)
+
+    # Database pool: connections, seconds to wait for one, seconds to connect.
+    db_pool_size: int = Field(10, ge=1, le=500)
+    db_pool_timeout_s: float = Field(2.0, gt=0)
+    db_connect_timeout_s: int = Field(2, ge=1)
+
+    # Relay: rows per round trip and idle poll interval.
+    relay_batch_size: int = Field(2000, ge=1, le=100_000)
+    relay_poll_interval_s: float = Field(0.05, gt=0)
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_url(cls, v: str | None) -> str | None:
+        if v is None or v == "":
+            return None
+        if not v.startswith(("sqlite", "postgresql")):
+            raise ValueError("must be a sqlite:// or postgresql:// URL")
+        if v.startswith("postgresql://"):  # psycopg 3 is the driver we ship
+            v = "postgresql+psycopg://" + v.removeprefix("postgresql://")
+        return v
+
+    @field_validator("kafka_bootstrap_servers")
+    @classmethod
+    def _check_bootstrap(cls, v: str | None) -> str | None:
+        if v is None or v.strip() == "":
+            return None
+        for server in v.split(","):
+            host, _, port = server.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"expected host:port[,host:port...], got {server!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> Settings:
+        if self.kafka_bootstrap_servers is None and self.db_url.startswith("postgresql"):
+            # The outbox-as-log reader relies on SQLite's serialized commits for gapless offsets.
+            raise ValueError(
+                "PostgreSQL needs a broker: set TABLOOP_KAFKA_BOOTSTRAP_SERVERS, "
+                "or unset TABLOOP_DATABASE_URL for the embedded SQLite mode"
+            )
+        if self.kafka_heartbeat_interval_ms * 3 > self.kafka_session_timeout_ms:
+            raise ValueError("kafka_heartbeat_interval_ms must be at most a third of the session timeout")
+        return self
+
+    @property
+    def db_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'tabloop.db').resolve()}"
+
+    @property
+    def embedded(self) -> bool:
+        """True when the outbox table is the event log (no broker)."""
+        return self.kafka_bootstrap_servers is None
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.db_url.startswith("sqlite")
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build the settings, turning validation errors into one readable message."""
+    from pydantic import ValidationError
+
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "settings"
+            name = f"TABLOOP_{field.upper()}" if field != "settings" else field
+            lines.append(f"  {name}: {err['msg']}")
+        raise SystemExit("invalid tabloop settings:\n" + "\n".join(lines)) from None

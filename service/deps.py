@@ -1,0 +1,71 @@
+"""FastAPI dependencies: the process context and API-key authentication by scope."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import sqlalchemy as sa
+from fastapi import Depends, Request
+
+from service.auth.keys import ApiKey, RateLimiter, authenticate
+from service.config import Settings
+from service.errors import Forbidden, RateLimited, Unauthorized
+
+
+@dataclass
+class Health:
+    """What the background monitor last saw; read by /readyz and by ingestion backpressure."""
+
+    db_ok: bool = False
+    broker_ok: bool | None = None  # None in embedded mode
+    backlog_rows: int = 0
+    backlog_age_s: float = 0.0
+    detail: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class AppContext:
+    settings: Settings
+    engine: sa.Engine
+    limiter: RateLimiter
+    health: Health
+
+
+def get_ctx(request: Request) -> AppContext:
+    return request.app.state.ctx  # type: ignore[no-any-return]
+
+
+CtxDep = Annotated[AppContext, Depends(get_ctx)]
+
+
+def require_scope(*scopes: str) -> Callable[..., ApiKey]:
+    """A dependency admitting a live key holding any of `scopes`, within its rate limit."""
+
+    def dependency(request: Request, ctx: CtxDep) -> ApiKey:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        challenge = {"WWW-Authenticate": "Bearer"}
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthorized("send an API key as 'Authorization: Bearer <token>'", headers=challenge)
+        with ctx.engine.connect() as conn:
+            key = authenticate(conn, token.strip())
+        if key is None:
+            raise Unauthorized("unknown or revoked API key", headers=challenge)
+        if not key.scopes.intersection(scopes):
+            raise Forbidden(f"this key lacks the {' or '.join(repr(s) for s in scopes)} scope")
+        wait = ctx.limiter.acquire(key.id)
+        if wait > 0:
+            raise RateLimited(
+                "rate limit exceeded for this key", headers={"Retry-After": str(math.ceil(wait))}
+            )
+        return key
+
+    return dependency
+
+
+IngestKey = Annotated[ApiKey, Depends(require_scope("ingest"))]
+DeployKey = Annotated[ApiKey, Depends(require_scope("deploy", "admin"))]
+AdminKey = Annotated[ApiKey, Depends(require_scope("admin"))]

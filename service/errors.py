@@ -1,0 +1,118 @@
+"""One error type per domain, each with a status code; one set of handlers renders them all.
+
+Every error leaves as `{"error": {"code": ..., "message": ...}}`. Anything the client sent maps
+to a 4xx; a database or broker that is down maps to 503 with Retry-After; only our own bugs
+are 500s, and they are logged with a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+import sqlalchemy.exc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class TabloopError(Exception):
+    """Base domain error: subclasses set status_code and code."""
+
+    status_code = 400
+    code = "bad_request"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class BadRequest(TabloopError):
+    status_code, code = 400, "bad_request"
+
+
+class Unprocessable(TabloopError):
+    status_code, code = 422, "invalid"
+
+
+class Unauthorized(TabloopError):
+    status_code, code = 401, "unauthorized"
+
+
+class Forbidden(TabloopError):
+    status_code, code = 403, "forbidden"
+
+
+class NotFound(TabloopError):
+    status_code, code = 404, "not_found"
+
+
+class Conflict(TabloopError):
+    status_code, code = 409, "conflict"
+
+
+class PayloadTooLarge(TabloopError):
+    status_code, code = 413, "too_large"
+
+
+class UnsupportedMediaType(TabloopError):
+    status_code, code = 415, "unsupported_media_type"
+
+
+class RateLimited(TabloopError):
+    status_code, code = 429, "rate_limited"
+
+
+class Unavailable(TabloopError):
+    status_code, code = 503, "unavailable"
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _jsonable_loc(loc: Any) -> str:
+    return ".".join(str(p) for p in loc if p != "body") or "body"
+
+
+def install_handlers(app: FastAPI, retry_after_s: int) -> None:
+    @app.exception_handler(TabloopError)
+    async def _domain(_req: Request, exc: TabloopError) -> Response:
+        return error_response(exc.status_code, exc.code, exc.message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError) -> Response:
+        errs = exc.errors()
+        msg = "; ".join(f"{_jsonable_loc(e.get('loc', ()))}: {e.get('msg')}" for e in errs[:10])
+        bad_json = [e for e in errs if e.get("type") == "json_invalid"]
+        if bad_json:
+            reason = (bad_json[0].get("ctx") or {}).get("error", "JSON decode error")
+            return error_response(400, "bad_json", f"request body is not valid JSON: {reason}")
+        return error_response(422, "invalid", msg)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
+
+    retry = {"Retry-After": str(retry_after_s)}
+
+    @app.exception_handler(sqlalchemy.exc.OperationalError)
+    @app.exception_handler(sqlalchemy.exc.InterfaceError)
+    @app.exception_handler(sqlalchemy.exc.TimeoutError)
+    async def _db_down(_req: Request, exc: Exception) -> Response:
+        log.warning("database unavailable: %s", type(exc).__name__ + ": " + str(exc).split("\n")[0])
+        return error_response(503, "database_unavailable", "the database is unavailable", retry)
+
+    @app.exception_handler(Exception)
+    async def _bug(req: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", req.method, req.url.path)
+        return error_response(500, "internal", "internal error; it has been logged")

@@ -1,0 +1,153 @@
+"""Feedback events as DESIGN.md defines them: five types, each validated on its own."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+)
+
+EVENT_TYPES = ("accept", "reject", "code_retained", "model_switch", "churn")
+SCHEMA_VERSION = 1
+
+
+def _canonical_uuid(value: str) -> str:
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise ValueError("must be a UUID, e.g. 9f1c2d3e-4b5a-4c6d-8e7f-0a1b2c3d4e5f") from None
+
+
+def _rfc3339(value: str) -> str:
+    """RFC 3339 with a zone (Z or +hh:mm), returned normalized to UTC with a Z."""
+    if len(value) > 40 or ("T" not in value and "t" not in value and " " not in value):
+        raise ValueError("must be an RFC 3339 date-time, e.g. 2026-11-29T12:00:00Z")
+    try:
+        parsed = datetime.fromisoformat(value.replace("z", "Z"))
+    except ValueError:
+        raise ValueError("must be an RFC 3339 date-time, e.g. 2026-11-29T12:00:00Z") from None
+    if parsed.tzinfo is None:
+        raise ValueError("must carry a time zone (Z or +hh:mm)")
+    return parsed.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+UUIDStr = Annotated[StrictStr, Field(max_length=64), AfterValidator(_canonical_uuid)]
+Timestamp = Annotated[StrictStr, AfterValidator(_rfc3339)]
+UserId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+ModelName = Annotated[StrictStr, Field(min_length=1, max_length=200)]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    event_id: UUIDStr
+    user_id: UserId
+    occurred_at: Timestamp
+
+
+class AcceptEvent(_Event):
+    type: Literal["accept"]
+    suggestion_id: UUIDStr
+    accepted_chars: StrictInt | None = Field(None, ge=0, le=1_000_000)
+
+
+class RejectEvent(_Event):
+    type: Literal["reject"]
+    suggestion_id: UUIDStr
+
+
+class CodeRetainedEvent(_Event):
+    type: Literal["code_retained"]
+    suggestion_id: UUIDStr
+    after_seconds: StrictFloat = Field(ge=0, le=30 * 24 * 3600)
+    retained_fraction: StrictFloat = Field(ge=0, le=1)
+
+
+class ModelSwitchEvent(_Event):
+    type: Literal["model_switch"]
+    from_model: ModelName
+    to_model: ModelName
+
+
+class ChurnEvent(_Event):
+    type: Literal["churn"]
+    reason: Annotated[StrictStr, Field(max_length=500)] | None = None
+
+
+Event = Annotated[
+    AcceptEvent | RejectEvent | CodeRetainedEvent | ModelSwitchEvent | ChurnEvent,
+    Field(discriminator="type"),
+]
+_event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+class EventBatch(BaseModel):
+    """POST /v1/events body. Events are validated one by one, so one bad event is reported alone."""
+
+    events: list[Any] = Field(
+        description="Feedback events (accept, reject, code_retained, model_switch, churn); "
+        "each is validated on its own and a bad one is reported by index.",
+        json_schema_extra={
+            "examples": [
+                [
+                    {
+                        "event_id": "0b6f1c1e-8a4e-4c3b-9d8e-2f1a3b4c5d6e",
+                        "type": "accept",
+                        "user_id": "u-42",
+                        "suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140",
+                        "occurred_at": "2026-11-29T12:00:00Z",
+                        "accepted_chars": 14,
+                    }
+                ]
+            ]
+        },
+    )
+
+
+class RejectedEvent(BaseModel):
+    index: int
+    error: str
+
+
+class IngestResult(BaseModel):
+    accepted: int
+    duplicates: int
+    rejected: list[RejectedEvent]
+
+
+def _describe(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors(include_url=False)[:5]:
+        loc = ".".join(str(p) for p in e["loc"][1:] if not isinstance(p, int)) or "event"
+        if e["type"] == "union_tag_invalid":
+            parts.append(f"type: must be one of {', '.join(EVENT_TYPES)}")
+        elif e["type"] == "union_tag_not_found":
+            parts.append("type: missing (one of " + ", ".join(EVENT_TYPES) + ")")
+        elif e["type"] == "extra_forbidden":
+            parts.append(f"{e['loc'][-1]}: unknown field")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+def parse_event(raw: Any) -> dict[str, Any]:
+    """The validated, normalized event as a plain dict; raises ValueError with a readable reason."""
+    if not isinstance(raw, dict):
+        raise ValueError("an event must be a JSON object")
+    try:
+        event = _event_adapter.validate_python(raw)
+    except ValidationError as e:
+        raise ValueError(_describe(e)) from None
+    return event.model_dump(exclude_none=True)

@@ -1,0 +1,37 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.deps import CtxDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"description": "A dependency is not answering"}})
+def readyz(ctx: CtxDep) -> Response:
+    """Ready when the database answers and, in full mode, the broker does too."""
+    h = ctx.health
+    checks = {"database": h.db_ok}
+    if not ctx.settings.embedded:
+        checks["broker"] = bool(h.broker_ok)
+    ready = all(checks.values())
+    body = {"status": "ready" if ready else "not_ready", "checks": checks,
+            "outbox_backlog": h.backlog_rows}
+    headers = None if ready else {"Retry-After": str(ctx.settings.retry_after_s)}
+    return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
+
+
+@router.get("/metrics", response_class=Response)
+def metrics() -> Response:
+    """Prometheus text format."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the API and relay processes, namespaced `tabloop_<area>_...`.
+
+Documented in docs/METRICS.md. With several uvicorn workers each worker exposes its own
+counters; scrape each or run one worker per container.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()  # the *_created series double the output and nobody graphs them
+
+INGEST_EVENTS = Counter(
+    "tabloop_ingest_events_total",
+    "Feedback events received, by event type and outcome (accepted, duplicate, rejected).",
+    ["type", "outcome"],
+)
+HTTP_REQUEST_SECONDS = Histogram(
+    "tabloop_http_request_duration_seconds",
+    "HTTP request latency by route template, method and status code.",
+    ["route", "method", "status"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+OUTBOX_BACKLOG = Gauge(
+    "tabloop_outbox_backlog_rows", "Outbox rows committed but not yet published to the broker."
+)
+OUTBOX_LAG = Gauge(
+    "tabloop_outbox_publish_lag_seconds", "Age of the oldest unpublished outbox row."
+)
+RELAY_PUBLISHED = Counter(
+    "tabloop_relay_published_total", "Outbox rows the relay published, by topic.", ["topic"]
+)
+RELAY_ERRORS = Counter(
+    "tabloop_relay_errors_total", "Relay rounds that failed to publish (broker or database)."
+)
+RELAY_RECONCILED = Counter(
+    "tabloop_relay_reconciled_total",
+    "Rows found already in the topic after a relay restart and marked published, not resent.",
+)

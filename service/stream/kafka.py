@@ -1,0 +1,96 @@
+"""kafka-python clients configured the one way tabloop uses them (see RUNBOOK.md for the why)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import NewTopic
+from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
+
+from service.config import Settings
+from service.stream.topics import ALL_TOPICS
+
+log = logging.getLogger(__name__)
+
+
+def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
+    """Idempotent, acks=all, retrying: a message acknowledged to us is on every in-sync replica,
+    and internal retries never write it twice within this producer's life."""
+    config: dict[str, Any] = dict(
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        client_id="tabloop-relay",
+        acks="all",
+        enable_idempotence=True,
+        max_in_flight_requests_per_connection=5,
+        linger_ms=5,
+        batch_size=256 * 1024,
+        request_timeout_ms=10_000,
+        # Keep retrying for a long time rather than giving up on an acked-or-not message.
+        delivery_timeout_ms=600_000,
+        max_block_ms=10_000,
+    )
+    config.update(overrides)
+    return KafkaProducer(**config)
+
+
+def make_admin(settings: Settings) -> KafkaAdminClient:
+    return KafkaAdminClient(
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        client_id="tabloop-admin",
+        request_timeout_ms=10_000,
+    )
+
+
+def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS) -> None:
+    """Create the topics if missing, with the configured partition count (keyed by user_id)."""
+    admin = make_admin(settings)
+    try:
+        existing = set(admin.list_topics())
+        missing = [t for t in topics if t not in existing]
+        if missing:
+            try:
+                admin.create_topics(
+                    [
+                        NewTopic(t, settings.kafka_topic_partitions, settings.kafka_replication_factor)
+                        for t in missing
+                    ]
+                )
+                log.info("created topics %s (%d partitions)", missing, settings.kafka_topic_partitions)
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()
+
+
+def make_reader(settings: Settings, **overrides: Any) -> KafkaConsumer:
+    """A consumer with no group, for reading partitions by explicit assignment."""
+    config: dict[str, Any] = dict(
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        client_id="tabloop-reader",
+        group_id=None,
+        enable_auto_commit=False,
+        request_timeout_ms=15_000,
+    )
+    config.update(overrides)
+    return KafkaConsumer(**config)
+
+
+def read_to_end(consumer: KafkaConsumer, tps: list[Any], timeout_s: float) -> list[Any]:
+    """Poll assigned partitions until each position reaches the high watermark that the fetch
+    responses report. (ListOffsets' "latest" is not trusted: some brokers answer it per batch.)"""
+    deadline = time.monotonic() + timeout_s
+    records: list[Any] = []
+    while True:
+        for batch in consumer.poll(timeout_ms=200, max_records=5000).values():
+            records.extend(batch)
+        behind = [
+            tp for tp in tps
+            if (hw := consumer.highwater(tp)) is None or consumer.position(tp) < hw
+        ]
+        if not behind:
+            return records
+        if time.monotonic() > deadline:
+            raise KafkaTimeoutError(f"could not read to the end of {[str(tp) for tp in behind]}")

@@ -1,0 +1,118 @@
+"""The tables, as SQLAlchemy Core: the contract between the code and the Alembic migrations.
+
+Portable across PostgreSQL and SQLite: ids are strings, times are UTC-aware, JSON is JSONB on
+PostgreSQL. A migration must accompany every change here.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """Stores UTC; always returns timezone-aware datetimes (SQLite keeps no zone itself)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: sa.Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+JSONType = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants a bigint identity.
+BigIntPK = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("id", sa.String(32), primary_key=True),  # public part of the token
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("scopes", sa.String(200), nullable=False),  # comma-separated
+    sa.Column("secret_sha256", sa.String(64), nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("revoked_at", UTCDateTime(), nullable=True),
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("event_id", sa.String(36), primary_key=True),  # client-made; the idempotency key
+    sa.Column("type", sa.String(32), nullable=False),
+    sa.Column("user_id", sa.String(256), nullable=False),
+    sa.Column("suggestion_id", sa.String(36), nullable=True),
+    sa.Column("occurred_at", UTCDateTime(), nullable=False),
+    sa.Column("received_at", UTCDateTime(), nullable=False),
+    sa.Column("payload", JSONType, nullable=False),  # the validated event as received
+    sa.Index("ix_events_user_id_occurred_at", "user_id", "occurred_at"),
+    sa.Index("ix_events_suggestion_id", "suggestion_id"),
+)
+
+dead_letters = sa.Table(
+    "dead_letters",
+    metadata,
+    sa.Column("id", BigIntPK, primary_key=True, autoincrement=True),
+    sa.Column("received_at", UTCDateTime(), nullable=False),
+    sa.Column("source", sa.String(32), nullable=False),  # the endpoint, e.g. "events"
+    sa.Column("api_key_id", sa.String(32), nullable=True),
+    sa.Column("raw", sa.Text(), nullable=False),  # the event exactly as sent, as JSON text
+    sa.Column("error", sa.Text(), nullable=False),
+)
+
+outbox = sa.Table(
+    "outbox",
+    metadata,
+    # In embedded mode this id is the log offset; SQLite commits serially, so it is gapless.
+    sa.Column("id", BigIntPK, primary_key=True, autoincrement=True),
+    sa.Column("topic", sa.String(100), nullable=False),
+    sa.Column("key", sa.String(256), nullable=False),
+    sa.Column("payload", sa.Text(), nullable=False),  # the message value (JSON)
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("published_at", UTCDateTime(), nullable=True),
+    sa.Index(
+        "ix_outbox_unpublished",
+        "id",
+        postgresql_where=sa.text("published_at IS NULL"),
+        sqlite_where=sa.text("published_at IS NULL"),
+    ),
+)
+
+trainer_state = sa.Table(
+    "trainer_state",
+    metadata,
+    sa.Column("name", sa.String(100), primary_key=True),  # consumer group / trainer name
+    sa.Column("log_offset", sa.BigInteger(), nullable=False, server_default="0"),  # embedded log
+    sa.Column("paused", sa.Boolean(), nullable=False, server_default=sa.false()),
+    sa.Column("heartbeat_at", UTCDateTime(), nullable=True),
+    sa.Column("info", JSONType, nullable=True),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+)

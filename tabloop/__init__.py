@@ -1,0 +1,1 @@
+"""tabloop: the command line that wires the service and the trainer into processes."""

@@ -1,0 +1,234 @@
+"""The `tabloop` command. User-facing output goes to stdout; logs go to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from service.config import Settings, load_settings
+
+log = logging.getLogger("tabloop")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {}
+    for name in ("host", "port", "workers"):
+        if getattr(args, name, None) is not None:
+            overrides[name] = getattr(args, name)
+    settings = load_settings(**overrides)
+    setup_logging(settings.log_level)
+    return settings
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def _ensure_first_admin_key(settings: Settings) -> None:
+    from service.auth.keys import SCOPES, create_key, has_any_key
+    from service.db import make_engine
+
+    engine = make_engine(settings)
+    try:
+        with engine.begin() as conn:
+            if has_any_key(conn, "admin"):
+                return
+            _key, token = create_key(conn, name="first-admin", scopes=frozenset(SCOPES))
+    finally:
+        engine.dispose()
+    print("tabloop: created the first API key (scopes admin, deploy, ingest). It is shown once:")
+    print(token, flush=True)
+
+
+def _start_relay(settings: Settings, stop: threading.Event) -> threading.Thread:
+    from service.db import make_engine
+    from service.relay import Relay
+
+    relay = Relay(settings, make_engine(settings))
+    thread = threading.Thread(target=relay.run, args=(stop,), name="tabloop-relay", daemon=True)
+    thread.start()
+    return thread
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.app import create_app
+    from service.db import upgrade
+
+    settings = _settings(args)
+    upgrade(settings)
+    _ensure_first_admin_key(settings)
+    stop = threading.Event()
+    threads = []
+    if not settings.embedded:
+        threads.append(_start_relay(settings, stop))
+    mode = "embedded (SQLite, outbox log)" if settings.embedded else "full (broker)"
+    print(f"tabloop: serving on http://{settings.host}:{settings.port} — {mode}, "
+          f"data in {settings.data_dir.resolve()}", flush=True)
+    try:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                    log_level=settings.log_level.lower(), access_log=False)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=15)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    settings = _settings(args)
+    if settings.workers == 1:
+        from service.app import create_app
+
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                    log_level=settings.log_level.lower(), access_log=False)
+    else:  # each worker builds its own app (and settings) from the environment
+        uvicorn.run("service.app:app_from_env", factory=True, host=settings.host,
+                    port=settings.port, workers=settings.workers,
+                    log_level=settings.log_level.lower(), access_log=False)
+    return 0
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    from service.db import make_engine
+    from service.relay import Relay
+
+    settings = _settings(args)
+    if settings.embedded:
+        print("tabloop relay: no broker configured (set TABLOOP_KAFKA_BOOTSTRAP_SERVERS); "
+              "in embedded mode the outbox table is the log and no relay is needed", file=sys.stderr)
+        return 2
+    stop = _stop_on_signals()
+    Relay(settings, make_engine(settings)).run(stop)
+    return 0
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from service.db import upgrade
+
+    settings = _settings(args)
+    upgrade(settings, args.revision)
+    print(f"tabloop: database at {args.revision}", file=sys.stderr)
+    return 0
+
+
+def _with_engine(settings: Settings, fn: Callable) -> object:
+    from service.db import make_engine
+
+    engine = make_engine(settings)
+    try:
+        with engine.begin() as conn:
+            return fn(conn)
+    finally:
+        engine.dispose()
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from service.auth.keys import create_key, parse_scopes
+
+    settings = _settings(args)
+    try:
+        scopes = parse_scopes(args.scope)
+    except ValueError as e:
+        print(f"tabloop keys create: {e}", file=sys.stderr)
+        return 2
+    _key, token = _with_engine(settings, lambda c: create_key(c, name=args.name, scopes=scopes))  # type: ignore[misc]
+    print(token, flush=True)  # alone on stdout, so scripts can capture it
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from service.auth.keys import list_keys
+
+    settings = _settings(args)
+    keys = _with_engine(settings, list_keys)
+    for k in keys:  # type: ignore[attr-defined]
+        state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
+        print(f"{k.id}\t{k.name}\t{','.join(sorted(k.scopes))}\t{state}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from service.auth.keys import revoke_key
+
+    settings = _settings(args)
+    key = _with_engine(settings, lambda c: revoke_key(c, args.id))
+    if key is None:
+        print(f"tabloop keys revoke: no key {args.id!r}", file=sys.stderr)
+        return 1
+    print(f"revoked {args.id}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tabloop",
+        description="Online RL for Tab-style code completion. Settings come from TABLOOP_* "
+        "environment variables (see README); flags override them.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def server_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--host", help="bind address (TABLOOP_HOST, default 127.0.0.1)")
+        sp.add_argument("--port", type=int, help="port (TABLOOP_PORT, default 8000)")
+
+    up = sub.add_parser("up", help="embedded: migrate, make a first admin key, start everything")
+    server_flags(up)
+    up.set_defaults(fn=cmd_up)
+
+    serve = sub.add_parser("serve", help="full mode: the HTTP API")
+    server_flags(serve)
+    serve.add_argument("--workers", type=int, help="uvicorn worker processes (TABLOOP_WORKERS)")
+    serve.set_defaults(fn=cmd_serve)
+
+    sub.add_parser("relay", help="full mode: publish the outbox to Kafka").set_defaults(fn=cmd_relay)
+
+    db = sub.add_parser("db", help="database migrations").add_subparsers(dest="db_cmd", required=True)
+    upg = db.add_parser("upgrade", help="run Alembic migrations")
+    upg.add_argument("revision", nargs="?", default="head")
+    upg.set_defaults(fn=cmd_db_upgrade)
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_cmd", required=True)
+    kc = keys.add_parser("create", help="make a key; prints its token once, alone on stdout")
+    kc.add_argument("--scope", action="append", required=True,
+                    help="ingest, deploy or admin; repeat or comma-separate for several")
+    kc.add_argument("--name", required=True, help="who or what uses the key, e.g. vscode")
+    kc.set_defaults(fn=cmd_keys_create)
+    keys.add_parser("list", help="list keys (never their secrets)").set_defaults(fn=cmd_keys_list)
+    kr = keys.add_parser("revoke", help="revoke a key by id")
+    kr.add_argument("id")
+    kr.set_defaults(fn=cmd_keys_revoke)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Valid example events, one per type; tests override fields to make them invalid."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+REQUIRED: dict[str, dict[str, Any]] = {
+    "accept": {"suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140", "accepted_chars": 12},
+    "reject": {"suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140"},
+    "code_retained": {
+        "suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140",
+        "after_seconds": 30,
+        "retained_fraction": 0.75,
+    },
+    "model_switch": {"from_model": "tabloop", "to_model": "other"},
+    "churn": {"reason": "cancelled"},
+}
+
+
+def event(type_: str = "accept", *, user_id: str = "u-1", **fields: Any) -> dict[str, Any]:
+    """A valid event of `type_`; a field given as None is removed."""
+    ev: dict[str, Any] = {
+        "event_id": str(uuid.uuid4()),
+        "type": type_,
+        "user_id": user_id,
+        "occurred_at": "2026-11-29T12:00:00Z",
+        **REQUIRED[type_],
+    }
+    ev.update(fields)
+    return {k: v for k, v in ev.items() if v is not None}

@@ -1,0 +1,132 @@
+"""Fixtures for the service: settings per mode, the real app on a real socket, API keys."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+import uvicorn
+
+from service.auth.keys import create_key
+from service.config import Settings
+from service.db import make_engine, upgrade
+from tests.services import free_port
+
+
+class RunningService:
+    """The FastAPI app served by uvicorn on a loopback port, in a thread of the test process."""
+
+    def __init__(self, settings: Settings) -> None:
+        from service.app import create_app
+
+        self.settings = settings
+        self.port = free_port()
+        self.app = create_app(settings)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> RunningService:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive(), "uvicorn exited during start-up"
+            assert time.monotonic() < deadline, "uvicorn did not start in 30 s"
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    @property
+    def health(self) -> Any:
+        return self.app.state.ctx.health
+
+
+def make_settings(tmp_path: Path, *, pg_url: str | None = None, bootstrap: str | None = None,
+                  **overrides: Any) -> Settings:
+    return Settings(data_dir=tmp_path / "data", database_url=pg_url,
+                    kafka_bootstrap_servers=bootstrap, **overrides)
+
+
+@pytest.fixture(params=["embedded", "full"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def settings_factory(mode: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """Builds migrated Settings for the test's mode; extra keyword arguments override fields."""
+
+    def build(**overrides: Any) -> Settings:
+        if mode == "embedded":
+            s = make_settings(tmp_path, **overrides)
+        else:
+            pg_url = request.getfixturevalue("pg_url")
+            broker = request.getfixturevalue("kafka_broker")
+            s = make_settings(tmp_path, pg_url=pg_url, bootstrap=broker.bootstrap, **overrides)
+        upgrade(s)
+        return s
+
+    return build
+
+
+@pytest.fixture
+def settings(settings_factory: Any) -> Settings:
+    return settings_factory()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def engine(settings: Settings) -> Iterator[sa.Engine]:
+    e = make_engine(settings)
+    yield e
+    e.dispose()
+
+
+@pytest.fixture
+def service_factory() -> Iterator[Any]:
+    started: list[RunningService] = []
+
+    def start(settings: Settings) -> RunningService:
+        svc = RunningService(settings).start()
+        started.append(svc)
+        return svc
+
+    yield start
+    for svc in started:
+        svc.stop()
+
+
+@pytest.fixture
+def service(settings: Settings, service_factory: Any) -> RunningService:
+    return service_factory(settings)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def key_factory(engine: sa.Engine) -> Any:
+    """make_key("ingest", "admin") -> bearer token."""
+
+    def make(*scopes: str, name: str = "test") -> str:
+        with engine.begin() as conn:
+            _key, token = create_key(conn, name=name, scopes=frozenset(scopes))
+        return token
+
+    return make
+
+
+@pytest.fixture
+def client(service: RunningService, key_factory: Any) -> Iterator[httpx.Client]:
+    """An HTTP client on the running service, authenticated with an ingest+admin key."""
+    token = key_factory("ingest", "admin")
+    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"},
+                      timeout=30) as c:
+        yield c

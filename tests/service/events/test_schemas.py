@@ -1,0 +1,76 @@
+"""Event validation, table-driven: each type valid and invalid, with the reason named."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.events.schemas import EVENT_TYPES, parse_event
+from tests.factories import event
+
+
+@pytest.mark.parametrize("type_", EVENT_TYPES)
+def test_each_type_valid(type_: str) -> None:
+    parsed = parse_event(event(type_))
+    assert parsed["type"] == type_
+
+
+@pytest.mark.parametrize(
+    ("type_", "override", "reason"),
+    [
+        # common fields
+        ("accept", {"event_id": None}, "event_id: Field required"),
+        ("accept", {"event_id": "not-a-uuid"}, "event_id: must be a UUID"),
+        ("accept", {"event_id": 12345}, "event_id: Input should be a valid string"),
+        ("reject", {"user_id": ""}, "user_id: String should have at least 1 character"),
+        ("reject", {"user_id": "u" * 257}, "user_id: String should have at most 256"),
+        ("churn", {"occurred_at": "yesterday"}, "occurred_at: must be an RFC 3339"),
+        ("churn", {"occurred_at": "2026-11-29T12:00:00"}, "occurred_at: must carry a time zone"),
+        ("churn", {"occurred_at": 1764417600}, "occurred_at: Input should be a valid string"),
+        ("accept", {"type": "acept"}, "type: must be one of"),
+        ("accept", {"type": None}, "type: missing"),
+        ("accept", {"color": "red"}, "color: unknown field"),
+        # accept
+        ("accept", {"suggestion_id": None}, "suggestion_id: Field required"),
+        ("accept", {"accepted_chars": -1}, "accepted_chars: Input should be greater than or equal to 0"),
+        ("accept", {"accepted_chars": "12"}, "accepted_chars: Input should be a valid integer"),
+        ("accept", {"accepted_chars": 1.5}, "accepted_chars: Input should be a valid integer"),
+        # reject
+        ("reject", {"suggestion_id": "x"}, "suggestion_id: must be a UUID"),
+        # code_retained
+        ("code_retained", {"retained_fraction": 1.01}, "retained_fraction: Input should be less than or equal to 1"),
+        ("code_retained", {"retained_fraction": -0.1}, "retained_fraction: Input should be greater than or equal to 0"),
+        ("code_retained", {"retained_fraction": True}, "retained_fraction: Input should be a valid number"),
+        ("code_retained", {"after_seconds": None}, "after_seconds: Field required"),
+        ("code_retained", {"after_seconds": -5}, "after_seconds: Input should be greater than or equal to 0"),
+        ("code_retained", {"after_seconds": 1e300}, "after_seconds: Input should be less than or equal to"),
+        # model_switch
+        ("model_switch", {"to_model": None}, "to_model: Field required"),
+        ("model_switch", {"from_model": ""}, "from_model: String should have at least 1 character"),
+        # churn
+        ("churn", {"reason": "x" * 501}, "reason: String should have at most 500"),
+        ("churn", {"reason": 7}, "reason: Input should be a valid string"),
+    ],
+)
+def test_invalid_events_name_the_reason(type_: str, override: dict, reason: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_event(event(type_, **override))
+    assert reason in str(info.value)
+
+
+@pytest.mark.parametrize("raw", [None, 1, "accept", [], ["accept"]])
+def test_non_objects_are_rejected(raw: object) -> None:
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        parse_event(raw)
+
+
+def test_normalizes_ids_and_times() -> None:
+    ev = event("accept", event_id="0B6F1C1E-8A4E-4C3B-9D8E-2F1A3B4C5D6E",
+               occurred_at="2026-11-29T13:00:00+01:00")
+    parsed = parse_event(ev)
+    assert parsed["event_id"] == "0b6f1c1e-8a4e-4c3b-9d8e-2f1a3b4c5d6e"
+    assert parsed["occurred_at"] == "2026-11-29T12:00:00Z"
+
+
+def test_optional_fields_may_be_absent() -> None:
+    assert "accepted_chars" not in parse_event(event("accept", accepted_chars=None))
+    assert "reason" not in parse_event(event("churn", reason=None))
