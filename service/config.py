@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     # uvicorn worker processes for `tabloop serve`.
     workers: int = Field(1, ge=1, le=64)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Port for the Prometheus endpoint of processes without an API (`tabloop relay`).
+    metrics_port: int | None = Field(None, ge=1, le=65535)
 
     # Bounds on POST /v1/events: events per batch, body bytes (after gzip), bytes per event.
     max_events_per_batch: int = Field(1000, ge=1, le=100_000)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from service.config import Settings, load_settings
 
@@ -45,6 +46,26 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+def _serve(app: object, settings: Settings) -> None:
+    """Run uvicorn in this process; SIGTERM/SIGINT stop it gracefully and return here (uvicorn
+    itself would re-raise the signal and skip our own clean-up)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,  # type: ignore[arg-type]
+                            log_level=settings.log_level.lower(), access_log=False)
+    Server(config).run()
+
+
 def _ensure_first_admin_key(settings: Settings) -> None:
     from service.auth.keys import SCOPES, create_key, has_any_key
     from service.db import make_engine
@@ -72,8 +93,6 @@ def _start_relay(settings: Settings, stop: threading.Event) -> threading.Thread:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from service.app import create_app
     from service.db import upgrade
 
@@ -88,8 +107,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"tabloop: serving on http://{settings.host}:{settings.port} — {mode}, "
           f"data in {settings.data_dir.resolve()}", flush=True)
     try:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                    log_level=settings.log_level.lower(), access_log=False)
+        _serve(create_app(settings), settings)
     finally:
         stop.set()
         for t in threads:
@@ -104,8 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.workers == 1:
         from service.app import create_app
 
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                    log_level=settings.log_level.lower(), access_log=False)
+        _serve(create_app(settings), settings)
     else:  # each worker builds its own app (and settings) from the environment
         uvicorn.run("service.app:app_from_env", factory=True, host=settings.host,
                     port=settings.port, workers=settings.workers,
@@ -123,6 +140,10 @@ def cmd_relay(args: argparse.Namespace) -> int:
               "in embedded mode the outbox table is the log and no relay is needed", file=sys.stderr)
         return 2
     stop = _stop_on_signals()
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, addr=settings.host)
     Relay(settings, make_engine(settings)).run(stop)
     return 0
 

@@ -1,0 +1,105 @@
+"""The `tabloop` command as a person runs it: real processes, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import sqlalchemy as sa
+
+from service.auth.keys import authenticate
+from service.config import Settings
+from service.db import make_engine
+from tests.factories import event
+from tests.services import free_port
+
+TABLOOP = str(Path(sys.executable).parent / "tabloop")
+
+
+def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TABLOOP_")}
+    env.update(TABLOOP_DATA_DIR=str(tmp_path / "data"), **extra)
+    return env
+
+
+def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([TABLOOP, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_keys_create_prints_the_token_alone(tmp_path: Path) -> None:
+    env = env_for(tmp_path)
+    assert run(["db", "upgrade"], env).returncode == 0
+    out = run(["keys", "create", "--scope", "ingest", "--scope", "deploy", "--name", "vscode"], env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tlk_")
+    engine = make_engine(Settings(data_dir=tmp_path / "data"))
+    with engine.connect() as conn:
+        key = authenticate(conn, lines[0])
+    engine.dispose()
+    assert key is not None and key.name == "vscode" and key.scopes == {"ingest", "deploy"}
+
+    listed = run(["keys", "list"], env)
+    assert key.id in listed.stdout and lines[0] not in listed.stdout
+    assert run(["keys", "revoke", key.id], env).returncode == 0
+    assert "revoked" in run(["keys", "list"], env).stdout
+    assert run(["keys", "revoke", "nosuchkey"], env).returncode == 1
+
+
+def test_bad_input_gets_a_clear_message(tmp_path: Path) -> None:
+    env = env_for(tmp_path)
+    bad_scope = run(["keys", "create", "--scope", "root", "--name", "x"], env)
+    assert bad_scope.returncode == 2 and "scopes must be among" in bad_scope.stderr
+    bad_port = run(["db", "upgrade"], env_for(tmp_path, TABLOOP_PORT="eighty"))
+    assert bad_port.returncode != 0 and "TABLOOP_PORT" in bad_port.stderr
+    pg_no_broker = run(["db", "upgrade"], env_for(tmp_path, TABLOOP_DATABASE_URL="postgresql://x/y"))
+    assert pg_no_broker.returncode != 0 and "TABLOOP_KAFKA_BOOTSTRAP_SERVERS" in pg_no_broker.stderr
+    relay = run(["relay"], env)
+    assert relay.returncode == 2 and "embedded mode" in relay.stderr
+
+
+def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
+    port = free_port()
+    env = env_for(tmp_path, TABLOOP_PORT=str(port))
+    proc = subprocess.Popen([TABLOOP, "up"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        assert "first API key" in banner, banner
+        token = proc.stdout.readline().strip()
+        assert token.startswith("tlk_")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "tabloop up did not get ready"
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/events", json={"events": [event("accept"), event("churn")]},
+                       headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 202 and r.json()["accepted"] == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    engine = make_engine(Settings(data_dir=tmp_path / "data"))
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM events")).scalar_one() == 2
+    engine.dispose()
+
+    # A second start keeps the existing key and prints none.
+    again = subprocess.Popen([TABLOOP, "up"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+    finally:
+        again.send_signal(signal.SIGTERM)
+        out, _ = again.communicate(timeout=30)
+    assert "tlk_" not in out
