@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,6 +15,8 @@ from service import health
 from service.auth import endpoints as key_endpoints
 from service.auth.keys import RateLimiter
 from service.body import BodyLimitMiddleware
+from service.completions import endpoints as complete_endpoints
+from service.completions.serving import PolicyServer
 from service.config import Settings, load_settings
 from service.db import make_engine
 from service.deps import AppContext, Health
@@ -21,6 +24,7 @@ from service.errors import install_handlers
 from service.events import endpoints as event_endpoints
 from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
+from service.registry import endpoints as policy_endpoints
 
 VERSION = "0.1.0"
 
@@ -61,16 +65,21 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
         engine=engine,
         limiter=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst),
         health=Health(broker_ok=None),
+        policies=PolicyServer(settings, engine),
+        inference=ThreadPoolExecutor(settings.inference_threads, thread_name_prefix="inference"),
     )
     monitor = Monitor(settings, engine, ctx.health)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         monitor.start()
+        ctx.policies.start()
         try:
             yield
         finally:
+            ctx.policies.stop()
             monitor.stop()
+            ctx.inference.shutdown(wait=True)
             engine.dispose()
 
     app = FastAPI(
@@ -81,10 +90,13 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     )
     app.state.ctx = ctx
     install_handlers(app, settings.retry_after_s)
+    app.include_router(complete_endpoints.router)
     app.include_router(event_endpoints.router)
+    app.include_router(policy_endpoints.router)
     app.include_router(key_endpoints.router)
     app.include_router(health.router)
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
+                       limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})
     app.add_middleware(RequestMetrics)
     return app
 

@@ -59,6 +59,23 @@ class Settings(BaseSettings):
     relay_batch_size: int = Field(2000, ge=1, le=100_000)
     relay_poll_interval_s: float = Field(0.05, gt=0)
 
+    # Serving: sampling temperature and nucleus (the logged log-probs are of exactly this
+    # distribution), context caps in characters, and the largest max_new_tokens allowed.
+    temperature: float = Field(0.7, gt=0, le=2)
+    top_p: float | None = Field(0.95, gt=0, le=1)
+    max_prefix_chars: int = Field(4096, ge=16)
+    max_suffix_chars: int = Field(1024, ge=0)
+    max_new_tokens_limit: int = Field(64, ge=1, le=256)
+    # Threads running inference (each uses torch_threads cores); ingestion keeps its own pool.
+    inference_threads: int = Field(2, ge=1, le=64)
+    torch_threads: int = Field(1, ge=1, le=64)
+    # How often each API process looks for a new deployment to load and swap in.
+    policy_poll_interval_s: float = Field(1.0, gt=0)
+    # Largest checkpoint file accepted by POST /admin/policies.
+    max_checkpoint_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # The pretrained policy registered and made live on first start (shipped with the code).
+    base_checkpoint: Path = Path(__file__).resolve().parent / "policy" / "base"
+
     @field_validator("database_url")
     @classmethod
     def _check_url(cls, v: str | None) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -11,6 +12,7 @@ import sqlalchemy as sa
 from fastapi import Depends, Request
 
 from service.auth.keys import ApiKey, RateLimiter, authenticate
+from service.completions.serving import PolicyServer
 from service.config import Settings
 from service.errors import Forbidden, RateLimited, Unauthorized
 
@@ -32,6 +34,8 @@ class AppContext:
     engine: sa.Engine
     limiter: RateLimiter
     health: Health
+    policies: PolicyServer
+    inference: ThreadPoolExecutor  # runs the model off the event loop and off ingestion's pool
 
 
 def get_ctx(request: Request) -> AppContext:

@@ -112,6 +112,12 @@ def install_handlers(app: FastAPI, retry_after_s: int) -> None:
         log.warning("database unavailable: %s", type(exc).__name__ + ": " + str(exc).split("\n")[0])
         return error_response(503, "database_unavailable", "the database is unavailable", retry)
 
+    @app.exception_handler(sqlalchemy.exc.DataError)
+    async def _db_refused(req: Request, exc: Exception) -> Response:
+        # A value the database cannot hold that validation let through: the client's input.
+        log.warning("database refused a value on %s: %s", req.url.path, str(exc).split("\n")[0])
+        return error_response(422, "invalid", "a value in the request cannot be stored")
+
     @app.exception_handler(Exception)
     async def _bug(req: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", req.method, req.url.path)

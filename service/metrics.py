@@ -37,3 +37,13 @@ RELAY_RECONCILED = Counter(
     "tabloop_relay_reconciled_total",
     "Rows found already in the topic after a relay restart and marked published, not resent.",
 )
+COMPLETIONS = Counter(
+    "tabloop_complete_suggestions_total",
+    "Completions served (rollouts), by policy version and whether they were shown.",
+    ["version", "shown"],
+)
+COMPLETE_SECONDS = Histogram(
+    "tabloop_complete_inference_seconds",
+    "Time spent sampling a completion (model only).",
+    buckets=(0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0),
+)

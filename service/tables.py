@@ -116,3 +116,69 @@ trainer_state = sa.Table(
     sa.Column("info", JSONType, nullable=True),
     sa.Column("updated_at", UTCDateTime(), nullable=False),
 )
+
+rollouts = sa.Table(
+    "rollouts",
+    metadata,
+    sa.Column("suggestion_id", sa.String(36), primary_key=True),
+    sa.Column("user_id", sa.String(256), nullable=False),
+    sa.Column("session_id", sa.String(256), nullable=True),
+    sa.Column("workspace_id", sa.String(256), nullable=True),
+    sa.Column("language", sa.String(64), nullable=True),
+    sa.Column("file_path", sa.String(1024), nullable=True),
+    sa.Column("policy_version", sa.Integer(), nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    # The action: what the policy saw, sampled and decided, with behaviour log-probs.
+    sa.Column("context_token_ids", JSONType, nullable=False),
+    sa.Column("heal_text", sa.Text(), nullable=False),
+    sa.Column("token_ids", JSONType, nullable=False),
+    sa.Column("token_logprobs", JSONType, nullable=False),
+    sa.Column("text", sa.Text(), nullable=False),  # the sampled completion (shown only if shown)
+    sa.Column("shown", sa.Boolean(), nullable=False),
+    sa.Column("gate_prob_show", sa.Float(), nullable=False),
+    sa.Column("decision_logprob", sa.Float(), nullable=False),
+    sa.Column("logprob_total", sa.Float(), nullable=False),
+    sa.Column("temperature", sa.Float(), nullable=False),
+    sa.Column("top_p", sa.Float(), nullable=True),
+    sa.Column("stop_reason", sa.String(16), nullable=False),
+    sa.Column("latency_ms", sa.Float(), nullable=False),
+    sa.Index("ix_rollouts_user_id_created_at", "user_id", "created_at"),
+    sa.Index("ix_rollouts_policy_version_created_at", "policy_version", "created_at"),
+)
+
+policies = sa.Table(
+    "policies",
+    metadata,
+    sa.Column("version", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("parent", sa.Integer(), nullable=True),
+    sa.Column("sha256", sa.String(64), nullable=False),  # of the weights: the artifact's identity
+    sa.Column("manifest", JSONType, nullable=False),
+    sa.Column("summary", JSONType, nullable=False),  # training summary
+    sa.Column("status", sa.String(16), nullable=False),  # registered|canary|live|retired|rolled_back
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("api_key_id", sa.String(32), nullable=True),
+)
+
+# Checkpoint files live in the database so every worker and host can load any version.
+policy_artifacts = sa.Table(
+    "policy_artifacts",
+    metadata,
+    sa.Column("version", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("name", sa.String(64), primary_key=True),  # model.safetensors, tokenizer.json, ...
+    sa.Column("sha256", sa.String(64), nullable=False),
+    sa.Column("data", sa.LargeBinary(), nullable=False),
+)
+
+# Append-only timeline: each row is the routing state from then on (the last row is current).
+deployments = sa.Table(
+    "deployments",
+    metadata,
+    sa.Column("id", BigIntPK, primary_key=True, autoincrement=True),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("action", sa.String(16), nullable=False),  # deploy|promote|rollback|bootstrap
+    sa.Column("live_version", sa.Integer(), nullable=False),
+    sa.Column("canary_version", sa.Integer(), nullable=True),
+    sa.Column("canary_fraction", sa.Float(), nullable=False, server_default="0"),
+    sa.Column("reason", sa.Text(), nullable=True),
+    sa.Column("api_key_id", sa.String(32), nullable=True),
+)

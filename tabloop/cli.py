@@ -82,6 +82,28 @@ def _ensure_first_admin_key(settings: Settings) -> None:
     print(token, flush=True)
 
 
+def _bootstrap_policy(settings: Settings) -> None:
+    """First start: register the shipped base policy and make it live (no-op afterwards)."""
+    from service.db import make_engine
+    from service.policy.checkpoint import MANIFEST_FILE
+    from service.registry.store import bootstrap
+
+    if not (settings.base_checkpoint / MANIFEST_FILE).is_file():
+        raise SystemExit(
+            f"tabloop: no base policy at {settings.base_checkpoint}; build one with "
+            f"`tabloop pretrain --out {settings.base_checkpoint}` or set TABLOOP_BASE_CHECKPOINT"
+        )
+    engine = make_engine(settings)
+    try:
+        with engine.begin() as conn:
+            version = bootstrap(conn, settings.base_checkpoint)
+    finally:
+        engine.dispose()
+    if version is not None:
+        log.info("registered the base policy from %s as v%d and made it live",
+                 settings.base_checkpoint, version)
+
+
 def _start_relay(settings: Settings, stop: threading.Event) -> threading.Thread:
     from service.db import make_engine
     from service.relay import Relay
@@ -99,6 +121,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = _settings(args)
     upgrade(settings)
     _ensure_first_admin_key(settings)
+    _bootstrap_policy(settings)
     stop = threading.Event()
     threads = []
     if not settings.embedded:
@@ -119,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     settings = _settings(args)
+    _bootstrap_policy(settings)
     if settings.workers == 1:
         from service.app import create_app
 
@@ -228,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("relay", help="full mode: publish the outbox to Kafka").set_defaults(fn=cmd_relay)
 
+    # Handled in main(): listed here for `tabloop --help`.
+    sub.add_parser("pretrain", help="train the base policy on real code (see --help)")
+
     db = sub.add_parser("db", help="database migrations").add_subparsers(dest="db_cmd", required=True)
     upg = db.add_parser("upgrade", help="run Alembic migrations")
     upg.add_argument("revision", nargs="?", default="head")
@@ -247,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pretrain"]:  # its own parser owns all of its flags, --help included
+        from trainer.pretrain import main as pretrain_main
+
+        return pretrain_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.fn(args) or 0)
 

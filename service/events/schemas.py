@@ -42,10 +42,18 @@ def _rfc3339(value: str) -> str:
     return parsed.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
 UUIDStr = Annotated[StrictStr, Field(max_length=64), AfterValidator(_canonical_uuid)]
 Timestamp = Annotated[StrictStr, AfterValidator(_rfc3339)]
-UserId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
-ModelName = Annotated[StrictStr, Field(min_length=1, max_length=200)]
+# Client text that is stored: PostgreSQL refuses NUL in text and JSONB, so it is refused here.
+NoNul = AfterValidator(_no_nul)
+UserId = Annotated[StrictStr, Field(min_length=1, max_length=256), NoNul]
+ModelName = Annotated[StrictStr, Field(min_length=1, max_length=200), NoNul]
 
 
 class _Event(BaseModel):
@@ -82,7 +90,7 @@ class ModelSwitchEvent(_Event):
 
 class ChurnEvent(_Event):
     type: Literal["churn"]
-    reason: Annotated[StrictStr, Field(max_length=500)] | None = None
+    reason: Annotated[StrictStr, Field(max_length=500), NoNul] | None = None
 
 
 Event = Annotated[

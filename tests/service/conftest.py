@@ -130,3 +130,56 @@ def client(service: RunningService, key_factory: Any) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"},
                       timeout=30) as c:
         yield c
+
+
+# --- tiny policies: a real (small) tokenizer and a random-init model, saved as checkpoints ----
+
+TINY_SOURCES = ("json/decoder.py", "json/encoder.py", "textwrap.py", "string.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Any:
+    import sysconfig
+
+    from service.policy.tokenizer import train_tokenizer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return train_tokenizer([(stdlib / p).read_text(encoding="utf-8") for p in TINY_SOURCES],
+                           vocab_size=400)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """make(seed) -> directory of a tiny random-init checkpoint (distinct weights per seed)."""
+    import torch
+
+    from service.policy.checkpoint import save_checkpoint
+    from service.policy.model import GPT, ModelConfig
+
+    made: dict[int, Path] = {}
+
+    def make(seed: int = 0) -> Path:
+        if seed not in made:
+            torch.manual_seed(seed)
+            cfg = ModelConfig(vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=2,
+                              n_head=2, n_embd=32)
+            out = tmp_path_factory.mktemp(f"tiny-ckpt-{seed}")
+            made[seed] = save_checkpoint(out, GPT(cfg).eval(), tiny_tokenizer, version=0,
+                                         parent=None, summary={"seed": seed}, overwrite=True)
+        return made[seed]
+
+    return make
+
+
+@pytest.fixture
+def served(settings_factory: Any, tiny_checkpoint_factory: Any, service_factory: Any) -> Any:
+    """A running service whose registry holds the tiny base policy (v1, live)."""
+    from service.registry.store import bootstrap
+
+    settings = settings_factory(base_checkpoint=tiny_checkpoint_factory(0),
+                                policy_poll_interval_s=0.2)
+    engine = make_engine(settings)
+    with engine.begin() as conn:
+        assert bootstrap(conn, settings.base_checkpoint) == 1
+    engine.dispose()
+    return service_factory(settings)

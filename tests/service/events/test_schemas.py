@@ -23,6 +23,8 @@ def test_each_type_valid(type_: str) -> None:
         ("accept", {"event_id": 12345}, "event_id: Input should be a valid string"),
         ("reject", {"user_id": ""}, "user_id: String should have at least 1 character"),
         ("reject", {"user_id": "u" * 257}, "user_id: String should have at most 256"),
+        ("reject", {"user_id": "u\x00"}, "user_id: must not contain NUL"),
+        ("model_switch", {"to_model": "a\x00b"}, "to_model: must not contain NUL"),
         ("churn", {"occurred_at": "yesterday"}, "occurred_at: must be an RFC 3339"),
         ("churn", {"occurred_at": "2026-11-29T12:00:00"}, "occurred_at: must carry a time zone"),
         ("churn", {"occurred_at": 1764417600}, "occurred_at: Input should be a valid string"),

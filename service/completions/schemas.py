@@ -1,0 +1,49 @@
+"""POST /v1/complete request and response."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from service.events.schemas import NoNul, UserId
+
+Tag = Annotated[StrictStr, Field(max_length=256), NoNul]
+
+
+class CompleteRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "user_id": "u-42",
+                    "session_id": "s-1",
+                    "workspace_id": "w-1",
+                    "language": "python",
+                    "file_path": "pkg/mod.py",
+                    "prefix": "def add(a, b):\n    return a",
+                    "suffix": "\n",
+                    "max_new_tokens": 32,
+                }
+            ]
+        },
+    )
+
+    user_id: UserId
+    session_id: Tag | None = None
+    workspace_id: Tag | None = None
+    language: Annotated[StrictStr, Field(max_length=64), NoNul] | None = None
+    file_path: Annotated[StrictStr, Field(max_length=1024), NoNul] | None = None
+    # Editors send what they have; the service keeps the last TABLOOP_MAX_PREFIX_CHARS.
+    prefix: Annotated[StrictStr, Field(max_length=1_000_000), NoNul]
+    suffix: Annotated[StrictStr, Field(max_length=1_000_000), NoNul] = ""
+    max_new_tokens: StrictInt = Field(32, ge=1)
+
+
+class CompleteResponse(BaseModel):
+    suggestion_id: str
+    policy_version: int
+    text: str = Field(description="The suggestion; empty when the policy abstains")
+    shown: bool
+    latency_ms: float

@@ -1,0 +1,146 @@
+"""Admin API for the policy registry: register, list, deploy (canary), promote, roll back."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, UploadFile
+from pydantic import BaseModel, Field
+
+from service.deps import AdminKey, CtxDep, DeployKey
+from service.errors import NotFound, PayloadTooLarge, Unprocessable
+from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from service.registry import store
+
+router = APIRouter(prefix="/admin", tags=["admin: policies"])
+
+
+class PolicyOut(BaseModel):
+    version: int
+    parent: int | None
+    sha256: str
+    status: str
+    created_at: datetime
+    summary: dict[str, Any]
+    manifest: dict[str, Any] | None = None
+
+
+class DeploymentOut(BaseModel):
+    id: int
+    created_at: datetime
+    action: str
+    live_version: int
+    canary_version: int | None
+    canary_fraction: float
+    reason: str | None
+
+
+class PolicyList(BaseModel):
+    deployment: DeploymentOut | None
+    policies: list[PolicyOut]
+
+
+class DeployIn(BaseModel):
+    canary_fraction: float = Field(0.1, gt=0, le=1, description="Share of users; 1 makes it live")
+    reason: str | None = Field(None, max_length=2000)
+
+
+class ReasonIn(BaseModel):
+    reason: str | None = Field(None, max_length=2000)
+
+
+def _policy_out(row: Any, with_manifest: bool = False) -> PolicyOut:
+    return PolicyOut(version=row.version, parent=row.parent, sha256=row.sha256, status=row.status,
+                     created_at=row.created_at, summary=row.summary or {},
+                     manifest=row.manifest if with_manifest else None)
+
+
+def _deployment_out(d: store.Deployment | None) -> DeploymentOut | None:
+    return DeploymentOut(**d.__dict__) if d is not None else None
+
+
+@router.get("/policies", response_model=PolicyList)
+def list_policies(_key: DeployKey, ctx: CtxDep) -> PolicyList:
+    with ctx.engine.connect() as conn:
+        return PolicyList(deployment=_deployment_out(store.current_deployment(conn)),
+                          policies=[_policy_out(r) for r in store.list_policy_rows(conn)])
+
+
+@router.get("/policies/{version}", response_model=PolicyOut)
+def get_policy(version: int, _key: DeployKey, ctx: CtxDep) -> PolicyOut:
+    with ctx.engine.connect() as conn:
+        row = store.get_policy_row(conn, version)
+    if row is None:
+        raise NotFound(f"no policy version {version}")
+    return _policy_out(row, with_manifest=True)
+
+
+def _read(upload: UploadFile, limit: int) -> bytes:
+    data = upload.file.read(limit + 1)
+    if len(data) > limit:
+        raise PayloadTooLarge(f"{upload.filename or 'file'} is over the {limit} byte limit")
+    return data
+
+
+@router.post("/policies", status_code=201, response_model=PolicyOut)
+def register_policy(
+    _key: DeployKey,
+    ctx: CtxDep,
+    manifest: Annotated[UploadFile, File(description="manifest.json")],
+    weights: Annotated[UploadFile, File(description="model.safetensors (safetensors only)")],
+    tokenizer: Annotated[UploadFile, File(description="tokenizer.json")],
+    parent: Annotated[int | None, Form()] = None,
+    summary: Annotated[str | None, Form(description="training summary, a JSON object")] = None,
+) -> PolicyOut:
+    """Register a checkpoint as the next version. The files' SHA-256 sums must match the
+    manifest and the weights must load into the manifest's model config."""
+    limit = ctx.settings.max_checkpoint_bytes
+    files = {MANIFEST_FILE: _read(manifest, limit), WEIGHTS_FILE: _read(weights, limit),
+             TOKENIZER_FILE: _read(tokenizer, limit)}
+    summary_obj = None
+    if summary is not None:
+        try:
+            summary_obj = json.loads(summary)
+        except ValueError:
+            raise Unprocessable("summary must be a JSON object") from None
+        if not isinstance(summary_obj, dict):
+            raise Unprocessable("summary must be a JSON object")
+    with ctx.engine.begin() as conn:
+        version = store.register_policy(conn, files, parent=parent, summary=summary_obj,
+                                        api_key_id=_key.id)
+        row = store.get_policy_row(conn, version)
+    return _policy_out(row)
+
+
+@router.post("/policies/{version}/deploy", response_model=DeploymentOut)
+def deploy_policy(version: int, body: DeployIn, key: DeployKey, ctx: CtxDep) -> DeploymentOut:
+    """Send `canary_fraction` of users (chosen by a stable hash of user_id) to this version."""
+    with ctx.engine.begin() as conn:
+        d = store.deploy(conn, version, body.canary_fraction, reason=body.reason, api_key_id=key.id)
+    return _deployment_out(d)  # type: ignore[return-value]
+
+
+@router.post("/policies/{version}/promote", response_model=DeploymentOut)
+def promote_policy(version: int, key: DeployKey, ctx: CtxDep,
+                   body: ReasonIn | None = None) -> DeploymentOut:
+    """Make the current canary the live version."""
+    with ctx.engine.begin() as conn:
+        d = store.promote(conn, version, reason=body.reason if body else None, api_key_id=key.id)
+    return _deployment_out(d)  # type: ignore[return-value]
+
+
+@router.post("/rollback", response_model=DeploymentOut)
+def rollback(key: DeployKey, ctx: CtxDep, body: ReasonIn | None = None) -> DeploymentOut:
+    """Withdraw the canary if there is one; otherwise put the previous live version back."""
+    with ctx.engine.begin() as conn:
+        d = store.rollback(conn, reason=body.reason if body else None, api_key_id=key.id)
+    return _deployment_out(d)  # type: ignore[return-value]
+
+
+@router.get("/deployments", response_model=list[DeploymentOut])
+def deployments(_key: AdminKey, ctx: CtxDep, limit: int = 100) -> list[DeploymentOut]:
+    """The deployment timeline, newest first."""
+    with ctx.engine.connect() as conn:
+        return [_deployment_out(d) for d in store.deployment_history(conn, min(max(limit, 1), 1000))]  # type: ignore[misc]
