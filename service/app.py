@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from service import health
 from service.auth import endpoints as key_endpoints
-from service.auth.keys import RateLimiter
+from service.auth.keys import KeyCache, RateLimiter
 from service.body import BodyLimitMiddleware
 from service.completions import endpoints as complete_endpoints
 from service.completions.serving import PolicyServer
@@ -25,6 +25,8 @@ from service.events import endpoints as event_endpoints
 from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
 from service.registry import endpoints as policy_endpoints
+from service.rewards import endpoints as reward_endpoints
+from service.training import endpoints as training_endpoints
 
 VERSION = "0.1.0"
 
@@ -67,6 +69,7 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
         health=Health(broker_ok=None),
         policies=PolicyServer(settings, engine),
         inference=ThreadPoolExecutor(settings.inference_threads, thread_name_prefix="inference"),
+        keys=KeyCache(settings.auth_cache_ttl_s),
     )
     monitor = Monitor(settings, engine, ctx.health)
 
@@ -93,6 +96,8 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(complete_endpoints.router)
     app.include_router(event_endpoints.router)
     app.include_router(policy_endpoints.router)
+    app.include_router(training_endpoints.router)
+    app.include_router(reward_endpoints.router)
     app.include_router(key_endpoints.router)
     app.include_router(health.router)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,

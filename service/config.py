@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     # Per API key token bucket: sustained requests per second and burst size.
     rate_limit_per_s: float = Field(200.0, gt=0)
     rate_limit_burst: int = Field(400, ge=1)
+    # Seconds an API process trusts a key it has just checked before asking the database again;
+    # also how long a key revoked elsewhere (another worker or host, the CLI) may still work
+    # there. The process that serves the revocation forgets the key at once. 0: no cache.
+    auth_cache_ttl_s: float = Field(1.0, ge=0, le=2)
 
     # Database pool: connections, seconds to wait for one, seconds to connect.
     db_pool_size: int = Field(10, ge=1, le=500)
@@ -71,6 +75,12 @@ class Settings(BaseSettings):
     torch_threads: int = Field(1, ge=1, le=64)
     # How often each API process looks for a new deployment to load and swap in.
     policy_poll_interval_s: float = Field(1.0, gt=0)
+    # Trainer overrides of its profile's defaults (batch size, canary size); unset: the profile's.
+    trainer_batch_size: int | None = Field(None, ge=8)
+    trainer_canary_min_rollouts: int | None = Field(None, ge=1)
+    # Where `tabloop train` reaches the API, and its deploy-scoped key (tabloop up makes its own).
+    trainer_api_url: str | None = None
+    trainer_api_key: str | None = None
     # Largest checkpoint file accepted by POST /admin/policies.
     max_checkpoint_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # The pretrained policy registered and made live on first start (shipped with the code).

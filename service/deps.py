@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated
 
 import sqlalchemy as sa
 from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
 
-from service.auth.keys import ApiKey, RateLimiter, authenticate
+from service.auth.keys import ApiKey, KeyCache, RateLimiter, authenticate
 from service.completions.serving import PolicyServer
 from service.config import Settings
 from service.errors import Forbidden, RateLimited, Unauthorized
@@ -36,6 +37,7 @@ class AppContext:
     health: Health
     policies: PolicyServer
     inference: ThreadPoolExecutor  # runs the model off the event loop and off ingestion's pool
+    keys: KeyCache  # recently authenticated keys (see KeyCache for how revocation stays prompt)
 
 
 def get_ctx(request: Request) -> AppContext:
@@ -45,17 +47,30 @@ def get_ctx(request: Request) -> AppContext:
 CtxDep = Annotated[AppContext, Depends(get_ctx)]
 
 
-def require_scope(*scopes: str) -> Callable[..., ApiKey]:
+def _lookup(ctx: AppContext, token: str) -> ApiKey | None:
+    generation = ctx.keys.generation
+    with ctx.engine.connect() as conn:
+        key = authenticate(conn, token)
+    if key is not None:
+        ctx.keys.put(token, key, generation)
+    return key
+
+
+def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
     """A dependency admitting a live key holding any of `scopes`, within its rate limit."""
 
-    def dependency(request: Request, ctx: CtxDep) -> ApiKey:
+    async def dependency(request: Request, ctx: CtxDep) -> ApiKey:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         challenge = {"WWW-Authenticate": "Bearer"}
-        if scheme.lower() != "bearer" or not token.strip():
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
             raise Unauthorized("send an API key as 'Authorization: Bearer <token>'", headers=challenge)
-        with ctx.engine.connect() as conn:
-            key = authenticate(conn, token.strip())
+        # async, so a cache hit costs no trip through the thread pool; a miss asks the database
+        # from the pool, off the event loop
+        key = ctx.keys.get(token)
+        if key is None:
+            key = await run_in_threadpool(_lookup, ctx, token)
         if key is None:
             raise Unauthorized("unknown or revoked API key", headers=challenge)
         if not key.scopes.intersection(scopes):

@@ -182,3 +182,34 @@ deployments = sa.Table(
     sa.Column("reason", sa.Text(), nullable=True),
     sa.Column("api_key_id", sa.String(32), nullable=True),
 )
+
+reward_specs = sa.Table(
+    "reward_specs",
+    metadata,
+    sa.Column("version", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("spec", JSONType, nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("api_key_id", sa.String(32), nullable=True),
+)
+
+# One finalized reward per rollout; never rewritten once a policy has trained on it.
+rewards = sa.Table(
+    "rewards",
+    metadata,
+    sa.Column("suggestion_id", sa.String(36), primary_key=True),
+    sa.Column("user_id", sa.String(256), nullable=False),
+    sa.Column("policy_version", sa.Integer(), nullable=False),
+    sa.Column("rollout_created_at", UTCDateTime(), nullable=False),
+    sa.Column("value", sa.Float(), nullable=False),
+    sa.Column("outcome", sa.String(16), nullable=False),  # abstained|accepted|rejected|ignored
+    sa.Column("components", JSONType, nullable=False),
+    sa.Column("spec_version", sa.Integer(), nullable=False),
+    sa.Column("finalized_at", UTCDateTime(), nullable=False),
+    sa.Column("trained_at", UTCDateTime(), nullable=True),
+    sa.Column("trained_into", sa.Integer(), nullable=True),  # the candidate version it trained
+    sa.Column("late_events", sa.Integer(), nullable=False, server_default="0"),
+    sa.Index("ix_rewards_policy_version_finalized_at", "policy_version", "finalized_at"),
+    sa.Index("ix_rewards_untrained", "finalized_at",
+             postgresql_where=sa.text("trained_at IS NULL"),
+             sqlite_where=sa.text("trained_at IS NULL")),
+)

@@ -114,6 +114,46 @@ def _start_relay(settings: Settings, stop: threading.Event) -> threading.Thread:
     return thread
 
 
+def _trainer_key(settings: Settings) -> str:
+    """A fresh deploy-scoped key for the in-process trainer of `tabloop up` (old ones revoked)."""
+    import sqlalchemy as sa
+
+    from service.auth.keys import create_key, revoke_key
+    from service.db import make_engine
+    from service.tables import api_keys
+
+    engine = make_engine(settings)
+    try:
+        with engine.begin() as conn:
+            old = conn.execute(sa.select(api_keys.c.id).where(
+                api_keys.c.name == "embedded-trainer", api_keys.c.revoked_at.is_(None))).scalars()
+            for key_id in list(old):
+                revoke_key(conn, key_id)
+            return create_key(conn, name="embedded-trainer", scopes=frozenset({"deploy"}))[1]
+    finally:
+        engine.dispose()
+
+
+def _start_trainer(settings: Settings, url: str, token: str, stop: threading.Event) -> threading.Thread:
+    from service.db import make_engine
+    from trainer.deploy import ServiceClient
+    from trainer.loop import Trainer
+
+    def run() -> None:
+        # A supervisor, as a process manager would be for `tabloop train`: the API keeps
+        # serving, the error is logged, and the trainer starts again from the database.
+        while not stop.is_set():
+            try:
+                Trainer(settings, make_engine(settings), ServiceClient(url, token)).run(stop)
+            except Exception:
+                log.exception("the trainer stopped with an error; restarting in 5 s")
+                stop.wait(5.0)
+
+    thread = threading.Thread(target=run, name="tabloop-trainer", daemon=True)
+    thread.start()
+    return thread
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from service.app import create_app
     from service.db import upgrade
@@ -126,6 +166,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     threads = []
     if not settings.embedded:
         threads.append(_start_relay(settings, stop))
+    threads.append(_start_trainer(settings, f"http://127.0.0.1:{settings.port}",
+                                  _trainer_key(settings), stop))
     mode = "embedded (SQLite, outbox log)" if settings.embedded else "full (broker)"
     print(f"tabloop: serving on http://{settings.host}:{settings.port} — {mode}, "
           f"data in {settings.data_dir.resolve()}", flush=True)
@@ -169,6 +211,26 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
         start_http_server(settings.metrics_port, addr=settings.host)
     Relay(settings, make_engine(settings)).run(stop)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from service.db import make_engine
+    from trainer.deploy import ServiceClient
+    from trainer.loop import Trainer
+
+    settings = _settings(args)
+    if not settings.trainer_api_key:
+        print("tabloop train: set TABLOOP_TRAINER_API_KEY to a deploy-scoped key "
+              "(tabloop keys create --scope deploy --name trainer)", file=sys.stderr)
+        return 2
+    url = settings.trainer_api_url or f"http://127.0.0.1:{settings.port}"
+    stop = _stop_on_signals()
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, addr=settings.host)
+    Trainer(settings, make_engine(settings), ServiceClient(url, settings.trainer_api_key)).run(stop)
     return 0
 
 
@@ -251,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(fn=cmd_serve)
 
     sub.add_parser("relay", help="full mode: publish the outbox to Kafka").set_defaults(fn=cmd_relay)
+    sub.add_parser("train", help="the trainer: join, reward, update, gate, deploy").set_defaults(
+        fn=cmd_train)
 
     # Handled in main(): listed here for `tabloop --help`.
     sub.add_parser("pretrain", help="train the base policy on real code (see --help)")

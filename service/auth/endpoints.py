@@ -55,9 +55,11 @@ def get_keys(_admin: AdminKey, ctx: CtxDep) -> list[KeyOut]:
 
 @router.delete("/{key_id}", response_model=KeyOut)
 def delete_key(key_id: str, _admin: AdminKey, ctx: CtxDep) -> KeyOut:
-    """Revoke a key; it stops working on the next request."""
+    """Revoke a key: refused from the next request here, and by every other API process
+    within `TABLOOP_AUTH_CACHE_TTL_S` (1 s by default)."""
     with ctx.engine.begin() as conn:
         key = revoke_key(conn, key_id)
+    ctx.keys.invalidate(key_id)  # at once here; other API processes within auth_cache_ttl_s
     if key is None:
         raise NotFound(f"no key {key_id!r}")
     return KeyOut.of(key)

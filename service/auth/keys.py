@@ -103,6 +103,57 @@ def has_any_key(conn: sa.Connection, scope: str | None = None) -> bool:
     return any(scope is None or scope in r.scopes.split(",") for r in rows)
 
 
+class KeyCache:
+    """Keys that authenticated in the last `ttl_s` seconds, so a client's every request does not
+    cost a database round trip. Only successes are kept (a new key works at once, an unknown
+    token always asks the database), under the SHA-256 of the token (no secret is held).
+
+    Revocation: `invalidate` drops a key in this process at once (the admin API calls it after
+    the commit); other processes (workers, hosts) stop accepting it within `ttl_s`. A ttl of 0
+    turns the cache off.
+    """
+
+    def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._entries: dict[bytes, tuple[ApiKey, float]] = {}  # token hash -> (key, expiry)
+        self._lock = threading.Lock()
+        # Bumped by every invalidation: a lookup that read the database before a revocation
+        # committed must not cache what it read (see `put`).
+        self.generation = 0
+
+    @staticmethod
+    def _slot(token: str) -> bytes:
+        return hashlib.sha256(token.encode()).digest()
+
+    def get(self, token: str, now: float | None = None) -> ApiKey | None:
+        if self.ttl_s <= 0:
+            return None
+        hit = self._entries.get(self._slot(token))
+        if hit is None:
+            return None
+        key, expiry = hit
+        return key if (time.monotonic() if now is None else now) < expiry else None
+
+    def put(self, token: str, key: ApiKey, generation: int, now: float | None = None) -> None:
+        """Cache `key`, read from the database when `self.generation` was `generation`."""
+        if self.ttl_s <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if generation != self.generation:
+                return
+            if len(self._entries) >= self.max_entries:  # many tokens: keep the live ones only
+                self._entries = {s: e for s, e in self._entries.items() if e[1] > now}
+                if len(self._entries) >= self.max_entries:
+                    self._entries.clear()
+            self._entries[self._slot(token)] = (key, now + self.ttl_s)
+
+    def invalidate(self, key_id: str) -> None:
+        with self._lock:
+            self.generation += 1
+            self._entries = {s: e for s, e in self._entries.items() if e[0].id != key_id}
+
+
 class RateLimiter:
     """Token bucket per key, in this process: `rate` requests/s sustained, `burst` at once."""
 

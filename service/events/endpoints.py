@@ -2,14 +2,48 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from fastapi.routing import APIRoute
 
 from service.deps import CtxDep, IngestKey
 from service.errors import PayloadTooLarge, Unavailable
 from service.events.schemas import EventBatch, IngestResult
 from service.events.service import ingest_events
 
-router = APIRouter(prefix="/v1", tags=["ingest"])
+
+
+class _OrjsonRequest(Request):
+    """A request whose JSON body is parsed by orjson: a 100-event batch parses several times
+    faster than with the json module, which was a tenth of the ingest CPU. A body orjson refuses
+    but the json module takes (NaN, lone surrogates, ...) is parsed by the json module, so what
+    the endpoint makes of such a body does not change; orjson errors are json ones (400)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                self._json = json.loads(body)
+        return self._json
+
+
+class OrjsonRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def orjson_handler(request: Request) -> Response:
+            return await handler(_OrjsonRequest(request.scope, request.receive))
+
+        return orjson_handler
+
+
+router = APIRouter(prefix="/v1", tags=["ingest"], route_class=OrjsonRoute)
 
 ERRORS = {
     400: {"description": "Not JSON, or a broken gzip body"},

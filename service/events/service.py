@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from datetime import datetime
 from typing import Any
 
@@ -12,7 +14,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from service.events.schemas import EVENT_TYPES, IngestResult, RejectedEvent, parse_event
 from service.metrics import INGEST_EVENTS
 from service.outbox import outbox_row
-from service.stream.topics import FEEDBACK
+from service.stream.topics import FEEDBACK, encode
 from service.tables import dead_letters, events, outbox, utcnow
 
 
@@ -20,6 +22,76 @@ def insert_ignoring_conflicts(conn: sa.Connection, table: sa.Table, key: str) ->
     """`INSERT ... ON CONFLICT (key) DO NOTHING RETURNING key` for either database."""
     dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
     return dialect_insert(table).on_conflict_do_nothing(index_elements=[key]).returning(table.c[key])
+
+
+# PostgreSQL: the whole batch in one statement and one round trip. The columns travel as arrays
+# (a short, constant query text that psycopg prepares once per connection), the events are
+# inserted in batch order skipping known ids, and an outbox row is written for each event that
+# was new, in the same order (the relay publishes by outbox id: a user's events stay in order).
+_PG_INSERT = """
+WITH batch AS (
+    SELECT * FROM unnest(
+        %(event_id)b::text[], %(type)b::text[], %(user_id)b::text[], %(suggestion_id)b::text[],
+        %(occurred_at)b::text[]::timestamptz[], %(payload)b::text[], %(message)b::text[]
+    ) WITH ORDINALITY AS b(event_id, type, user_id, suggestion_id, occurred_at, payload, message, n)
+), stored AS (
+    INSERT INTO events (event_id, type, user_id, suggestion_id, occurred_at, received_at, payload)
+    SELECT event_id, type, user_id, suggestion_id, occurred_at, %(now)s, payload::jsonb
+    FROM batch ORDER BY n
+    ON CONFLICT (event_id) DO NOTHING
+    RETURNING event_id
+), queued AS (
+    INSERT INTO outbox (topic, key, payload, created_at, published_at)
+    SELECT %(topic)s, b.user_id, b.message, %(now)s, %(published_at)s::timestamptz
+    FROM batch b JOIN stored s ON s.event_id = b.event_id ORDER BY b.n
+)
+SELECT event_id FROM stored
+"""
+
+
+def _store_postgresql(conn: sa.Connection, valid: list[dict[str, Any]], *, now: datetime,
+                      embedded: bool) -> set[str]:
+    params = {
+        "event_id": [e["event_id"] for e in valid],
+        "type": [e["type"] for e in valid],
+        "user_id": [e["user_id"] for e in valid],
+        "suggestion_id": [e.get("suggestion_id") for e in valid],
+        "occurred_at": [e["occurred_at"] for e in valid],  # RFC 3339, already normalized to UTC
+        "payload": [orjson.dumps(e).decode() for e in valid],
+        "message": [encode(e) for e in valid],
+        "now": now,
+        "topic": FEEDBACK,
+        "published_at": now if embedded else None,
+    }
+    return set(conn.exec_driver_sql(_PG_INSERT, params).scalars().all())
+
+
+def _store_portable(conn: sa.Connection, valid: list[dict[str, Any]], *, now: datetime,
+                    embedded: bool) -> set[str]:
+    rows = [
+        {
+            "event_id": e["event_id"],
+            "type": e["type"],
+            "user_id": e["user_id"],
+            "suggestion_id": e.get("suggestion_id"),
+            "occurred_at": datetime.fromisoformat(e["occurred_at"]),
+            "received_at": now,
+            "payload": e,
+        }
+        for e in valid
+    ]
+    result = conn.execute(insert_ignoring_conflicts(conn, events, "event_id"), rows)
+    inserted = set(result.scalars().all())
+    if inserted:
+        conn.execute(
+            outbox.insert(),
+            [
+                outbox_row(FEEDBACK, e["user_id"], e, now=now, embedded=embedded)
+                for e in valid
+                if e["event_id"] in inserted
+            ],
+        )
+    return inserted
 
 
 def ingest_events(
@@ -37,25 +109,29 @@ def ingest_events(
     rejected: list[RejectedEvent] = []
     dead: list[dict[str, Any]] = []
     seen: set[str] = set()
-    repeats_in_batch: list[str] = []
-    rejected_types: list[str] = []
+    outcomes: Counter[tuple[str, str]] = Counter()  # (type, outcome) -> events
     for index, raw in enumerate(raw_events):
-        raw_text = orjson.dumps(raw).decode()
         try:
+            raw_text, unstorable = orjson.dumps(raw).decode(), None
+        except orjson.JSONEncodeError as e:  # a lone surrogate, an integer past 64 bits
+            raw_text, unstorable = json.dumps(raw), f"event cannot be stored as JSON: {e}"
+        try:
+            if unstorable:
+                raise ValueError(unstorable)
             if len(raw_text) > max_event_bytes:
                 raise ValueError(f"event is {len(raw_text)} bytes; the limit is {max_event_bytes}")
             event = parse_event(raw)
         except ValueError as e:
             rejected.append(RejectedEvent(index=index, error=str(e)))
             claimed = raw.get("type") if isinstance(raw, dict) else None
-            rejected_types.append(claimed if claimed in EVENT_TYPES else "unknown")
+            outcomes[(claimed if claimed in EVENT_TYPES else "unknown", "rejected")] += 1
             dead.append(
                 {"received_at": now, "source": "events", "api_key_id": api_key_id,
                  "raw": raw_text, "error": str(e)}
             )
             continue
         if event["event_id"] in seen:
-            repeats_in_batch.append(event["type"])
+            outcomes[(event["type"], "duplicate")] += 1
             continue
         seen.add(event["event_id"])
         valid.append(event)
@@ -63,41 +139,17 @@ def ingest_events(
     inserted: set[str] = set()
     with engine.begin() as conn:
         if valid:
-            rows = [
-                {
-                    "event_id": e["event_id"],
-                    "type": e["type"],
-                    "user_id": e["user_id"],
-                    "suggestion_id": e.get("suggestion_id"),
-                    "occurred_at": datetime.fromisoformat(e["occurred_at"]),
-                    "received_at": now,
-                    "payload": e,
-                }
-                for e in valid
-            ]
-            result = conn.execute(insert_ignoring_conflicts(conn, events, "event_id"), rows)
-            inserted = set(result.scalars().all())
-            if inserted:
-                conn.execute(
-                    outbox.insert(),
-                    [
-                        outbox_row(FEEDBACK, e["user_id"], e, now=now, embedded=embedded)
-                        for e in valid
-                        if e["event_id"] in inserted
-                    ],
-                )
+            store = _store_postgresql if conn.dialect.name == "postgresql" else _store_portable
+            inserted = store(conn, valid, now=now, embedded=embedded)
         if dead:
             conn.execute(dead_letters.insert(), dead)
 
     for e in valid:
-        outcome = "accepted" if e["event_id"] in inserted else "duplicate"
-        INGEST_EVENTS.labels(type=e["type"], outcome=outcome).inc()
-    for event_type in repeats_in_batch:
-        INGEST_EVENTS.labels(type=event_type, outcome="duplicate").inc()
-    for event_type in rejected_types:
-        INGEST_EVENTS.labels(type=event_type, outcome="rejected").inc()
+        outcomes[(e["type"], "accepted" if e["event_id"] in inserted else "duplicate")] += 1
+    for (event_type, outcome), n in outcomes.items():
+        INGEST_EVENTS.labels(type=event_type, outcome=outcome).inc(n)
     return IngestResult(
         accepted=len(inserted),
-        duplicates=len(repeats_in_batch) + len(valid) - len(inserted),
+        duplicates=outcomes.total() - len(inserted) - len(rejected),
         rejected=rejected,
     )

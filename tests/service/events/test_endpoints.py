@@ -199,3 +199,30 @@ def test_health_readiness_and_metrics(client: httpx.Client) -> None:
 def test_unknown_route_and_method(client: httpx.Client) -> None:
     assert_error(client.get("/v1/nothing"), 404, "not_found")
     assert_error(client.get("/v1/events"), 405)
+
+
+def test_outbox_rows_follow_batch_order(client: httpx.Client, engine: sa.Engine) -> None:
+    """The relay publishes by outbox id, so a user's events must be queued in the order sent."""
+    stored = event("accept", user_id="u-order")
+    assert post(client, [stored]).json()["accepted"] == 1
+    batch = [event(t, user_id="u-order") for t in EVENT_TYPES * 6]
+    batch.insert(7, stored)  # a repeat of a stored event: counted, not queued
+    r = post(client, batch)
+    assert r.json() == {"accepted": 30, "duplicates": 1, "rejected": []}
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(outbox.c.payload).order_by(outbox.c.id)).all()
+    queued = [orjson.loads(r.payload)["event_id"] for r in rows]
+    assert queued == [stored["event_id"]] + [e["event_id"] for e in batch if e is not stored]
+
+
+def test_events_json_text_cannot_hold_are_rejected_alone(client: httpx.Client) -> None:
+    """A lone surrogate (legal in a JSON string escape, not storable as text) or NaN (accepted by
+    Python's json) sinks its own event only; it never turns into a 500."""
+    ok = orjson.dumps(event()).decode()
+    surrogate = orjson.dumps(event(user_id="SURROGATE")).decode().replace("SURROGATE", "\\ud800")
+    nan = orjson.dumps(event("code_retained")).decode().replace("0.75", "NaN")
+    body = f'{{"events": [{surrogate}, {ok}, {nan}]}}'.encode()
+    r = client.post("/v1/events", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 202, r.text
+    assert r.json()["accepted"] == 1
+    assert [x["index"] for x in r.json()["rejected"]] == [0, 2]

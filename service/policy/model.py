@@ -1,0 +1,229 @@
+"""The policy: a small nanoGPT-style decoder-only transformer over code, plus a show/abstain gate.
+
+The language-model part is plain GPT-2 (learned positions, pre-LayerNorm blocks, tied input and
+output embeddings). The gate is a logistic head that decides, *after* a completion has been
+sampled, whether to show it. It reads the final hidden state at the completion's last token and
+a few confidence features (the completion's summed and mean log-probability under the sampling
+distribution, and its length), so the decision is conditioned on both the completion and how sure
+the model was of it. See docs/MODEL.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# Gate inputs besides the hidden state, in this order (see `gate_features`).
+GATE_FEATURES = ("mean_logprob", "sum_logprob", "log1p_tokens", "log1p_bytes")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096  # tokenizer vocabulary, special tokens included
+    block_size: int = 256  # longest sequence (context + completion) the model sees, in tokens
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads per block
+    n_embd: int = 256  # width of the residual stream
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * n_embd
+    dropout: float = 0.0  # dropout in attention/MLP/embeddings during training
+    gate_scale: float = 4.0  # initial gate: slope of logit(show) in the mean token log-prob
+    gate_threshold: float = -0.7  # initial gate: mean token log-prob (nats) where p(show) = 1/2
+
+    def to_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, int | float]) -> ModelConfig:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})  # type: ignore[arg-type]
+
+
+class KVCache:
+    """Preallocated keys/values for incremental decoding of one batch (written in place)."""
+
+    def __init__(self, config: ModelConfig, batch: int, dtype: torch.dtype = torch.float32):
+        hs = config.n_embd // config.n_head
+        shape = (config.n_layer, batch, config.n_head, config.block_size, hs)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.pos = 0  # tokens already in the cache
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be divisible by n_head"
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        causal = True
+        if cache is not None:
+            # prefill (empty cache, causal over the prompt) or one new token attending to all
+            assert cache.pos == 0 or T == 1, "KV cache supports a prefill or one token at a time"
+            end = cache.pos + T
+            cache.k[layer, :B, :, cache.pos : end] = k
+            cache.v[layer, :B, :, cache.pos : end] = v
+            k, v = cache.k[layer, :B, :, :end], cache.v[layer, :B, :, :end]
+            causal = cache.pos == 0
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal and T > 1, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd)
+        self.c_proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Gate(nn.Module):
+    """logit p(show) = w_h . h + w_f . features + b; starts as a pure confidence threshold."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.hidden = nn.Linear(config.n_embd, 1, bias=False)
+        self.features = nn.Linear(len(GATE_FEATURES), 1)
+
+    def forward(self, h: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return (self.hidden(h) + self.features(features)).squeeze(-1)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        assert config.vocab_size > 0 and config.block_size > 0, "empty vocabulary or context"
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.gate = Gate(config)
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        init_gate(self.gate, config.gate_scale, config.gate_threshold)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Parameters, counting the tied embedding once and excluding nothing else."""
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final (post-LayerNorm) hidden states for token ids idx (B, T)."""
+        B, T = idx.size()
+        start = cache.pos if cache is not None else 0
+        assert start + T <= self.config.block_size, (
+            f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}"
+        )
+        pos = torch.arange(start, start + T, dtype=torch.long)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for i, block in enumerate(self.h):
+            x = block(x, cache, i)
+        if cache is not None:
+            cache.pos += T
+        return self.ln_f(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits from hidden states (output embedding tied to wte)."""
+        return F.linear(h, self.wte.weight)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training/eval entry point: logits for every position and the mean cross-entropy."""
+        logits = self.logits(self.hidden(idx))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
+            )
+        return logits, loss
+
+    def gate_logit(self, h_last: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """logit p(show) for a batch: h_last (B, C) and gate_features(...) (B, 4)."""
+        return self.gate(h_last, features)
+
+
+def init_gate(gate: Gate, scale: float, threshold: float) -> None:
+    """p(show) = sigmoid(scale * (mean_logprob - threshold)); hidden-state weights start at 0."""
+    with torch.no_grad():
+        gate.hidden.weight.zero_()
+        gate.features.weight.zero_()
+        gate.features.weight[0, GATE_FEATURES.index("mean_logprob")] = scale
+        gate.features.bias.fill_(-scale * threshold)
+
+
+def gate_features(
+    sum_logprob: torch.Tensor, n_tokens: torch.Tensor, n_bytes: torch.Tensor
+) -> torch.Tensor:
+    """The gate's confidence/length inputs (B, 4); callers pass detached log-probs."""
+    n = n_tokens.to(torch.float32)
+    mean = sum_logprob / n.clamp(min=1.0)
+    return torch.stack(
+        [mean, sum_logprob, torch.log1p(n), torch.log1p(n_bytes.to(torch.float32))], dim=-1
+    )
+
+
+def configure_optimizer(
+    model: GPT, weight_decay: float, learning_rate: float, betas: tuple[float, float]
+) -> torch.optim.AdamW:
+    """AdamW with decay on matrices only (nanoGPT); biases, norms and the gate are not decayed."""
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and not name.startswith("gate.") else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)

@@ -1,0 +1,416 @@
+"""Sampling a completion (the RL action) and recomputing its log-probability.
+
+The action is the pair (tokens, decision): the sampled tokens up to and including the one that
+ends the line (or `<|eof|>`, or the max_new_tokens-th), and the gate's show/abstain decision,
+drawn *after* the tokens. Its log-probability, under the distribution actually sampled from, is
+
+    log pi(action) = sum_t log q_t(token_t) + log p(decision)
+
+where q_t is the model's next-token distribution at temperature T, restricted to the tokens
+consistent with the token-healing constraint (while it lasts), then truncated to the top-p
+nucleus and renormalised; p(decision) is sigmoid(gate logit) for show, 1 - that for abstain.
+Abstaining still samples the tokens (the gate needs them), so the logged action is the same pair.
+
+Two decisions are deterministic and contribute log-prob 0: an empty completion is never shown,
+and at temperature 0 tokens are argmax and the gate shows iff p(show) >= 1/2 (greedy evaluation
+only; RL needs temperature > 0). The nucleus always keeps the token being scored, so a logged
+token can never get -inf under an updated policy (identical for the sampling policy itself).
+
+The gate reads the completion's *model* log-probs (temperature 1, healing constraint applied, no
+top-p) so its confidence features do not depend on the sampling temperature; they are inputs
+(detached), the gradient of log p(decision) flows through the gate and the hidden state.
+
+The model does not see the suffix (text after the cursor); see docs/MODEL.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch.nn import functional as F
+
+from service.policy.model import GPT, KVCache, gate_features
+from service.policy.tokenizer import CodeTokenizer, Healing
+
+DEFAULT_TEMPERATURE = 0.7  # serving default; the gate is fitted for it
+DEFAULT_TOP_P = 0.95  # serving default nucleus
+CHARS_PER_TOKEN_BOUND = 8  # prefix characters kept per context token before encoding
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Completion:
+    """One rollout: what the policy saw, sampled and decided, with behaviour log-probs."""
+
+    text: str  # the sampled rest of the line (after the healed text); shown only if `shown`
+    token_ids: list[int]  # sampled tokens, including the re-emitted healed text and the stop
+    token_logprobs: list[float]  # log q_t(token_t) under the sampling distribution
+    context_token_ids: list[int]  # what the model saw (healed, left-truncated prefix)
+    heal_text: str  # prefix text backed off by token healing, re-emitted by token_ids first
+    temperature: float  # sampling temperature used
+    top_p: float | None  # nucleus used (None: no truncation)
+    gate_prob_show: float  # p(show) from the gate
+    shown: bool  # the decision
+    decision_logprob: float  # log p(decision) (0 when it was deterministic)
+    logprob_total: float  # sum(token_logprobs) + decision_logprob
+    stop_reason: str  # "newline", "eof" or "length"
+    model_logprobs: list[float] = field(default_factory=list)  # T=1 log-probs fed to the gate
+
+    @property
+    def shown_text(self) -> str:
+        return self.text if self.shown else ""
+
+
+class Action(Protocol):
+    """What batch_action_logprobs needs from a logged rollout (a Completion is one)."""
+
+    @property
+    def context_token_ids(self) -> Sequence[int]: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def heal_text(self) -> str: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float | None: ...
+    @property
+    def shown(self) -> bool: ...
+
+
+@dataclass
+class ActionScores:
+    """Differentiable log-probs of a batch of actions under the current model."""
+
+    total: torch.Tensor  # (B,) log pi(action) = tokens + decision
+    tokens: torch.Tensor  # (B,) sum of token log-probs under the sampling distribution
+    decision: torch.Tensor  # (B,) log p(decision) (0 where deterministic)
+    gate_logit: torch.Tensor  # (B,) logit p(show)
+    token_logprobs: torch.Tensor  # (N,) every token's log-prob, rollouts concatenated
+    entropy: torch.Tensor  # (B,) summed entropy of the sampling distributions over the steps
+    lengths: list[int]  # tokens per rollout (to split token_logprobs)
+    gate_hidden: torch.Tensor  # (B, C) the gate's hidden-state input
+    gate_inputs: torch.Tensor  # (B, 4) the gate's confidence features (detached)
+
+
+# --- pure helpers ------------------------------------------------------------------------
+def sampling_logprobs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    allowed: torch.Tensor | None = None,
+    chosen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-probs (N, V) of the distribution sampled from: logits/T, healing mask, top-p.
+
+    temperature (N,) > 0; top_p (N,) in (0, 1] (1: no truncation); allowed (N, V) bool;
+    chosen (N,): tokens always kept in the nucleus.
+    """
+    x = logits.float() / temperature.unsqueeze(-1)
+    if allowed is not None:
+        x = x.masked_fill(~allowed, NEG_INF)
+    if bool((top_p < 1.0).any()):
+        with torch.no_grad():
+            probs = torch.softmax(x, dim=-1)
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
+            drop_sorted = before >= top_p.unsqueeze(-1)
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            if chosen is not None:
+                drop[torch.arange(len(chosen)), chosen] = False
+        x = x.masked_fill(drop, NEG_INF)
+    return F.log_softmax(x, dim=-1)
+
+
+def sample_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    allowed: torch.Tensor | None,
+    generator: torch.Generator | None,
+    top_k_first: int = 64,
+) -> tuple[int, float]:
+    """Draw one token from the distribution `sampling_logprobs` describes; (token, log-prob).
+
+    The nucleus is found in the top `top_k_first` probabilities when it fits there (the usual
+    case) and by a full sort otherwise; the kept set is the same either way.
+    """
+    x = logits.float() / temperature
+    if allowed is not None:
+        x = x.masked_fill(~allowed, NEG_INF)
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        vals, idx = probs.topk(min(top_k_first, probs.numel()))
+        cum = vals.cumsum(0)
+        if float(cum[-1]) < top_p and vals.numel() < probs.numel():  # nucleus is wider
+            vals, idx = probs.sort(descending=True)
+            cum = vals.cumsum(0)
+        n = int(((cum - vals) < top_p).sum())  # `before` is non-decreasing: keep the first n
+        vals, idx, cum = vals[:n], idx[:n], cum[:n]
+    else:
+        idx = torch.arange(probs.numel())
+        vals, cum = probs, probs.cumsum(0)
+    u = torch.rand(1, generator=generator) * cum[-1]
+    j = min(int(torch.searchsorted(cum, u, right=True)), len(idx) - 1)
+    tok = int(idx[j])
+    return tok, float(x[tok] - torch.logsumexp(x[idx], dim=0))
+
+
+def constraint_steps(
+    tokenizer: CodeTokenizer, token_ids: Sequence[int], constraint: bytes
+) -> list[bytes]:
+    """For each step, the constraint bytes still to re-emit before it (b"" once consumed)."""
+    out, done = [], b""
+    for t in token_ids:
+        out.append(constraint[len(done) :] if len(done) < len(constraint) else b"")
+        done += tokenizer.token_bytes[t]
+    return out
+
+
+def completion_bytes(
+    tokenizer: CodeTokenizer, token_ids: Sequence[int], constraint: bytes
+) -> bytes:
+    """The generated bytes after the healed text, up to (not including) the first newline."""
+    out = tokenizer.decode_bytes(t for t in token_ids if t != tokenizer.eof_id)
+    return out[len(constraint) :].split(b"\n", 1)[0]
+
+
+def bytes_to_text(b: bytes) -> str:
+    # a length stop can cut a multibyte character: drop the partial bytes; no trailing \r
+    return b.decode("utf-8", errors="ignore").rstrip("\r")
+
+
+def _allowed_mask(tokenizer: CodeTokenizer, remaining: bytes, vocab: int) -> torch.Tensor:
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[tokenizer.allowed_tokens(remaining)] = True
+    return mask
+
+
+def prepare_context(
+    tokenizer: CodeTokenizer, prefix: str, block_size: int, max_new_tokens: int, heal: bool = True
+) -> Healing:
+    """Encode the prefix tail, heal its end, keep the last tokens that fit beside the completion.
+
+    `<|eof|>` (the file separator seen in training) is prepended when the whole prefix fits,
+    so the model knows it is at the start of a file.
+    """
+    budget = block_size - max_new_tokens
+    assert budget >= 2, f"block_size {block_size} leaves no room for the context"
+    tail = prefix[-budget * CHARS_PER_TOKEN_BOUND :]
+    whole = len(tail) == len(prefix)
+    if not whole and "\n" in tail:
+        tail = tail[tail.index("\n") + 1 :]  # start on a line boundary, tokenized as in training
+    healing = tokenizer.encode_healed(tail) if heal else Healing(tokenizer.encode(tail), b"")
+    try:
+        healing.constraint.decode("utf-8")
+    except UnicodeDecodeError:  # healed bytes cut a character: don't heal
+        healing = Healing(tokenizer.encode(tail), b"")
+    ids = healing.context_ids
+    if whole and len(ids) + 1 <= budget:
+        ids = [tokenizer.eof_id] + ids
+    return Healing(ids[-budget:], healing.constraint)
+
+
+# --- sampling ----------------------------------------------------------------------------
+@torch.inference_mode()
+def complete(
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    prefix: str,
+    suffix: str,
+    max_new_tokens: int,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float | None = DEFAULT_TOP_P,
+    generator: torch.Generator | None = None,
+    heal: bool = True,
+) -> Completion:
+    """Sample the rest of the current line after `prefix`, then the show/abstain decision.
+
+    `suffix` is accepted for the API's sake and not used by this model. `heal=False` turns
+    token healing off (for measuring what it buys; serving keeps it on).
+    """
+    del suffix  # the model is left-to-right only (docs/MODEL.md)
+    assert max_new_tokens >= 1, "max_new_tokens must be >= 1"
+    assert temperature >= 0.0, "temperature must be >= 0"
+    assert top_p is None or 0.0 < top_p <= 1.0, "top_p must be in (0, 1]"
+    cfg = model.config
+    max_new_tokens = min(max_new_tokens, cfg.block_size - 2)
+    healing = prepare_context(tokenizer, prefix, cfg.block_size, max_new_tokens, heal)
+    constraint = healing.constraint
+    vocab = cfg.vocab_size
+
+    cache = KVCache(cfg, 1)
+    h = model.hidden(torch.tensor([healing.context_ids]), cache)[:, -1]
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    model_lps: list[float] = []
+    done = b""
+    stop = "length"
+    while True:
+        logits = model.logits(h)  # (1, V)
+        remaining = constraint[len(done) :] if len(done) < len(constraint) else b""
+        allowed = _allowed_mask(tokenizer, remaining, vocab) if remaining else None
+        if temperature == 0.0:
+            masked = logits if allowed is None else logits.masked_fill(~allowed, NEG_INF)
+            tok, lp = int(masked.argmax(-1)), 0.0
+        else:
+            tok, lp = sample_token(logits[0], temperature, top_p or 1.0, allowed, generator)
+        raw = logits[0] if allowed is None else logits[0].masked_fill(~allowed, NEG_INF)
+        model_lps.append(float(raw[tok] - torch.logsumexp(raw, dim=-1)))
+        tokens.append(tok)
+        logprobs.append(lp)
+        h = model.hidden(torch.tensor([[tok]]), cache)[:, -1]  # also the gate's input at the end
+        if tok == tokenizer.eof_id:
+            stop = "eof"
+            break
+        done += tokenizer.token_bytes[tok]
+        if len(done) > len(constraint) and b"\n" in done[len(constraint) :]:
+            stop = "newline"
+            break
+        if len(tokens) >= max_new_tokens:
+            break
+
+    out = completion_bytes(tokenizer, tokens, constraint)
+    text = bytes_to_text(out)
+    feats = gate_features(
+        torch.tensor([sum(model_lps)]), torch.tensor([len(tokens)]), torch.tensor([len(out)])
+    )
+    gate_logit = float(model.gate_logit(h, feats)[0])
+    p_show = 1.0 / (1.0 + math.exp(-gate_logit))
+    if not text:
+        shown, dec_lp = False, 0.0
+    elif temperature == 0.0:
+        shown, dec_lp = p_show >= 0.5, 0.0
+    else:
+        shown = bool(torch.rand(1, generator=generator)[0] < p_show)
+        dec_lp = float(F.logsigmoid(torch.tensor(gate_logit if shown else -gate_logit)))
+    return Completion(
+        text=text,
+        token_ids=tokens,
+        token_logprobs=logprobs,
+        context_token_ids=list(healing.context_ids),
+        heal_text=constraint.decode("utf-8"),
+        temperature=temperature,
+        top_p=top_p,
+        gate_prob_show=p_show,
+        shown=shown,
+        decision_logprob=dec_lp,
+        logprob_total=sum(logprobs) + dec_lp,
+        stop_reason=stop,
+        model_logprobs=model_lps,
+    )
+
+
+# --- recomputation -----------------------------------------------------------------------
+def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action]) -> ActionScores:
+    """Recompute the log-probs of logged actions with one padded forward pass (differentiable)."""
+    assert actions, "empty batch"
+    seqs = [list(a.context_token_ids) + list(a.token_ids) for a in actions]
+    lengths = [len(a.token_ids) for a in actions]
+    assert all(n >= 1 for n in lengths), "every action has at least one token"
+    longest = max(map(len, seqs))
+    assert longest <= model.config.block_size, f"action of {longest} tokens > block_size"
+    idx = torch.zeros(len(seqs), longest, dtype=torch.long)  # right padding: causal, unseen
+    for b, s in enumerate(seqs):
+        idx[b, : len(s)] = torch.tensor(s)
+    h = model.hidden(idx)  # (B, L, C)
+
+    rows_b, rows_t, targets, temps, tops, remains, rollout = [], [], [], [], [], [], []
+    for b, a in enumerate(actions):
+        c = len(a.context_token_ids)
+        rem = constraint_steps(tokenizer, a.token_ids, a.heal_text.encode("utf-8"))
+        for j, tok in enumerate(a.token_ids):
+            rows_b.append(b)
+            rows_t.append(c - 1 + j)
+            targets.append(tok)
+            temps.append(a.temperature)
+            tops.append(a.top_p if a.top_p is not None else 1.0)
+            remains.append(rem[j])
+            rollout.append(b)
+    logits = model.logits(h[rows_b, rows_t])  # (N, V)
+    tgt = torch.tensor(targets)
+    temp = torch.tensor(temps, dtype=torch.float32)
+    greedy = temp == 0.0
+    allowed = None
+    if any(remains):
+        allowed = torch.ones(len(targets), model.config.vocab_size, dtype=torch.bool)
+        for i, r in enumerate(remains):
+            if r:
+                allowed[i] = _allowed_mask(tokenizer, r, model.config.vocab_size)
+    logp = sampling_logprobs(
+        logits, temp.clamp(min=1e-6), torch.tensor(tops, dtype=torch.float32), allowed, tgt
+    )
+    tok_lp = logp.gather(-1, tgt[:, None]).squeeze(-1).masked_fill(greedy, 0.0)
+    p = logp.exp()
+    ent = -(p * logp.masked_fill(p == 0, 0.0)).sum(-1).masked_fill(greedy, 0.0)
+    with torch.no_grad():
+        raw = logits.float() if allowed is None else logits.float().masked_fill(~allowed, NEG_INF)
+        model_lp = F.log_softmax(raw, dim=-1).gather(-1, tgt[:, None]).squeeze(-1)
+
+    B = len(actions)
+    seg = torch.tensor(rollout)
+    tok_sum = torch.zeros(B).index_add(0, seg, tok_lp)
+    ent_sum = torch.zeros(B).index_add(0, seg, ent)
+    model_sum = torch.zeros(B).index_add(0, seg, model_lp)
+    outs = [completion_bytes(tokenizer, a.token_ids, a.heal_text.encode()) for a in actions]
+    n_bytes = [len(o) for o in outs]
+    last = torch.tensor([len(s) - 1 for s in seqs])
+    feats = gate_features(model_sum, torch.tensor(lengths), torch.tensor(n_bytes))
+    h_last = h[torch.arange(B), last]
+    gate_logit = model.gate_logit(h_last, feats)
+    shown = torch.tensor([bool(a.shown) for a in actions])
+    dec = torch.where(shown, F.logsigmoid(gate_logit), F.logsigmoid(-gate_logit))
+    fixed = torch.tensor(
+        [not bytes_to_text(o) or a.temperature == 0.0 for o, a in zip(outs, actions, strict=True)]
+    )
+    dec = dec.masked_fill(fixed, 0.0)
+    return ActionScores(
+        total=tok_sum + dec,
+        tokens=tok_sum,
+        decision=dec,
+        gate_logit=gate_logit,
+        token_logprobs=tok_lp,
+        entropy=ent_sum,
+        lengths=lengths,
+        gate_hidden=h_last,
+        gate_inputs=feats,
+    )
+
+
+def batch_action_logprobs(
+    model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action]
+) -> torch.Tensor:
+    """log pi(action) for each logged action, (B,), differentiable w.r.t. the model."""
+    return score_actions(model, tokenizer, actions).total
+
+
+def action_logprob(
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    context_token_ids: Sequence[int],
+    token_ids: Sequence[int],
+    shown: bool,
+    temperature: float,
+    top_p: float | None,
+    heal_text: str,
+) -> torch.Tensor:
+    """log pi(action) of one logged action (a scalar tensor), by a fresh full forward pass."""
+    act = Completion(
+        text="",
+        token_ids=list(token_ids),
+        token_logprobs=[],
+        context_token_ids=list(context_token_ids),
+        heal_text=heal_text,
+        temperature=temperature,
+        top_p=top_p,
+        gate_prob_show=0.0,
+        shown=shown,
+        decision_logprob=0.0,
+        logprob_total=0.0,
+        stop_reason="",
+    )
+    return batch_action_logprobs(model, tokenizer, [act])[0]

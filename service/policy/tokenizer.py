@@ -1,0 +1,165 @@
+"""Byte-level BPE over code (HF `tokenizers`), plus token healing.
+
+Token healing: a cursor usually sits inside a token ("    return sel|"). Encoding the prefix as
+is would end the context on a token the model rarely saw there (" sel" instead of " self"), and
+the model would have to continue from that unnatural split. So `heal()` backs off the tokens of
+the prefix's last pre-token word (at most `max_tokens` of them / `max_bytes` bytes), and returns
+the text they covered as a *constraint*: generation must first re-emit exactly those bytes (each
+constrained step only allows tokens consistent with the remaining bytes, see `allowed_tokens`),
+and the completion shown to the user is what comes after them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOF_TOKEN = "<|eof|>"  # separates files in training; ends a generation
+SPECIAL_TOKENS = (EOF_TOKEN,)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the byte-level alphabet back to raw bytes."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+@dataclass(frozen=True)
+class Healing:
+    """The prefix after token healing."""
+
+    context_ids: list[int]  # prefix tokens with the healed tail removed
+    constraint: bytes  # bytes generation must re-emit first (empty: no healing)
+
+
+class CodeTokenizer:
+    """A trained byte-level BPE tokenizer; special tokens in *input text* are plain text."""
+
+    def __init__(self, tk: Tokenizer):
+        self.tk = tk
+        # user code containing "<|eof|>" must not turn into the control token
+        self.tk.encode_special_tokens = True
+        eof_id = tk.token_to_id(EOF_TOKEN)
+        assert eof_id is not None, f"tokenizer has no {EOF_TOKEN} token"
+        self.eof_id: int = eof_id
+
+    # --- serialisation -------------------------------------------------------------------
+    @classmethod
+    def from_json(cls, s: str) -> CodeTokenizer:
+        return cls(Tokenizer.from_str(s))
+
+    def to_json(self) -> str:
+        return self.tk.to_str()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size()
+
+    # --- encode / decode -----------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tk.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        tb = self.token_bytes
+        return b"".join(tb[i] for i in ids)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """Raw bytes of every token id (special tokens: empty, they never match text)."""
+        dec = _byte_decoder()
+        special = {self.tk.token_to_id(t) for t in SPECIAL_TOKENS}
+        out = [b""] * self.vocab_size
+        for tok, i in self.tk.get_vocab().items():
+            if i not in special:
+                out[i] = bytes(dec[c] for c in tok)
+        return out
+
+    @cached_property
+    def _newline_ids(self) -> frozenset[int]:
+        return frozenset(i for i, b in enumerate(self.token_bytes) if b"\n" in b)
+
+    def has_newline(self, token_id: int) -> bool:
+        return token_id in self._newline_ids
+
+    @cached_property
+    def _sorted_bytes(self) -> tuple[list[bytes], list[int]]:
+        pairs = sorted((b, i) for i, b in enumerate(self.token_bytes) if b)
+        return [b for b, _ in pairs], [i for _, i in pairs]
+
+    @cached_property
+    def _id_of_bytes(self) -> dict[bytes, int]:
+        return {b: i for i, b in enumerate(self.token_bytes) if b}
+
+    # --- token healing -------------------------------------------------------------------
+    def heal(
+        self,
+        ids: list[int],
+        word_ids: list[int | None] | None = None,
+        max_tokens: int = 3,
+        max_bytes: int = 24,
+    ) -> Healing:
+        """Back off the trailing tokens of the last pre-token word (bounded)."""
+        if not ids:
+            return Healing([], b"")
+        n = 1
+        if word_ids is not None and word_ids[-1] is not None:
+            while (
+                n < min(max_tokens, len(ids))
+                and word_ids[-1 - n] == word_ids[-1]
+                and len(self.decode_bytes(ids[-1 - n :])) <= max_bytes
+            ):
+                n += 1
+        constraint = self.decode_bytes(ids[-n:])
+        if len(constraint) > max_bytes:  # one huge token (a long whitespace run): keep it
+            return Healing(list(ids), b"")
+        return Healing(list(ids[:-n]), constraint)
+
+    def encode_healed(self, text: str, max_tokens: int = 3, max_bytes: int = 24) -> Healing:
+        """Encode text and heal its end in one go."""
+        enc = self.tk.encode(text, add_special_tokens=False)
+        return self.heal(enc.ids, enc.word_ids, max_tokens, max_bytes)
+
+    def allowed_tokens(self, remaining: bytes) -> list[int]:
+        """Tokens consistent with the remaining constraint: a prefix of it, or extending it."""
+        assert remaining, "no constraint left"
+        ids = self._id_of_bytes
+        out = [ids[remaining[:k]] for k in range(1, len(remaining)) if remaining[:k] in ids]
+        keys, vals = self._sorted_bytes
+        lo = bisect.bisect_left(keys, remaining)
+        while lo < len(keys) and keys[lo].startswith(remaining):
+            out.append(vals[lo])
+            lo += 1
+        return out
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> CodeTokenizer:
+    """Train a byte-level BPE (GPT-2 pre-tokenizer regex, all 256 bytes in the base alphabet)."""
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(texts, trainer)
+    return CodeTokenizer(tk)

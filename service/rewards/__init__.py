@@ -1,0 +1,1 @@
+"""Reward semantics (DESIGN.md): the pure reward function, spec versions, replay."""

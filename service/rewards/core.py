@@ -1,0 +1,496 @@
+"""The reward of one rollout: a pure function of the rollout, its feedback and a reward spec.
+
+DESIGN.md "Reward spec" and "Reward semantics" are the contract; docs/REWARD.md has the formulas,
+the finalization rule and a worked example. The streaming join and the replay from the database
+both call these functions, so a reward depends only on their arguments: never on the wall clock,
+on the order events arrived in, or on state kept elsewhere.
+
+All times are timezone-aware. A rollout's `created_at` is the server's clock, an event's
+`occurred_at` the client's; `received_at` (used only by `is_late` and `settle`) is the server's
+ingestion time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime, timedelta
+from typing import Any
+
+from service.events.schemas import EVENT_TYPES
+
+# Client clocks drift: an event stamped up to this long before its rollout was created still
+# counts for it (a reject cannot precede its suggestion, but a slow clock can say it did).
+CLOCK_SKEW_S = 5.0
+
+SUGGESTION_EVENTS = ("accept", "reject", "code_retained")  # about one rollout (suggestion_id)
+USER_EVENTS = ("model_switch", "churn")  # about a user, spread over that user's rollouts
+OUTCOMES = ("abstained", "accepted", "rejected", "ignored")
+COMPONENTS = ("decision", "size_scale", "share", "retention", "provisional", "switch", "churn")
+
+_SKEW = timedelta(seconds=CLOCK_SKEW_S)
+
+
+def _seconds(s: float) -> timedelta:
+    return timedelta(seconds=s)
+
+
+def _aware(value: datetime, name: str) -> None:
+    if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{name} must be a timezone-aware datetime, got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """DESIGN.md's reward spec JSON, field for field. Construction validates (ValueError)."""
+
+    accept_reward: float = 0.75  # reward of a whole, fully retained accept of chars_norm chars
+    reject_penalty: float = 0.25  # subtracted when a shown suggestion is rejected or ignored
+    abstain_reward: float = 0.0  # reward of showing nothing
+    chars_norm: float = 20  # accepted size (characters) at which size_scale is 1
+    chars_exponent: float = 0.5  # size_scale = (min(chars, 3 * chars_norm) / chars_norm) ** this
+    decision_window_s: float = 30  # an accept or reject counts only this long after the rollout
+    retention_checks_s: tuple[float, ...] = (30, 120, 300, 600)  # expected code_retained cadence,
+    # seconds after the accept; finalization waits for the last one that fits in the horizon
+    horizon_s: float = 600  # a reward is final by created_at + horizon_s at the latest
+    provisional_accept_weight: float = 0.5  # retention of an accept with no retention report
+    switch_penalty: float = 0.5  # per model_switch, spread over the user's shown rollouts before it
+    switch_window_s: float = 300  # a model_switch reaches rollouts created this long before it
+    churn_penalty: float = 1.0  # per churn, spread over all the user's rollouts inside the horizon
+
+    def __post_init__(self) -> None:
+        checks = self.retention_checks_s
+        if isinstance(checks, list):  # JSON arrays arrive as lists; keep the spec hashable
+            object.__setattr__(self, "retention_checks_s", tuple(checks))
+        problems = self._problems()
+        if problems:
+            raise ValueError("invalid reward spec: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        problems: list[str] = []
+        # field: (lowest allowed, whether the lowest itself is allowed); None: any number
+        bounds: dict[str, tuple[float, bool] | None] = {
+            "accept_reward": (0, True), "reject_penalty": (0, True), "abstain_reward": None,
+            "chars_norm": (0, False), "chars_exponent": (0, True),
+            "decision_window_s": (0, False), "horizon_s": (0, False),
+            "provisional_accept_weight": (0, True), "switch_penalty": (0, True),
+            "switch_window_s": (0, False), "churn_penalty": (0, True),
+        }
+        for name, bound in bounds.items():
+            value = getattr(self, name)
+            if not _is_number(value):
+                problems.append(f"{name} must be a finite number, got {value!r}")
+            elif bound is not None and (value < bound[0] or (value == bound[0] and not bound[1])):
+                op = ">=" if bound[1] else ">"
+                problems.append(f"{name} must be {op} {bound[0]:g}, got {value}")
+        if _is_number(self.provisional_accept_weight) and self.provisional_accept_weight > 1:
+            problems.append(
+                f"provisional_accept_weight must be <= 1, got {self.provisional_accept_weight}"
+            )
+        checks = self.retention_checks_s
+        if not isinstance(checks, tuple) or not all(_is_number(c) for c in checks):
+            problems.append(f"retention_checks_s must be a list of numbers, got {checks!r}")
+            checks = ()
+        elif any(c <= 0 for c in checks):
+            problems.append(f"retention_checks_s must all be > 0, got {list(checks)}")
+        elif any(b <= a for a, b in zip(checks, checks[1:], strict=False)):
+            problems.append(f"retention_checks_s must be strictly increasing, got {list(checks)}")
+        if not problems:  # relations between windows, once each one is a valid number
+            for name in ("decision_window_s", "switch_window_s"):
+                if getattr(self, name) > self.horizon_s:
+                    problems.append(
+                        f"{name} ({getattr(self, name)}) must be <= horizon_s ({self.horizon_s})"
+                    )
+            if checks and checks[-1] > self.horizon_s:
+                problems.append(
+                    f"retention_checks_s ({list(checks)}) must all be <= horizon_s "
+                    f"({self.horizon_s}): a later check could never count"
+                )
+        return problems
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RewardSpec:
+        """A spec from its JSON object; missing keys take the defaults. ValueError when invalid."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"invalid reward spec: must be a JSON object, got {type(d).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(
+                f"invalid reward spec: unknown key(s) {', '.join(unknown)} "
+                f"(known: {', '.join(known)})"
+            )
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object, every key present (a stored spec version never depends on defaults)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["retention_checks_s"] = list(self.retention_checks_s)
+        return out
+
+    @classmethod
+    def sim(cls) -> RewardSpec:
+        """TABLOOP_PROFILE=sim: the same rewards, every window in seconds.
+
+        A rejected rollout is final after 8 s and an accepted one after at most 16 s, so
+        feedback, batch, update and redeploy fit in a minute. horizon_s = decision window + the
+        last check, so every check fits even for an accept at the end of the decision window.
+        """
+        return cls(
+            decision_window_s=4, retention_checks_s=(4, 8, 12), horizon_s=16, switch_window_s=8
+        )
+
+
+@dataclass(frozen=True)
+class RolloutInfo:
+    """What the reward needs to know about one rollout."""
+
+    suggestion_id: str
+    user_id: str
+    created_at: datetime  # server time the suggestion was served (timezone-aware)
+    shown: bool  # False: the policy abstained
+    text_chars: int  # length in characters of the shown suggestion (0 when abstaining)
+
+    def __post_init__(self) -> None:
+        _aware(self.created_at, "RolloutInfo.created_at")
+        if not isinstance(self.text_chars, int) or self.text_chars < 0:
+            raise ValueError(f"RolloutInfo.text_chars must be an int >= 0, got {self.text_chars!r}")
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """One feedback event (DESIGN.md's event table), the fields the reward reads."""
+
+    event_id: str
+    type: str  # one of EVENT_TYPES
+    user_id: str
+    occurred_at: datetime  # client time (timezone-aware)
+    suggestion_id: str | None = None  # accept, reject, code_retained
+    accepted_chars: int | None = None  # accept, optional (partial accept)
+    after_seconds: float | None = None  # code_retained: seconds after the accept
+    retained_fraction: float | None = None  # code_retained: 0..1 of the accepted text still there
+
+    def __post_init__(self) -> None:
+        if self.type not in EVENT_TYPES:
+            known = ", ".join(EVENT_TYPES)
+            raise ValueError(f"Feedback.type must be one of {known}, got {self.type!r}")
+        _aware(self.occurred_at, "Feedback.occurred_at")
+
+    @classmethod
+    def from_event(cls, d: Mapping[str, Any]) -> Feedback:
+        """From the event JSON as published on the feedback topic. Keys the reward does not read
+        (schema_version, from_model, to_model, reason) are ignored. ValueError when malformed."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"event must be a JSON object, got {type(d).__name__}")
+
+        def text(key: str) -> str | None:
+            value = d.get(key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"event {key} must be a non-empty string, got {value!r}")
+            return value
+
+        def required(key: str) -> str:
+            value = text(key)
+            if value is None:
+                raise ValueError(f"event {key} is missing")
+            return value
+
+        def number(key: str) -> float | None:
+            value = d.get(key)
+            if value is not None and not _is_number(value):
+                raise ValueError(f"event {key} must be a finite number, got {value!r}")
+            return None if value is None else float(value)
+
+        type_ = required("type")
+        if type_ not in EVENT_TYPES:
+            raise ValueError(f"event type must be one of {', '.join(EVENT_TYPES)}, got {type_!r}")
+        occurred = d.get("occurred_at")
+        if isinstance(occurred, str):
+            try:
+                occurred = datetime.fromisoformat(occurred.replace("z", "Z"))
+            except ValueError:
+                raise ValueError(f"event occurred_at must be RFC 3339, got {occurred!r}") from None
+        if not isinstance(occurred, datetime) or occurred.utcoffset() is None:
+            raise ValueError(f"event occurred_at must be RFC 3339 with a zone, got {occurred!r}")
+        accepted_chars = d.get("accepted_chars")
+        if accepted_chars is not None and (
+            not isinstance(accepted_chars, int) or isinstance(accepted_chars, bool)
+        ):
+            raise ValueError(f"event accepted_chars must be an integer, got {accepted_chars!r}")
+        feedback = cls(
+            event_id=required("event_id"),
+            type=type_,
+            user_id=required("user_id"),
+            occurred_at=occurred,
+            suggestion_id=required("suggestion_id") if type_ in SUGGESTION_EVENTS else None,
+            accepted_chars=accepted_chars,
+            after_seconds=number("after_seconds"),
+            retained_fraction=number("retained_fraction"),
+        )
+        if type_ == "code_retained" and (
+            feedback.after_seconds is None or feedback.retained_fraction is None
+        ):
+            raise ValueError("event code_retained needs after_seconds and retained_fraction")
+        return feedback
+
+
+@dataclass(frozen=True)
+class Reward:
+    value: float  # decision + switch + churn
+    components: dict[str, float]  # every key of COMPONENTS; see docs/REWARD.md
+    outcome: str  # one of OUTCOMES
+
+
+def size_scale(chars: int, spec: RewardSpec) -> float:
+    """(min(chars, 3 * chars_norm) / chars_norm) ** chars_exponent; 0 for nothing accepted."""
+    if chars <= 0:
+        return 0.0
+    return float((min(chars, 3 * spec.chars_norm) / spec.chars_norm) ** spec.chars_exponent)
+
+
+# --- which events count for a rollout ------------------------------------------------------
+
+
+def _about(event: Feedback, rollout: RolloutInfo) -> bool:
+    """The event concerns this rollout: its suggestion (and user), or its user."""
+    if event.user_id != rollout.user_id:
+        return False
+    return event.type in USER_EVENTS or event.suggestion_id == rollout.suggestion_id
+
+
+def _window_end(event: Feedback, rollout: RolloutInfo, spec: RewardSpec) -> datetime | None:
+    """The latest occurred_at at which such an event counts for the rollout; None: never counts.
+
+    Every window starts at created_at - CLOCK_SKEW_S. A model_switch at t reaches rollouts created
+    in [t - switch_window_s, t], a churn those in [t - horizon_s, t]: seen from the rollout, that
+    is t <= created_at + window.
+    """
+    if event.type == "churn":
+        return rollout.created_at + _seconds(spec.horizon_s)
+    if not rollout.shown:  # nothing shown: no decision, no retention, no switch share
+        return None
+    window = {
+        "accept": spec.decision_window_s,
+        "reject": spec.decision_window_s,
+        "code_retained": spec.horizon_s,
+        "model_switch": spec.switch_window_s,
+    }[event.type]
+    return rollout.created_at + _seconds(window)
+
+
+def _counts(event: Feedback, rollout: RolloutInfo, spec: RewardSpec) -> bool:
+    if not _about(event, rollout):
+        return False
+    end = _window_end(event, rollout, spec)
+    if end is None or not rollout.created_at - _SKEW <= event.occurred_at <= end:
+        return False
+    if event.type == "code_retained":
+        return (
+            event.after_seconds is not None
+            and event.retained_fraction is not None
+            and event.after_seconds <= spec.horizon_s
+        )
+    return True
+
+
+def _dedup(events: Iterable[Feedback]) -> list[Feedback]:
+    """One event per event_id (the first seen), in (occurred_at, event_id) order."""
+    by_id: dict[str, Feedback] = {}
+    for e in events:
+        by_id.setdefault(e.event_id, e)
+    return sorted(by_id.values(), key=lambda e: (e.occurred_at, e.event_id))
+
+
+def _counting(events: Iterable[Feedback], rollout: RolloutInfo, spec: RewardSpec) -> list[Feedback]:
+    return [e for e in _dedup(events) if _counts(e, rollout, spec)]
+
+
+def _decision(counted: Sequence[Feedback]) -> Feedback | None:
+    """The first accept or reject; at the same instant a reject wins (do not reinforce an
+    ambiguous suggestion), then the smaller event_id, so arrival order never matters."""
+    decisions = [e for e in counted if e.type in ("accept", "reject")]
+    if not decisions:
+        return None
+    return min(decisions, key=lambda e: (e.occurred_at, e.type != "reject", e.event_id))
+
+
+def _last_retention(counted: Sequence[Feedback]) -> Feedback | None:
+    """The latest check (by after_seconds, then occurred_at, then event_id)."""
+    reports = [e for e in counted if e.type == "code_retained"]
+    if not reports:
+        return None
+    return max(reports, key=lambda e: (e.after_seconds, e.occurred_at, e.event_id))
+
+
+def _share_of(
+    t: datetime,
+    rollout: RolloutInfo,
+    user_rollouts: Sequence[RolloutInfo],
+    window_s: float,
+    shown_only: bool,
+) -> int:
+    """How many of the user's rollouts (this one included) were created in [t - window, t]
+    (upper end widened by the clock skew, as for every event), counting shown ones only if asked."""
+    peers = {r.suggestion_id: r for r in user_rollouts if r.user_id == rollout.user_id}
+    peers[rollout.suggestion_id] = rollout
+    low, high = t - _seconds(window_s), t + _SKEW
+    return sum(
+        1 for r in peers.values() if low <= r.created_at <= high and (r.shown or not shown_only)
+    )
+
+
+# --- the reward ----------------------------------------------------------------------------
+
+
+def compute_reward(
+    rollout: RolloutInfo,
+    events: Sequence[Feedback],
+    user_rollouts: Sequence[RolloutInfo],
+    spec: RewardSpec,
+) -> Reward:
+    """The rollout's reward from the events given (the caller leaves out late ones: `is_late`).
+
+    `events` may hold anything about the user; only what counts for this rollout is read.
+    `user_rollouts` are the user's rollouts known to the caller, used only to spread the
+    model_switch and churn penalties; this rollout is counted among them even if missing.
+    """
+    counted = _counting(events, rollout, spec)
+    parts = dict.fromkeys(COMPONENTS, 0.0)
+
+    if not rollout.shown:
+        outcome = "abstained"
+        parts["decision"] = float(spec.abstain_reward)
+    else:
+        decision = _decision(counted)
+        if decision is None or decision.type == "reject":
+            outcome = "ignored" if decision is None else "rejected"
+            parts["decision"] = -float(spec.reject_penalty)
+        else:
+            outcome = "accepted"
+            n = rollout.text_chars
+            chars = decision.accepted_chars if decision.accepted_chars is not None else n
+            chars = max(0, min(chars, n))
+            report = _last_retention(counted)
+            if report is None:
+                retention, provisional = float(spec.provisional_accept_weight), 1.0
+            else:
+                retention, provisional = min(1.0, max(0.0, report.retained_fraction or 0.0)), 0.0
+            parts["size_scale"] = size_scale(chars, spec)
+            parts["share"] = chars / n if n > 0 else 0.0
+            parts["retention"] = retention
+            parts["provisional"] = provisional
+            parts["decision"] = (
+                spec.accept_reward * parts["size_scale"] * parts["share"] * retention
+            )
+
+    for e in counted:
+        if e.type == "model_switch":
+            n_shown = _share_of(e.occurred_at, rollout, user_rollouts, spec.switch_window_s, True)
+            parts["switch"] -= spec.switch_penalty / n_shown
+        elif e.type == "churn":
+            n_all = _share_of(e.occurred_at, rollout, user_rollouts, spec.horizon_s, False)
+            parts["churn"] -= spec.churn_penalty / n_all
+
+    value = parts["decision"] + parts["switch"] + parts["churn"]
+    return Reward(value=value, components=parts, outcome=outcome)
+
+
+# --- when a reward is final ----------------------------------------------------------------
+
+
+def finalize_at(rollout: RolloutInfo, events: Sequence[Feedback], spec: RewardSpec) -> datetime:
+    """When the reward becomes final, given the events that have arrived (nothing more coming).
+
+    - abstained: created_at (nothing to wait for).
+    - shown, rejected or not yet decided: created_at + max(decision_window_s, switch_window_s):
+      the decision window must close, and a model_switch can charge it until then.
+    - accepted: when the last expected retention check has been reported (the last of
+      retention_checks_s that, counted from the accept, lands inside the horizon), but not
+      before the switch window closes; created_at + horizon_s while that report is missing.
+
+    churn is never expected, so a churn after this instant is late (docs/REWARD.md says why).
+    Never later than created_at + horizon_s.
+    """
+    start = rollout.created_at
+    if not rollout.shown:
+        return start
+    counted = _counting(events, rollout, spec)
+    closed = start + _seconds(max(spec.decision_window_s, spec.switch_window_s))
+    decision = _decision(counted)
+    if decision is None or decision.type == "reject":
+        return closed
+    horizon = start + _seconds(spec.horizon_s)
+    expected = [c for c in spec.retention_checks_s if decision.occurred_at + _seconds(c) <= horizon]
+    if not expected:  # accepted too late for any check to fit: it stays provisional
+        return closed
+    done = [
+        e.occurred_at
+        for e in counted
+        if e.type == "code_retained" and (e.after_seconds or 0.0) >= expected[-1]
+    ]
+    if not done:
+        return horizon
+    return min(horizon, max(closed, min(done)))
+
+
+def is_late(
+    event: Feedback,
+    rollout: RolloutInfo,
+    spec: RewardSpec,
+    *,
+    received_at: datetime | None = None,
+    arrived: Sequence[Feedback] = (),
+) -> bool:
+    """True when the event is about this rollout but can no longer change its reward.
+
+    Late by its own time: it occurred after its window closed (an accept or reject after the
+    decision window, a code_retained past the horizon or with after_seconds > horizon_s, a
+    model_switch past the switch window, a churn past the horizon) or after the reward became
+    final (`finalize_at` of the `arrived` events, this one left out).
+    Late by arrival: given `received_at` (server ingestion time), when it was received after that
+    finalization; then received_at, not occurred_at, is compared with it.
+
+    False for events not about this rollout, events from before it (beyond the clock skew), and
+    events that never count for it (a decision on an abstained rollout): those are not late,
+    just unrelated. A late event is still stored and counted as late, never applied.
+    """
+    if not _about(event, rollout):
+        return False
+    end = _window_end(event, rollout, spec)
+    if end is None or event.occurred_at < rollout.created_at - _SKEW:
+        return False
+    if event.occurred_at > end:
+        return True
+    if event.type == "code_retained" and (event.after_seconds or 0.0) > spec.horizon_s:
+        return True
+    known_at = received_at if received_at is not None else event.occurred_at
+    others = [e for e in arrived if e.event_id != event.event_id]
+    return known_at > finalize_at(rollout, others, spec)
+
+
+def settle(
+    rollout: RolloutInfo,
+    arrivals: Iterable[tuple[datetime, Feedback]],
+    spec: RewardSpec,
+) -> tuple[datetime, list[Feedback]]:
+    """Replay of the streaming join for one rollout: (final instant, the events that count).
+
+    `arrivals` are (received_at, event) pairs, in any order; they are taken in received order
+    (then event_id) and each one that is about the rollout is kept unless `is_late` given those
+    before it. Passing the kept events to `compute_reward` gives the reward the join produced.
+    """
+    kept: list[Feedback] = []
+    seen: set[str] = set()
+    for received_at, event in sorted(arrivals, key=lambda a: (a[0], a[1].event_id)):
+        if event.event_id in seen or not _counts(event, rollout, spec):
+            continue
+        seen.add(event.event_id)
+        if is_late(event, rollout, spec, received_at=received_at, arrived=kept):
+            continue
+        kept.append(event)
+    return finalize_at(rollout, kept, spec), kept

@@ -1,0 +1,66 @@
+"""Admin API: the reward spec (numbered versions) and replays from the database."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+
+from service.deps import AdminKey, CtxDep
+from service.errors import NotFound, Unprocessable
+from service.rewards import store
+from service.rewards.core import RewardSpec
+
+router = APIRouter(prefix="/admin", tags=["admin: rewards"])
+
+
+class SpecOut(BaseModel):
+    version: int
+    spec: dict[str, Any]
+
+
+class ReplayIn(BaseModel):
+    from_: datetime = Field(alias="from", description="RFC 3339; rollouts created at or after")
+    to: datetime = Field(description="RFC 3339; rollouts created before")
+    reward_spec_version: int | None = Field(None, description="default: the current spec")
+
+
+@router.get("/reward-spec", response_model=SpecOut)
+def get_spec(_key: AdminKey, ctx: CtxDep) -> SpecOut:
+    version, spec = store.current_spec(ctx.engine, ctx.settings.profile)
+    return SpecOut(version=version, spec=spec.to_dict())
+
+
+@router.put("/reward-spec", response_model=SpecOut, status_code=201)
+def put_spec(body: dict[str, Any], key: AdminKey, ctx: CtxDep) -> SpecOut:
+    """Store a new numbered version (fields and defaults as in DESIGN.md; omitted fields keep
+    the current version's values). New rollouts are rewarded with it."""
+    with ctx.engine.begin() as conn:
+        _, current = store.current_spec(conn, ctx.settings.profile)
+        try:
+            spec = RewardSpec.from_dict({**current.to_dict(), **body})
+        except ValueError as e:
+            raise Unprocessable(str(e)) from None
+        version = store.put_spec(conn, spec, key.id)
+    return SpecOut(version=version, spec=spec.to_dict())
+
+
+@router.post("/replay")
+def post_replay(body: ReplayIn, _key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
+    """Recompute the rewards of rollouts in a time range under a spec version, from the
+    database. Stored rewards are left as they are; the answer compares the two."""
+    if body.to <= body.from_:
+        raise Unprocessable("'to' must be after 'from'")
+    with ctx.engine.connect() as conn:
+        if body.reward_spec_version is None:
+            version, spec = store.current_spec(conn, ctx.settings.profile)
+        else:
+            version = body.reward_spec_version
+            found = store.spec_version(conn, version)
+            if found is None:
+                raise NotFound(f"no reward spec version {version}")
+            spec = found
+        summary = store.replay(conn, body.from_, body.to, spec)
+    return {"reward_spec_version": version, **summary}

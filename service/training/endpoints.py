@@ -1,0 +1,64 @@
+"""Admin API for the trainer: its state, and pause/resume (a flag it reads every second)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi import APIRouter
+
+from service.deps import AdminKey, CtxDep
+from service.tables import rewards, trainer_state, utcnow
+
+router = APIRouter(prefix="/admin/training", tags=["admin: training"])
+STATE_NAME = "trainer"  # the trainer's row in trainer_state
+
+
+def _status(conn: sa.Connection) -> dict[str, Any]:
+    row = conn.execute(sa.select(trainer_state).where(trainer_state.c.name == STATE_NAME)).first()
+    untrained = conn.execute(
+        sa.select(sa.func.count()).select_from(rewards).where(rewards.c.trained_at.is_(None))
+    ).scalar_one()
+    finalized = conn.execute(sa.select(sa.func.count()).select_from(rewards)).scalar_one()
+    late = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(rewards.c.late_events), 0))).scalar_one()
+    alive = bool(row and row.heartbeat_at and utcnow() - row.heartbeat_at < timedelta(seconds=15))
+    return {
+        "paused": bool(row.paused) if row else False,
+        "alive": alive,
+        "heartbeat_at": row.heartbeat_at if row else None,
+        "rewards_finalized": finalized,
+        "rewards_untrained": untrained,
+        "late_events": int(late),
+        "trainer": (row.info or {}) if row else {},
+    }
+
+
+@router.get("")
+def get_training(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
+    """State (collecting, updating, gating, canary, paused), batch fill, last update and gate
+    result, canary progress, join lag and pending rollouts."""
+    with ctx.engine.connect() as conn:
+        return _status(conn)
+
+
+def _set_paused(ctx: Any, paused: bool) -> dict[str, Any]:
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        updated = conn.execute(trainer_state.update().where(trainer_state.c.name == STATE_NAME)
+                               .values(paused=paused, updated_at=now)).rowcount
+        if not updated:
+            conn.execute(trainer_state.insert().values(name=STATE_NAME, paused=paused,
+                                                       updated_at=now, info={}))
+        return _status(conn)
+
+
+@router.post("/pause")
+def pause(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
+    """Stop taking updates and deploying (the join keeps finalizing rewards)."""
+    return _set_paused(ctx, True)
+
+
+@router.post("/resume")
+def resume(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
+    return _set_paused(ctx, False)

@@ -1,0 +1,117 @@
+"""Checkpoints: round trip, hash verification, no unpickling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.policy.checkpoint import (
+    MANIFEST_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    sha256_file,
+)
+from service.policy.model import GPT
+from service.policy.tokenizer import CodeTokenizer
+
+
+def _logits(model: GPT, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0]
+
+
+def test_round_trip(tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer) -> None:
+    d = save_checkpoint(
+        tmp_path / "v3", tiny_model, tiny_tokenizer, version=3, parent=2, summary={"steps": 10}
+    )
+    model, tok, manifest = load_checkpoint(d)
+    ids = tiny_tokenizer.encode("def f(x):\n    return x")
+    assert torch.equal(_logits(model, ids), _logits(tiny_model, ids))
+    assert tok.to_json() == tiny_tokenizer.to_json()
+    assert (manifest.version, manifest.parent, manifest.summary) == (3, 2, {"steps": 10})
+    assert manifest.weights_sha256 == sha256_file(d / WEIGHTS_FILE)
+    assert manifest.tokenizer_sha256 == sha256_file(d / TOKENIZER_FILE)
+    assert manifest.config == tiny_model.config.to_dict()
+    assert read_manifest(d) == manifest
+    assert not model.training
+
+
+def test_bfloat16_storage_loads_as_float32(
+    tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    d = save_checkpoint(tmp_path / "bf16", tiny_model, tiny_tokenizer, 0, None, dtype="bfloat16")
+    model, _, manifest = load_checkpoint(d)
+    assert manifest.weights_dtype == "bfloat16"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ids = tiny_tokenizer.encode("import json")
+    torch.testing.assert_close(_logits(model, ids), _logits(tiny_model, ids), atol=0.05, rtol=0.05)
+
+
+def test_tampered_weights_are_refused(
+    tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    d = save_checkpoint(tmp_path / "c", tiny_model, tiny_tokenizer, 1, 0)
+    data = bytearray((d / WEIGHTS_FILE).read_bytes())
+    data[-1] ^= 0x01
+    (d / WEIGHTS_FILE).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_checkpoint(d)
+
+
+def test_tampered_tokenizer_is_refused(
+    tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    d = save_checkpoint(tmp_path / "c", tiny_model, tiny_tokenizer, 1, 0)
+    (d / TOKENIZER_FILE).write_text((d / TOKENIZER_FILE).read_text().replace("<|eof|>", "<|eoF|>"))
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_checkpoint(d)
+
+
+def test_missing_or_bad_manifest(
+    tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    with pytest.raises(CheckpointError, match="no manifest"):
+        load_checkpoint(tmp_path / "nothing")
+    d = save_checkpoint(tmp_path / "c", tiny_model, tiny_tokenizer, 1, 0)
+    manifest = json.loads((d / MANIFEST_FILE).read_text())
+    manifest["format"] = "something-else"
+    (d / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="format"):
+        load_checkpoint(d)
+    (d / MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match="not JSON"):
+        load_checkpoint(d)
+
+
+def test_no_silent_overwrite(
+    tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    d = save_checkpoint(tmp_path / "c", tiny_model, tiny_tokenizer, 1, 0)
+    with pytest.raises(CheckpointError, match="already"):
+        save_checkpoint(d, tiny_model, tiny_tokenizer, 2, 1)
+    save_checkpoint(d, tiny_model, tiny_tokenizer, 2, 1, overwrite=True)
+    assert read_manifest(d).version == 2
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [MANIFEST_FILE, WEIGHTS_FILE, TOKENIZER_FILE]
+    )
+
+
+def test_loading_never_unpickles(
+    tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = save_checkpoint(tmp_path / "c", tiny_model, tiny_tokenizer, 1, 0)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.load / pickle must not be used to load a checkpoint")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr("pickle.load", refuse)
+    monkeypatch.setattr("pickle.loads", refuse)
+    load_checkpoint(d)

@@ -1,0 +1,99 @@
+"""Pretraining: schedule helpers, a seconds-long smoke run, resume."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainer.pretrain as pretrain_module
+from service.policy.checkpoint import load_checkpoint
+from service.policy.model import ModelConfig
+from service.policy.sampling import complete
+from trainer.corpus import corpus_files
+from trainer.pretrain import PretrainConfig, bits_per_byte, get_lr, pretrain, split_files
+
+TINY = dict(
+    max_files=12,
+    vocab_size=300,
+    batch_size=4,
+    eval_every=10,
+    warmup_iters=5,
+    gate_examples=30,
+    progress=False,
+    model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64),
+)
+
+
+def _cfg(out: Path, **kw: object) -> PretrainConfig:
+    return PretrainConfig(out_dir=out, **{**TINY, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("it", "progress", "expected"),
+    [
+        (0, 0.0, 1e-3 * 1 / 11),  # first warmup step
+        (9, 0.0, 1e-3 * 10 / 11),  # last warmup step
+        (10, 0.0, 1e-3),  # peak
+        (50, 0.5, 1e-4 + 0.5 * (1e-3 - 1e-4)),  # half-way down the cosine
+        (99, 1.0, 1e-4),  # the end
+        (120, 1.7, 1e-4),  # past the budget: clamped
+    ],
+)
+def test_get_lr(it: int, progress: float, expected: float) -> None:
+    cfg = PretrainConfig(out_dir=Path("."), learning_rate=1e-3, min_lr=1e-4, warmup_iters=10)
+    assert math.isclose(get_lr(it, progress, cfg), expected, rel_tol=1e-9)
+
+
+def test_bits_per_byte() -> None:
+    assert math.isclose(bits_per_byte(math.log(2), n_tokens=100, n_bytes=400), 0.25)
+
+
+def test_heldout_files_are_never_trained_on() -> None:
+    train, heldout = split_files(PretrainConfig(out_dir=Path(".")))
+    assert train == corpus_files("train") and heldout == corpus_files("heldout")
+    assert not set(train) & set(heldout)
+
+
+def test_smoke_run_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
+    out = pretrain(_cfg(tmp_path / "base", minutes=2 / 60))
+    model, tok, manifest = load_checkpoint(out)
+    assert manifest.version == 0 and manifest.parent is None
+    assert manifest.summary["iters"] > 0 and manifest.summary["heldout_bits_per_byte"] > 0
+    assert manifest.summary["gate_fit"]["examples"] == 30
+    assert not (out / "resume").exists()
+    c = complete(model, tok, "import os\nx = os.pa", "", 8, 0.7, 0.95, None)
+    assert "\n" not in c.text
+
+
+def test_resume_after_a_crash_matches_an_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    straight = pretrain(_cfg(tmp_path / "straight", max_iters=16, gate_examples=0))
+
+    calls = {"n": 0}
+    real_get_batch = pretrain_module.get_batch
+
+    def crash_on_ninth(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt("killed")
+        return real_get_batch(*args, **kwargs)
+
+    out = tmp_path / "crashed"
+    monkeypatch.setattr(pretrain_module, "get_batch", crash_on_ninth)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(_cfg(out, max_iters=16, save_every_s=0.0, gate_examples=0))
+    monkeypatch.setattr(pretrain_module, "get_batch", real_get_batch)
+    assert (out / "resume" / "state.json").exists()
+    with pytest.raises(FileExistsError):  # a leftover run is never silently overwritten
+        pretrain(_cfg(out, max_iters=16, gate_examples=0))
+    pretrain(_cfg(out, max_iters=16, resume=True, gate_examples=0))
+
+    a, _, ma = load_checkpoint(straight)
+    b, _, mb = load_checkpoint(out)
+    assert mb.summary["iters"] == 16 and mb.summary["tokens_seen"] == 16 * 4 * 64
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name

@@ -1,0 +1,486 @@
+"""The policy-gradient update: pure helpers by table, then the loss and update() on a tiny model,
+then a synthetic learning run (issue 4): the gate learns to abstain where shown suggestions are
+rejected and to show where they are accepted, from rollouts the model samples itself."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from service.policy.model import GPT
+from service.policy.sampling import Completion, complete, score_actions
+from service.policy.tokenizer import CodeTokenizer
+from trainer.update import (
+    Batch,
+    UpdateConfig,
+    advantages,
+    bernoulli_entropy,
+    clipped_surrogate,
+    kl_to_reference,
+    make_optimizer,
+    pg_loss,
+    update,
+)
+
+torch.set_num_threads(1)
+
+PROMPTS = [
+    "import json\n\n\ndef load(path):\n    with open(path) as f:\n        return json.",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    ret",
+    "# parse the header\nfor line in lines:\n    if line.startswith('#'):\n        ",
+]
+
+
+def _set_gate(model: GPT, bias: float) -> None:
+    """p(show) = sigmoid(bias) whatever the completion (the hidden-state weights start at 0)."""
+    with torch.no_grad():
+        model.gate.features.weight.zero_()
+        model.gate.features.bias.fill_(bias)
+
+
+def _rollouts(
+    model: GPT, tokenizer: CodeTokenizer, prompts: list[str], per_prompt: int, seed: int = 0
+) -> list[Completion]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        complete(model, tokenizer, p, "", 6, temperature=0.8, top_p=0.95, generator=gen)
+        for p in prompts
+        for _ in range(per_prompt)
+    ]
+
+
+def _batch(comps: list[Completion], rewards: list[float]) -> Batch:
+    return Batch(
+        actions=comps,
+        behaviour_logp=torch.tensor([c.logprob_total for c in comps]),
+        rewards=torch.tensor(rewards),
+    )
+
+
+def _params(model: GPT) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _relogged(model: GPT, tokenizer: CodeTokenizer, comp: Completion) -> Completion:
+    """The completion as if the current model had served it (its log-probs recomputed)."""
+    with torch.no_grad():
+        s = score_actions(model, tokenizer, [comp])
+    return dataclasses.replace(
+        comp, decision_logprob=s.decision.item(), logprob_total=s.total.item()
+    )
+
+
+def _shown_completion(model: GPT, tokenizer: CodeTokenizer, shown: bool) -> Completion:
+    """A fixed non-empty completion with the requested decision, logged at p(show) = 1/2."""
+    _set_gate(model, 30.0 if shown else -30.0)
+    comp = _rollouts(model, tokenizer, PROMPTS[:1], 1, seed=3)[0]
+    assert comp.text and comp.shown == shown
+    _set_gate(model, 0.0)
+    return _relogged(model, tokenizer, comp)
+
+
+# --- advantages --------------------------------------------------------------------------
+S14 = math.sqrt(14 / 3)  # std of [-2, -1, 0, 3]
+
+
+@pytest.mark.parametrize(
+    ("rewards", "baseline", "normalize", "expected"),
+    [
+        pytest.param([0.75], "mean", False, [0.0], id="one-sample-mean"),
+        pytest.param([0.75], "loo", True, [0.0], id="one-sample-loo"),
+        pytest.param([0.5, 0.5, 0.5], "mean", False, [0.0] * 3, id="all-equal-mean"),
+        pytest.param([0.5, 0.5, 0.5], "loo", True, [0.0] * 3, id="all-equal-loo-normalized"),
+        pytest.param([0.0, 1.0], "mean", False, [-0.5, 0.5], id="two-mean"),
+        pytest.param([0.0, 1.0], "loo", False, [-1.0, 1.0], id="two-loo"),
+        pytest.param([1.0, 2.0, 3.0, 6.0], "mean", False, [-2.0, -1.0, 0.0, 3.0], id="mean"),
+        pytest.param(
+            [1.0, 2.0, 3.0, 6.0], "loo", False, [1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0], id="loo"
+        ),
+        pytest.param(
+            [1.0, 2.0, 3.0, 6.0], "mean", True, [-2 / S14, -1 / S14, 0.0, 3 / S14], id="mean-norm"
+        ),
+        # loo = mean * B/(B-1): normalizing removes the factor
+        pytest.param(
+            [1.0, 2.0, 3.0, 6.0], "loo", True, [-2 / S14, -1 / S14, 0.0, 3 / S14], id="loo-norm"
+        ),
+        pytest.param(
+            [-0.25, 0.0, 0.0, 0.75],
+            "loo",
+            False,
+            [-0.5, -1 / 6, -1 / 6, 5 / 6],
+            id="reject-abstain-accept",
+        ),
+    ],
+)
+def test_advantages(
+    rewards: list[float], baseline: str, normalize: bool, expected: list[float]
+) -> None:
+    got = advantages(torch.tensor(rewards), baseline, normalize)
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_advantages_empty_batch_raises() -> None:
+    with pytest.raises(ValueError, match="empty batch"):
+        advantages(torch.tensor([]), "loo", False)
+
+
+def test_loo_is_reward_minus_mean_of_the_others() -> None:
+    r = torch.randn(9, generator=torch.Generator().manual_seed(0))
+    others = torch.stack([torch.cat([r[:i], r[i + 1 :]]).mean() for i in range(len(r))])
+    torch.testing.assert_close(advantages(r, "loo", False), r - others)
+
+
+# --- surrogate, KL, entropy --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("ratio", "adv", "loss", "grad"),
+    [
+        pytest.param(1.0, 1.0, -1.0, -1.0, id="on-policy"),
+        pytest.param(1.1, 1.0, -1.1, -1.1, id="inside-clip"),
+        pytest.param(1.5, 1.0, -1.2, 0.0, id="above-clip-positive-adv-clipped"),
+        pytest.param(1.5, -1.0, 1.5, 1.5, id="above-clip-negative-adv-not-clipped"),
+        pytest.param(0.5, -1.0, 0.8, 0.0, id="below-clip-negative-adv-clipped"),
+        pytest.param(0.5, 1.0, -0.5, -0.5, id="below-clip-positive-adv-not-clipped"),
+        pytest.param(3.0, 0.0, 0.0, 0.0, id="zero-adv"),
+    ],
+)
+def test_clipped_surrogate(ratio: float, adv: float, loss: float, grad: float) -> None:
+    # grad: d loss / d logp_new (loss = -ratio * adv unless clipped)
+    logp_new = torch.tensor([math.log(ratio)], requires_grad=True)
+    value = clipped_surrogate(logp_new, torch.tensor([0.0]), torch.tensor([adv]), 0.2)
+    value.backward()
+    assert value.item() == pytest.approx(loss, abs=1e-6)
+    assert logp_new.grad is not None
+    assert logp_new.grad.item() == pytest.approx(grad, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("logp_new", "logp_ref", "expected"),
+    [
+        pytest.param([-3.0, -1.0], [-3.0, -1.0], 0.0, id="same-policy"),
+        pytest.param([-2.0], [-1.0], math.e - 2, id="ref-likelier"),
+        pytest.param([-1.0], [-2.0], math.exp(-1), id="ref-less-likely"),
+        pytest.param([-1.0, -1.0], [-2.0, -1.0], math.exp(-1) / 2, id="mean-over-batch"),
+        pytest.param([-100.0], [-1.0], math.exp(10) - 11, id="clamped-log-ratio"),
+    ],
+)
+def test_kl_to_reference(logp_new: list[float], logp_ref: list[float], expected: float) -> None:
+    got = kl_to_reference(torch.tensor(logp_new), torch.tensor(logp_ref))
+    assert got.item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert got.item() >= 0.0
+
+
+@pytest.mark.parametrize(
+    ("logit", "expected"),
+    [
+        (0.0, math.log(2)),
+        (200.0, 0.0),
+        (-200.0, 0.0),
+        (math.log(3), -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))),
+    ],
+    ids=["even", "sure-show", "sure-abstain", "p=0.75"],
+)
+def test_bernoulli_entropy(logit: float, expected: float) -> None:
+    assert bernoulli_entropy(torch.tensor(logit)).item() == pytest.approx(expected, abs=1e-6)
+
+
+# --- the loss on a tiny model ------------------------------------------------------------
+def test_unchanged_model_recomputes_logged_logprobs(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """The importance ratio against the serving policy's own log-probs is 1; KL to itself 0."""
+    _set_gate(tiny_model, 0.0)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 4)
+    assert any(c.shown for c in comps) and not all(c.shown for c in comps)
+    assert any(c.heal_text for c in comps)
+    batch = _batch(comps, [float(c.shown) for c in comps])
+    ref = copy.deepcopy(tiny_model)
+    _, m = pg_loss(tiny_model, ref, tiny_tokenizer, batch, UpdateConfig())
+    assert m["charts/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["charts/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert m["charts/clipfrac"] == 0.0
+    assert abs(m["charts/approx_kl"]) < 1e-6
+    assert m["losses/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert m["charts/p_show"] == pytest.approx(0.5, abs=1e-6)
+    assert m["losses/entropy"] > math.log(2)  # tokens at T=0.8 plus the even decision
+
+
+@pytest.mark.parametrize("shown", [True, False], ids=["shown", "abstained"])
+@pytest.mark.parametrize("adv", [1.0, -1.0], ids=["positive-adv", "negative-adv"])
+def test_advantage_sign_moves_the_action_logprob(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, shown: bool, adv: float
+) -> None:
+    comp = _shown_completion(tiny_model, tiny_tokenizer, shown)
+    batch = _batch([comp], [0.0])
+    before = score_actions(tiny_model, tiny_tokenizer, [comp])
+    cfg = UpdateConfig(kl_coef=0.0, entropy_coef=0.0)
+    loss, _ = pg_loss(tiny_model, tiny_model, tiny_tokenizer, batch, cfg, adv=torch.tensor([adv]))
+    opt = torch.optim.SGD(tiny_model.parameters(), lr=1e-2)
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        after = score_actions(tiny_model, tiny_tokenizer, [comp])
+    for part in ("total", "tokens", "decision"):
+        moved = (getattr(after, part) - getattr(before, part)).item()
+        assert moved * adv > 0, f"{part} log-prob moved by {moved} for advantage {adv}"
+
+
+@pytest.mark.parametrize("gate_only", [False, True], ids=["full", "gate-only"])
+@pytest.mark.parametrize(
+    ("show_reward", "direction"), [(0.75, 1.0), (-0.25, -1.0)], ids=["accepted", "rejected"]
+)
+def test_update_moves_the_gate_toward_the_better_decision(
+    tiny_model: GPT,
+    tiny_tokenizer: CodeTokenizer,
+    gate_only: bool,
+    show_reward: float,
+    direction: float,
+) -> None:
+    """The same completion shown and abstained: the LOO advantages (+a, -a) cancel on the
+    tokens, so only the decision moves, toward whichever earned more."""
+    shown = _shown_completion(tiny_model, tiny_tokenizer, True)
+    abstained = _relogged(tiny_model, tiny_tokenizer, dataclasses.replace(shown, shown=False))
+    batch = _batch([shown, abstained], [show_reward, 0.0])
+    p_before = torch.sigmoid(score_actions(tiny_model, tiny_tokenizer, [shown]).gate_logit)
+    cfg = UpdateConfig(learning_rate=1e-2, kl_coef=0.0, train_gate_only=gate_only)
+    update(
+        tiny_model,
+        copy.deepcopy(tiny_model),
+        tiny_tokenizer,
+        batch,
+        make_optimizer(tiny_model, cfg),
+        cfg,
+    )
+    with torch.no_grad():
+        p_after = torch.sigmoid(score_actions(tiny_model, tiny_tokenizer, [shown]).gate_logit)
+    assert (p_after - p_before).item() * direction > 0.01
+
+
+@pytest.mark.parametrize(
+    ("baseline", "normalize"),
+    [("loo", False), ("loo", True), ("mean", False), ("mean", True)],
+)
+def test_zero_variance_batch_changes_nothing(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, baseline: str, normalize: bool
+) -> None:
+    _set_gate(tiny_model, 0.0)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2)
+    batch = _batch(comps, [0.5] * len(comps))
+    before = _params(tiny_model)
+    cfg = UpdateConfig(
+        learning_rate=1e-2,
+        kl_coef=0.0,
+        entropy_coef=0.0,
+        baseline=baseline,  # type: ignore[arg-type]
+        normalize_advantages=normalize,
+        epochs=2,
+        minibatch_size=3,
+    )
+    m = update(
+        tiny_model,
+        copy.deepcopy(tiny_model),
+        tiny_tokenizer,
+        batch,
+        make_optimizer(tiny_model, cfg),
+        cfg,
+    )
+    assert m["charts/grad_norm"] == 0.0
+    after = _params(tiny_model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize(
+    ("kl_coef", "entropy_coef"), [(0.05, 0.0), (0.0, 0.01)], ids=["kl", "entropy"]
+)
+def test_zero_variance_batch_still_feels_the_regularisers(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, kl_coef: float, entropy_coef: float
+) -> None:
+    """Contrast to the test above: the no-op there is the advantage, not a dead update."""
+    _set_gate(tiny_model, 0.0)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2)
+    ref = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        ref.gate.features.bias.fill_(2.0)  # a different reference, so the KL pulls
+    before = _params(tiny_model)
+    cfg = UpdateConfig(learning_rate=1e-3, kl_coef=kl_coef, entropy_coef=entropy_coef)
+    update(
+        tiny_model,
+        ref,
+        tiny_tokenizer,
+        _batch(comps, [0.5] * len(comps)),
+        make_optimizer(tiny_model, cfg),
+        cfg,
+    )
+    after = _params(tiny_model)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "adv", "clipped"),
+    [
+        pytest.param(2.0, 1.0, True, id="ratio-2-positive-adv"),
+        pytest.param(2.0, -1.0, False, id="ratio-2-negative-adv"),
+        pytest.param(0.5, -1.0, True, id="ratio-half-negative-adv"),
+        pytest.param(0.5, 1.0, False, id="ratio-half-positive-adv"),
+        pytest.param(1.1, 1.0, False, id="ratio-inside-positive-adv"),
+        pytest.param(1.1, -1.0, False, id="ratio-inside-negative-adv"),
+    ],
+)
+def test_clipping_engages_where_it_should(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, ratio: float, adv: float, clipped: bool
+) -> None:
+    """Stale rollouts: the logged behaviour log-prob is shifted so pi/mu = ratio exactly."""
+    _set_gate(tiny_model, 0.0)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2)
+    batch = Batch(
+        actions=comps,
+        behaviour_logp=torch.tensor([c.logprob_total - math.log(ratio) for c in comps]),
+        rewards=torch.zeros(len(comps)),
+    )
+    cfg = UpdateConfig(kl_coef=0.0, entropy_coef=0.0, clip_eps=0.2)
+    loss, m = pg_loss(
+        tiny_model, tiny_model, tiny_tokenizer, batch, cfg, adv=torch.full((len(comps),), adv)
+    )
+    loss.backward()
+    grad_sq = sum(float((p.grad**2).sum()) for p in tiny_model.parameters() if p.grad is not None)
+    assert m["charts/ratio_mean"] == pytest.approx(ratio, rel=1e-3)
+    assert m["charts/clipfrac"] == (1.0 if abs(ratio - 1) > 0.2 else 0.0)
+    assert (grad_sq == 0.0) == clipped, f"squared gradient norm {grad_sq}"
+
+
+@pytest.mark.parametrize(
+    ("ref_differs", "positive"), [(False, False), (True, True)], ids=["model-is-ref", "ref-differs"]
+)
+def test_kl_term(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, ref_differs: bool, positive: bool
+) -> None:
+    _set_gate(tiny_model, 0.0)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2)
+    ref = copy.deepcopy(tiny_model)
+    if ref_differs:
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    cfg = UpdateConfig(kl_coef=1.0, entropy_coef=0.0)
+    loss, m = pg_loss(tiny_model, ref, tiny_tokenizer, _batch(comps, [0.0] * len(comps)), cfg)
+    loss.backward()  # all advantages 0: the loss is the KL alone
+    grad_sq = sum(float((p.grad**2).sum()) for p in tiny_model.parameters() if p.grad is not None)
+    assert loss.item() == pytest.approx(m["losses/kl"], abs=1e-7)
+    assert (m["losses/kl"] > 1e-3) == positive
+    assert (grad_sq > 0.0) == positive
+    assert m["losses/kl"] >= 0.0
+    assert all(p.grad is None for p in ref.parameters())
+
+
+def test_update_minibatches_and_leaves_the_models_as_it_found_them(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    _set_gate(tiny_model, 0.0)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2)
+    ref = copy.deepcopy(tiny_model)
+    ref_before = _params(ref)
+    tiny_model.train()
+    cfg = UpdateConfig(learning_rate=1e-3, epochs=2, minibatch_size=3, entropy_coef=0.01)
+    rewards = [0.75 if c.shown else 0.0 for c in comps]
+    m = update(
+        tiny_model,
+        ref,
+        tiny_tokenizer,
+        _batch(comps, rewards),
+        make_optimizer(tiny_model, cfg),
+        cfg,
+    )
+    assert {
+        "losses/total",
+        "losses/policy",
+        "losses/kl",
+        "losses/entropy",
+        "charts/clipfrac",
+        "charts/approx_kl",
+        "charts/ratio_mean",
+        "charts/adv_mean",
+        "charts/grad_norm",
+    } <= set(m)
+    assert all(math.isfinite(v) for v in m.values())
+    assert m["charts/grad_norm"] > 0.0
+    assert tiny_model.training and not ref.training  # modes restored
+    assert all(p.requires_grad for p in tiny_model.parameters())
+    assert all(torch.equal(ref_before[n], p) for n, p in ref.named_parameters())
+    assert all(p.grad is None for p in ref.parameters())
+
+
+def test_train_gate_only_leaves_the_language_model_alone(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    _set_gate(tiny_model, 0.0)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2)
+    rewards = [0.75 if c.shown else 0.0 for c in comps]
+    before = _params(tiny_model)
+    cfg = UpdateConfig(learning_rate=1e-2, train_gate_only=True)
+    # an optimizer over every parameter (as the caller may build): the LM still must not move
+    opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-2, weight_decay=0.0)
+    update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, _batch(comps, rewards), opt, cfg)
+    after = _params(tiny_model)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and all(n.startswith("gate.") for n in changed), changed
+    assert all(p.requires_grad for p in tiny_model.parameters())
+
+
+# --- synthetic learning (issue 4) --------------------------------------------------------
+# Family A: comment lines, where users reject every suggestion. Family B: code, where they
+# accept it. Rewards follow the default spec: reject -0.25, accept 0.75 * size scale, abstain 0.
+FAMILY_A = [
+    f"# note {i}: this comment explains the plan\n# and continues here, in prose\n# "
+    for i in range(4)
+]
+FAMILY_B = [f"def f{i}(x, y):\n    z = x + y * {i}\n    return " for i in range(4)]
+
+
+def _reward(comp: Completion, family: str) -> float:
+    if not comp.shown:
+        return 0.0
+    if family == "A":
+        return -0.25
+    return 0.75 * (min(len(comp.text), 60) / 20) ** 0.5
+
+
+def test_synthetic_learning_gate_follows_the_reward(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """On-policy loop: sample from the current model, reward, update(); p(show) on A must fall
+    below 0.2 and on B rise above 0.8 (both start at 0.5) within 60 updates."""
+    _set_gate(tiny_model, 0.0)
+    ref = copy.deepcopy(tiny_model)
+    # lr 3e-3 (pretraining's peak): the random-init tiny model's hidden states barely separate
+    # the families, so the gate has to learn features; 1e-3 needs far more than 60 updates
+    cfg = UpdateConfig(learning_rate=3e-3)
+    optimizer = make_optimizer(tiny_model, cfg)
+    gen = torch.Generator().manual_seed(0)
+
+    def rollouts(prompts: list[str], n: int) -> list[Completion]:
+        return [
+            complete(tiny_model, tiny_tokenizer, p, "", 6, 1.0, None, gen)
+            for p in prompts
+            for _ in range(n)
+        ]
+
+    def p_show(comps: list[Completion]) -> float:
+        return sum(c.gate_prob_show for c in comps) / len(comps)
+
+    history = []
+    for _ in range(60):
+        a, b = rollouts(FAMILY_A, 4), rollouts(FAMILY_B, 4)
+        history.append((p_show(a), p_show(b)))
+        if history[-1][0] < 0.1 and history[-1][1] > 0.9:  # margin over the noisy estimate
+            break
+        rewards = [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b]
+        m = update(tiny_model, ref, tiny_tokenizer, _batch(a + b, rewards), optimizer, cfg)
+        assert m["charts/ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # on-policy
+    assert history[0] == pytest.approx((0.5, 0.5), abs=1e-6)
+    final_a, final_b = p_show(rollouts(FAMILY_A, 8)), p_show(rollouts(FAMILY_B, 8))  # fresh samples
+    assert final_a < 0.2, f"p(show) on A {final_a:.3f} after {len(history)} updates: {history}"
+    assert final_b > 0.8, f"p(show) on B {final_b:.3f} after {len(history)} updates: {history}"

@@ -1,0 +1,192 @@
+"""The code corpus: the Python standard library of the running interpreter, split by file.
+
+Which files: every `*.py` under `sysconfig.get_paths()["stdlib"]`, except
+- tests: any path part `test`, `tests` or `idle_test` (this covers `idlelib/idle_test` and
+  `lib2to3/tests`), and files named `test_*.py`;
+- third-party code: anything under `site-packages` / `dist-packages`;
+- generated data rather than code: files over `MAX_FILE_BYTES` (200 KB: `pydoc_data/topics.py`,
+  `_pydecimal.py`), and files where at least `DATA_LINE_FRACTION` of the non-blank, non-comment
+  lines are a bare literal (a string/number table entry such as `'\\x00'  # 0x00 -> NULL` or
+  `'AElig': 'Æ',`) and there are at least `DATA_MIN_LINES` such lines: the `encodings/` charmap
+  tables, `html/entities.py`, `stringprep.py`, `locale.py`'s alias tables, `_sysconfigdata*`.
+
+The split is by file and deterministic: a file is held out when the SHA-256 of its path relative
+to the stdlib root (POSIX form) falls in the first `HELDOUT_PER_MILLE` of 1000 buckets (~5%).
+Held-out files are for evaluation and simulation only; pretraining asserts it never reads one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+Split = Literal["train", "heldout"]
+
+HELDOUT_PER_MILLE = 50  # ~5% of files are held out
+MAX_FILE_BYTES = 200_000  # larger files are generated data or too atypical
+DATA_LINE_FRACTION = 0.6  # share of bare-literal lines that marks a data table ...
+DATA_MIN_LINES = 100  # ... when there are at least this many of them
+FILE_SEPARATOR = "\n<|eof|>\n"  # between files in read_corpus(); the tokenizer's <|eof|>
+EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages"})
+
+# A line that is only a literal, optionally "key: value", a trailing comma and a comment.
+_KEY = r"""(?:[rbuRBU]{0,2}(?P<q1>['"]).*?(?P=q1)|0x[0-9a-fA-F]+|-?\d+(?:\.\d*)?|None|[()\[\]{}])"""
+_VALUE = r"""(?:[rbuRBU]{0,2}(?P<q2>['"]).*?(?P=q2)|0x[0-9a-fA-F]+|-?\d+(?:\.\d*)?|None|\(.*\))"""
+_LITERAL_LINE = re.compile(rf"^\s*{_KEY}\s*(?::\s*{_VALUE})?\s*,?\s*(?:#.*)?$")
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_excluded_path(rel: PurePosixPath) -> bool:
+    """Tests and third-party code, by path alone."""
+    if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]):
+        return True
+    return rel.name.startswith("test_") or rel.suffix != ".py"
+
+
+def is_data_file(text: str) -> bool:
+    """Generated tables rather than code: too big, or mostly bare literal lines."""
+    if len(text.encode("utf-8", errors="replace")) > MAX_FILE_BYTES:
+        return True
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    literal = sum(1 for ln in lines if _LITERAL_LINE.match(ln))
+    return literal >= DATA_MIN_LINES and literal >= DATA_LINE_FRACTION * len(lines)
+
+
+def is_heldout(rel: PurePosixPath | str) -> bool:
+    """Deterministic ~5% file-level split on the hash of the relative path."""
+    digest = hashlib.sha256(str(PurePosixPath(rel)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 1000 < HELDOUT_PER_MILLE
+
+
+def read_text(path: Path) -> str:
+    # stdlib sources are UTF-8; a stray byte must not stop training
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+@cache
+def _all_files(root: Path) -> tuple[tuple[Path, bool], ...]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = PurePosixPath(path.relative_to(root).as_posix())
+        if not path.is_file() or is_excluded_path(rel) or is_data_file(read_text(path)):
+            continue
+        out.append((path, is_heldout(rel)))
+    return tuple(out)
+
+
+def corpus_files(split: Split, root: Path | None = None) -> list[Path]:
+    """The split's files, sorted by path (stable across runs and machines)."""
+    assert split in ("train", "heldout"), f"unknown split {split!r}"
+    want = split == "heldout"
+    return [p for p, held in _all_files(root or stdlib_root()) if held == want]
+
+
+def read_corpus(split: Split, root: Path | None = None) -> str:
+    """All of a split's files as one string, joined with FILE_SEPARATOR."""
+    return FILE_SEPARATOR.join(read_text(p) for p in corpus_files(split, root))
+
+
+@dataclass(frozen=True)
+class CorpusLine:
+    """One line of a corpus file with its surroundings (lines share the file's tuple)."""
+
+    path: Path  # the file
+    line_no: int  # 0-based index of `line` in the file
+    lines: tuple[str, ...]  # every line of the file, without line endings
+
+    @property
+    def line(self) -> str:
+        return self.lines[self.line_no]
+
+    @property
+    def prefix_lines(self) -> tuple[str, ...]:
+        return self.lines[: self.line_no]
+
+    @property
+    def suffix_lines(self) -> tuple[str, ...]:
+        return self.lines[self.line_no + 1 :]
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """An editing position inside a real line: what an editor would send, and the truth."""
+
+    path: Path  # the file
+    line_no: int  # 0-based line of the cursor
+    prefix: str  # file text before the cursor
+    suffix: str  # file text after the cursor (starting with the rest of the line)
+    rest_of_line: str  # the true completion: suffix up to (not including) the newline
+
+
+def exact_match(completion: str, rest_of_line: str) -> bool:
+    """The completion is the rest of the line (trailing whitespace ignored)."""
+    return completion.rstrip() == rest_of_line.rstrip()
+
+
+def prefix_match(completion: str, rest_of_line: str) -> bool:
+    """A non-empty completion the user could accept as is: exact, or a prefix of the truth."""
+    if not completion.strip():
+        return False
+    return rest_of_line.startswith(completion) or exact_match(completion, rest_of_line)
+
+
+def iter_lines(split: Split = "heldout", root: Path | None = None) -> Iterator[CorpusLine]:
+    """Every non-blank line of the split's files, in file order."""
+    return lines_of(corpus_files(split, root))
+
+
+def lines_of(paths: Iterable[Path]) -> Iterator[CorpusLine]:
+    """Every non-blank line of the given files, in order."""
+    for path in paths:
+        lines = tuple(read_text(path).split("\n"))
+        for i, line in enumerate(lines):
+            if line.strip():
+                yield CorpusLine(path, i, lines)
+
+
+def heldout_lines(root: Path | None = None) -> Iterator[CorpusLine]:
+    """Held-out lines as (file, line_no, prefix_lines, line, suffix_lines) carriers."""
+    return iter_lines("heldout", root)
+
+
+def cursor_in_line(cl: CorpusLine, rng: random.Random) -> Cursor | None:
+    """A cursor at a random column after the indentation and before the last character.
+
+    None when the line has fewer than two non-indent characters (nothing to complete).
+    """
+    line = cl.line.rstrip()
+    indent = len(line) - len(line.lstrip())
+    if len(line) - indent < 2:
+        return None
+    col = rng.randint(indent + 1, len(line) - 1)
+    before = "\n".join(cl.prefix_lines + (cl.line[:col],))
+    after = "\n".join((cl.line[col:],) + cl.suffix_lines)
+    return Cursor(cl.path, cl.line_no, before, after, cl.line[col:])
+
+
+def sample_cursors(split: Split, n: int, seed: int, root: Path | None = None) -> list[Cursor]:
+    """n cursors at random points inside random non-blank lines of the split (seeded)."""
+    return cursors_from(corpus_files(split, root), n, seed)
+
+
+def cursors_from(paths: Iterable[Path], n: int, seed: int) -> list[Cursor]:
+    """n cursors at random points inside random non-blank lines of these files (seeded)."""
+    rng = random.Random(seed)
+    candidates: Sequence[CorpusLine] = list(lines_of(paths))
+    assert candidates, "no lines to place a cursor in"
+    out: list[Cursor] = []
+    while len(out) < n:
+        cur = cursor_in_line(rng.choice(candidates), rng)
+        if cur is not None:
+            out.append(cur)
+    return out

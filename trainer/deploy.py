@@ -1,0 +1,87 @@
+"""Talking to the service as the trainer does: register, deploy, promote, roll back over HTTP
+with a deploy-scoped key, and the pure canary verdict."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+
+
+class ServiceClient:
+    def __init__(self, base_url: str, token: str, timeout_s: float = 60.0) -> None:
+        self._http = httpx.Client(base_url=base_url, timeout=timeout_s,
+                                  headers={"Authorization": f"Bearer {token}"})
+
+    def _ok(self, r: httpx.Response) -> Any:
+        if r.status_code >= 400:
+            raise RuntimeError(f"{r.request.method} {r.request.url.path}: {r.status_code} {r.text}")
+        return r.json()
+
+    def register(self, ckpt: Path, parent: int | None, summary: dict[str, Any]) -> int:
+        files = {
+            "manifest": (MANIFEST_FILE, (ckpt / MANIFEST_FILE).read_bytes()),
+            "weights": (WEIGHTS_FILE, (ckpt / WEIGHTS_FILE).read_bytes()),
+            "tokenizer": (TOKENIZER_FILE, (ckpt / TOKENIZER_FILE).read_bytes()),
+        }
+        data = {"summary": json.dumps(summary)}
+        if parent is not None:
+            data["parent"] = str(parent)
+        return int(self._ok(self._http.post("/admin/policies", files=files, data=data))["version"])
+
+    def deploy(self, version: int, fraction: float, reason: str) -> dict[str, Any]:
+        return self._ok(self._http.post(f"/admin/policies/{version}/deploy",  # type: ignore[no-any-return]
+                                        json={"canary_fraction": fraction, "reason": reason}))
+
+    def promote(self, version: int, reason: str) -> dict[str, Any]:
+        return self._ok(self._http.post(f"/admin/policies/{version}/promote",  # type: ignore[no-any-return]
+                                        json={"reason": reason}))
+
+    def rollback(self, reason: str) -> dict[str, Any]:
+        return self._ok(self._http.post("/admin/rollback", json={"reason": reason}))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._http.close()
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    """Finalized rewards of one policy version over the canary period."""
+
+    n: int
+    shown: int
+    accepted: int
+    mean_reward: float
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.shown if self.shown else 0.0
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    min_rollouts: int  # finalized canary rollouts needed for a verdict
+    timeout_s: float  # past this with too little data, the canary is withdrawn
+    reward_tolerance: float = 0.02  # the canary's mean reward may trail live by this much
+    accept_tolerance: float = 0.05  # and its accept rate (of shown) by this much
+
+
+def canary_verdict(canary: ArmStats, live: ArmStats, age_s: float,
+                   cfg: CanaryConfig) -> tuple[Literal["wait", "promote", "rollback"], str]:
+    if canary.n < cfg.min_rollouts:
+        if age_s < cfg.timeout_s:
+            return "wait", f"{canary.n}/{cfg.min_rollouts} canary rollouts finalized"
+        return "rollback", f"only {canary.n} canary rollouts in {cfg.timeout_s:.0f}s"
+    if canary.shown == 0:
+        return "rollback", "the canary showed nothing (collapse)"
+    if canary.mean_reward < live.mean_reward - cfg.reward_tolerance:
+        return "rollback", f"mean reward {canary.mean_reward:.3f} < live {live.mean_reward:.3f}"
+    if live.shown and canary.accept_rate < live.accept_rate - cfg.accept_tolerance:
+        return "rollback", f"accept rate {canary.accept_rate:.2f} < live {live.accept_rate:.2f}"
+    return "promote", (f"mean reward {canary.mean_reward:.3f} vs live {live.mean_reward:.3f}, "
+                       f"accept rate {canary.accept_rate:.2f} vs {live.accept_rate:.2f}")

@@ -1,0 +1,142 @@
+"""The reward join: rollouts meet their feedback inside the reward windows.
+
+Rollouts and events arrive on the log in any order (feedback can come before its rollout).
+The join keeps each rollout pending until its reward is final (trainer.reward.finalize_at),
+then computes the reward from the database — the source of truth for events, so nothing that
+arrived out of order is missed — and writes it once (`rewards` keyed by suggestion id).
+Pending state is rebuilt from the database after a restart, so consumer offsets can be
+committed as soon as a poll is processed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from service.stream.consumer import Record
+from service.stream.topics import FEEDBACK, ROLLOUTS
+from service.tables import rewards, rollouts, utcnow
+from service.rewards.core import Feedback, RewardSpec, RolloutInfo, finalize_at
+from service.rewards.store import reward_from_db, rollout_info
+
+log = logging.getLogger(__name__)
+
+SUGGESTION_EVENTS = ("accept", "reject", "code_retained")
+
+
+@dataclass
+class Pending:
+    rollout: RolloutInfo
+    policy_version: int
+    events: list[Feedback] = field(default_factory=list)  # what the stream has shown us so far
+    due: datetime | None = None
+
+
+@dataclass
+class JoinStats:
+    finalized: int = 0
+    late_events: int = 0
+    orphan_events: int = 0  # feedback about a suggestion never seen (yet)
+
+
+class Join:
+    def __init__(self, engine: sa.Engine, spec: RewardSpec, spec_version: int) -> None:
+        self.engine, self.spec, self.spec_version = engine, spec, spec_version
+        self.pending: dict[str, Pending] = {}
+        self.early: dict[str, list[Feedback]] = {}  # feedback that came before its rollout
+        self.stats = JoinStats()
+
+    # -- input ---------------------------------------------------------------------------
+
+    def recover(self) -> int:
+        """After a (re)start: every rollout without a reward is pending again."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(rollouts.c.suggestion_id, rollouts.c.user_id, rollouts.c.created_at,
+                          rollouts.c.shown, rollouts.c.text, rollouts.c.policy_version)
+                .outerjoin(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
+                .where(rewards.c.suggestion_id.is_(None))
+            ).all()
+        for r in rows:
+            self._add(rollout_info(r), r.policy_version)
+        return len(rows)
+
+    def add(self, records: Iterable[Record]) -> None:
+        for rec in records:
+            if rec.topic == ROLLOUTS:
+                self._add(rollout_info(rec.value), int(rec.value["policy_version"]))
+            elif rec.topic == FEEDBACK:
+                self._feedback(Feedback.from_event(rec.value))
+
+    def _add(self, info: RolloutInfo, version: int) -> None:
+        if info.suggestion_id in self.pending:
+            return
+        p = Pending(info, version, self.early.pop(info.suggestion_id, []))
+        p.due = finalize_at(p.rollout, p.events, self.spec)
+        self.pending[info.suggestion_id] = p
+
+    def _feedback(self, fb: Feedback) -> None:
+        if fb.type not in SUGGESTION_EVENTS or fb.suggestion_id is None:
+            return  # switch and churn are read from the database when a reward is computed
+        p = self.pending.get(fb.suggestion_id)
+        if p is not None:
+            p.events.append(fb)
+            p.due = finalize_at(p.rollout, p.events, self.spec)
+        else:
+            self.early.setdefault(fb.suggestion_id, []).append(fb)
+
+    # -- output --------------------------------------------------------------------------
+
+    def finalize_due(self, now: datetime | None = None, limit: int = 5000) -> int:
+        """Compute and store the rewards that are final by `now`; returns how many."""
+        now = now or utcnow()
+        due = [p for p in self.pending.values() if p.due is not None and p.due <= now][:limit]
+        if due:
+            with self.engine.begin() as conn:
+                rows = [self._reward_row(conn, p, now) for p in due]
+                insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+                conn.execute(insert(rewards).on_conflict_do_nothing(index_elements=["suggestion_id"]),
+                             rows)
+            for p in due:
+                del self.pending[p.rollout.suggestion_id]
+            self.stats.finalized += len(due)
+        self._settle_early(now)
+        return len(due)
+
+    def _reward_row(self, conn: sa.Connection, p: Pending, now: datetime) -> dict[str, Any]:
+        r = p.rollout
+        reward = reward_from_db(conn, r, self.spec)
+        return {
+            "suggestion_id": r.suggestion_id, "user_id": r.user_id,
+            "policy_version": p.policy_version, "rollout_created_at": r.created_at,
+            "value": reward.value, "outcome": reward.outcome, "components": reward.components,
+            "spec_version": self.spec_version, "finalized_at": now,
+        }
+
+    def _settle_early(self, now: datetime) -> None:
+        """Feedback whose rollout is already final is late; it stays stored, counted here."""
+        if not self.early:
+            return
+        ids = list(self.early)
+        with self.engine.begin() as conn:
+            final = set(conn.execute(
+                sa.select(rewards.c.suggestion_id).where(rewards.c.suggestion_id.in_(ids))
+            ).scalars())
+            for sid in final:
+                n = len(self.early.pop(sid))
+                conn.execute(rewards.update().where(rewards.c.suggestion_id == sid)
+                             .values(late_events=rewards.c.late_events + n))
+                self.stats.late_events += n
+        # Feedback for rollouts never seen: drop from memory once past any window (still stored).
+        cutoff = now - timedelta(seconds=self.spec.horizon_s * 2)
+        for sid, fbs in list(self.early.items()):
+            if all(f.occurred_at < cutoff for f in fbs):
+                self.stats.orphan_events += len(fbs)
+                del self.early[sid]
+

@@ -1,0 +1,297 @@
+"""The trainer's loop: consume, join, finalize rewards, commit, then train or watch the canary.
+
+Always in the same order (STYLE.md): poll the log; add records to the join; write the rewards
+that are final; commit offsets (what was read is durable: rollouts and events are in the
+database and rewards were just written); heartbeat; then, unless paused, either judge the
+canary in flight or — with a full batch of untrained rewards from recent versions — take a
+policy-gradient step, gate the candidate, register it and deploy it as a canary.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+import torch
+
+from service.config import Settings
+from service.policy.checkpoint import load_checkpoint, save_checkpoint
+from service.policy.model import GPT
+from service.policy.tokenizer import CodeTokenizer
+from service.rewards.store import current_spec
+from service.registry.store import Deployment, artifact_files, current_deployment, write_files
+from service.stream.consumer import open_consumer
+from service.stream.topics import FEEDBACK, ROLLOUTS
+from service.training.endpoints import STATE_NAME
+from service.tables import deployments, policies, rewards, rollouts, trainer_state, utcnow
+from trainer.deploy import ArmStats, CanaryConfig, ServiceClient, canary_verdict
+from trainer.gate import GateConfig, check, heldout_sample
+from trainer.join import Join
+from trainer.update import Batch, UpdateConfig, update
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerConfig:
+    group: str = "tabloop-trainer"  # consumer group (embedded: the trainer_state row)
+    batch_size: int = 4096  # finalized rollouts per policy-gradient update
+    gate_fraction: float = 0.2  # share of a batch held back to estimate the candidate's reward
+    staleness: int = 3  # train on rollouts of versions seen in the last N deployments
+    canary_fraction: float = 0.1  # share of users the candidate gets first
+    canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(2000, 3600.0))
+    gate: GateConfig = field(default_factory=GateConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    heldout_rows: int = 24  # the gate's held-out code sample
+    heldout_len: int = 128
+    poll_timeout_s: float = 0.5
+    heartbeat_s: float = 1.0
+
+    @classmethod
+    def for_profile(cls, profile: str) -> TrainerConfig:
+        if profile == "sim":  # a whole learn-and-redeploy loop in about a minute
+            return cls(batch_size=160, canary_fraction=0.3,
+                       canary=CanaryConfig(min_rollouts=60, timeout_s=120.0,
+                                           reward_tolerance=0.03, accept_tolerance=0.08))
+        return cls()
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> TrainerConfig:
+        cfg = cls.for_profile(settings.profile)
+        if settings.trainer_batch_size:
+            cfg.batch_size = settings.trainer_batch_size
+        if settings.trainer_canary_min_rollouts:
+            cfg.canary = replace(cfg.canary, min_rollouts=settings.trainer_canary_min_rollouts)
+        return cfg
+
+
+class Trainer:
+    def __init__(self, settings: Settings, engine: sa.Engine, client: ServiceClient,
+                 cfg: TrainerConfig | None = None) -> None:
+        self.settings, self.engine, self.client = settings, engine, client
+        self.cfg = cfg or TrainerConfig.for_settings(settings)
+        self.state: dict[str, Any] = {"state": "starting", "history": []}
+        self._policies: dict[int, tuple[GPT, CodeTokenizer]] = {}
+        self._last_heartbeat = 0.0
+        self.paused = False
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        torch.set_num_threads(self.settings.torch_threads)
+        spec_version, spec = current_spec(self.engine, self.settings.profile)
+        join = Join(self.engine, spec, spec_version)
+        recovered = join.recover()
+        log.info("trainer starting: %d rollouts pending from before, reward spec v%d",
+                 recovered, spec_version)
+        consumer = open_consumer(self.settings, self.engine, self.cfg.group, [ROLLOUTS, FEEDBACK])
+        try:
+            while not stop.is_set():
+                records = consumer.poll(max_records=5000, timeout_s=self.cfg.poll_timeout_s)
+                join.add(records)
+                join.finalize_due()
+                consumer.commit(records)
+                self._heartbeat(join)
+                if self.paused:
+                    continue
+                with self.engine.connect() as conn:
+                    dep = current_deployment(conn)
+                if dep is None:
+                    continue
+                if dep.canary_version is not None:
+                    self._watch_canary(dep)
+                else:
+                    self._maybe_train(dep)
+        finally:
+            consumer.close()
+            self.state["state"] = "stopped"
+            self._heartbeat(join, force=True)
+            log.info("trainer stopped")
+
+    # -- training --------------------------------------------------------------------------
+
+    def _batch_rows(self, dep: Deployment) -> list[sa.Row]:
+        with self.engine.connect() as conn:
+            recent = conn.execute(
+                sa.select(deployments.c.live_version, deployments.c.canary_version)
+                .order_by(deployments.c.id.desc()).limit(self.cfg.staleness)
+            ).all()
+            versions = {v for r in recent for v in r if v is not None}
+            return list(conn.execute(
+                sa.select(rollouts.c.suggestion_id, rollouts.c.context_token_ids,
+                          rollouts.c.token_ids, rollouts.c.heal_text, rollouts.c.temperature,
+                          rollouts.c.top_p, rollouts.c.shown, rollouts.c.logprob_total,
+                          rollouts.c.policy_version, rewards.c.value)
+                .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
+                .where(rewards.c.trained_at.is_(None), rewards.c.policy_version.in_(versions))
+                .order_by(rewards.c.finalized_at)
+                .limit(self.cfg.batch_size)
+            ).all())
+
+    def _maybe_train(self, dep: Deployment) -> None:
+        rows = self._batch_rows(dep)
+        self.state.update(state="collecting", batch_fill=len(rows), batch_size=self.cfg.batch_size)
+        if len(rows) < self.cfg.batch_size:
+            return
+        self.state["state"] = "updating"
+        started = time.monotonic()
+        values = torch.tensor([r.value for r in rows])
+        if float(values.std()) < 1e-6:  # every reward equal: no advantage, nothing to learn
+            self._mark_trained([r.suggestion_id for r in rows], None)
+            self._remember("skipped", dep.live_version, f"all {len(rows)} rewards equal")
+            return
+        live_model, tokenizer = self._policy(dep.live_version)
+        ref_model, _ = self._policy(self._base_version())
+        n_gate = max(1, int(len(rows) * self.cfg.gate_fraction))
+        train_rows, gate_rows = rows[:-n_gate], rows[-n_gate:]
+        model = copy.deepcopy(live_model)
+        model.requires_grad_(True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.update.learning_rate,
+                                      weight_decay=0.0)
+        batch = Batch(actions=train_rows,
+                      behaviour_logp=torch.tensor([r.logprob_total for r in train_rows]),
+                      rewards=torch.tensor([r.value for r in train_rows]))
+        metrics = update(model, ref_model, tokenizer, batch, optimizer, self.cfg.update)
+        model.eval()
+        model.requires_grad_(False)
+        self.state["state"] = "gating"
+        result = check(model, live_model, tokenizer, self._heldout(tokenizer, model), gate_rows,
+                       torch.tensor([r.logprob_total for r in gate_rows]),
+                       torch.tensor([r.value for r in gate_rows]), self.cfg.gate)
+        ids = [r.suggestion_id for r in train_rows]
+        now = utcnow()
+        self._mark_trained(ids, None)  # before registering: never trained on twice
+        summary = {"parent": dep.live_version, "rollouts": len(train_rows),
+                   "mean_reward": float(batch.rewards.mean()), "update": metrics,
+                   "gate": result.to_dict(), "seconds": round(time.monotonic() - started, 2)}
+        self.state["last_update"] = {"at": now.isoformat(), **summary}
+        self.state["last_gate"] = result.to_dict()
+        if not result.passed:
+            log.info("candidate from v%d failed the gate: %s", dep.live_version, result.reason)
+            self._remember("gate_failed", dep.live_version, result.reason)
+            return
+        with tempfile.TemporaryDirectory(prefix="tabloop-candidate-") as tmp:
+            ckpt = save_checkpoint(Path(tmp), model, tokenizer, version=0,
+                                   parent=dep.live_version, summary=summary, overwrite=True)
+            version = self.client.register(ckpt, dep.live_version, summary)
+        self._mark_trained(ids, version)
+        self.client.deploy(version, self.cfg.canary_fraction,
+                           reason=f"trainer: gate passed ({result.reason}); canary")
+        log.info("candidate v%d (from v%d, %d rollouts, mean reward %.3f) gated and deployed as "
+                 "a %.0f%% canary", version, dep.live_version, len(train_rows),
+                 summary["mean_reward"], 100 * self.cfg.canary_fraction)
+        self._remember("canary", version, result.reason)
+        self.state["state"] = "canary"
+
+    def _mark_trained(self, ids: list[str], version: int | None) -> None:
+        """Stamp rewards as used (and by which candidate); a stamped reward is never reused."""
+        values: dict[str, Any] = {"trained_into": version} if version else {"trained_at": utcnow()}
+        with self.engine.begin() as conn:
+            for i in range(0, len(ids), 1000):
+                conn.execute(rewards.update().where(rewards.c.suggestion_id.in_(ids[i:i + 1000]))
+                             .values(**values))
+
+    # -- canary ----------------------------------------------------------------------------
+
+    def _arm(self, conn: sa.Connection, version: int, since: Any) -> ArmStats:
+        row = conn.execute(
+            sa.select(
+                sa.func.count(),
+                sa.func.sum(sa.case((rewards.c.outcome != "abstained", 1), else_=0)),
+                sa.func.sum(sa.case((rewards.c.outcome == "accepted", 1), else_=0)),
+                sa.func.avg(rewards.c.value),
+            ).where(rewards.c.policy_version == version, rewards.c.rollout_created_at >= since)
+        ).one()
+        return ArmStats(int(row[0] or 0), int(row[1] or 0), int(row[2] or 0), float(row[3] or 0.0))
+
+    def _watch_canary(self, dep: Deployment) -> None:
+        assert dep.canary_version is not None
+        with self.engine.connect() as conn:
+            canary = self._arm(conn, dep.canary_version, dep.created_at)
+            live = self._arm(conn, dep.live_version, dep.created_at)
+        age = (utcnow() - dep.created_at).total_seconds()
+        verdict, why = canary_verdict(canary, live, age, self.cfg.canary)
+        self.state.update(state="canary", canary={"version": dep.canary_version, "age_s": age,
+                                                  "canary": asdict(canary), "live": asdict(live)})
+        if verdict == "wait":
+            return
+        try:
+            if verdict == "promote":
+                self.client.promote(dep.canary_version, reason=f"trainer: {why}")
+            else:
+                self.client.rollback(reason=f"trainer: {why}")
+        except RuntimeError as e:  # an operator acted first (409): the next round sees it
+            log.warning("canary %s of v%d not applied: %s", verdict, dep.canary_version, e)
+            return
+        log.info("canary v%d: %s (%s)", dep.canary_version, verdict, why)
+        self._remember(verdict, dep.canary_version, why)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _remember(self, event: str, version: int, why: str) -> None:
+        history = self.state.setdefault("history", [])
+        history.append({"at": utcnow().isoformat(), "event": event, "version": version,
+                        "reason": why})
+        del history[:-50]
+
+    def _base_version(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.min(policies.c.version))
+                                    .where(policies.c.parent.is_(None))).scalar_one())
+
+    def _policy(self, version: int) -> tuple[GPT, CodeTokenizer]:
+        if version not in self._policies:
+            directory = self.settings.data_dir / "trainer" / f"v{version}"
+            if not (directory / "manifest.json").exists():
+                with self.engine.connect() as conn:
+                    write_files(directory, artifact_files(conn, version))
+            model, tokenizer, _ = load_checkpoint(directory)
+            model.requires_grad_(False)
+            self._policies[version] = (model, tokenizer)
+            if len(self._policies) > 4:  # keep the base and the recent ones
+                base = self._base_version()
+                for v in sorted(self._policies)[:-3]:
+                    if v != base:
+                        del self._policies[v]
+        return self._policies[version]
+
+    def _heldout(self, tokenizer: CodeTokenizer, model: GPT) -> torch.Tensor:
+        """The gate's fixed held-out sample (made once per tokenizer and context size)."""
+        length = min(self.cfg.heldout_len, model.config.block_size - 1)
+        key = (tokenizer.to_json().__hash__(), length)
+        if getattr(self, "_heldout_key", None) != key:
+            from trainer.corpus import read_corpus
+
+            self._heldout_tokens = heldout_sample(tokenizer, read_corpus("heldout"),
+                                                  self.cfg.heldout_rows, length)
+            self._heldout_key = key
+        return self._heldout_tokens
+
+    def _heartbeat(self, join: Join, force: bool = False) -> None:
+        if not force and time.monotonic() - self._last_heartbeat < self.cfg.heartbeat_s:
+            return
+        self._last_heartbeat = time.monotonic()
+        oldest = min((p.rollout.created_at for p in join.pending.values()), default=None)
+        self.state.update(pending=len(join.pending), finalized=join.stats.finalized,
+                          late_events=join.stats.late_events,
+                          join_lag_s=(utcnow() - oldest).total_seconds() if oldest else 0.0)
+        now = utcnow()
+        with self.engine.begin() as conn:
+            row = conn.execute(sa.select(trainer_state.c.paused)
+                               .where(trainer_state.c.name == STATE_NAME)).first()
+            if row is None:
+                conn.execute(trainer_state.insert().values(name=STATE_NAME, heartbeat_at=now,
+                                                           info=self.state, updated_at=now))
+            else:
+                self.paused = bool(row.paused)
+                if self.paused:
+                    self.state["state"] = "paused"
+                conn.execute(trainer_state.update().where(trainer_state.c.name == STATE_NAME)
+                             .values(heartbeat_at=now, info=self.state, updated_at=now))

@@ -1,0 +1,483 @@
+"""Pretrain the base policy on the standard library's code: `tabloop pretrain --out DIR ...`.
+
+One loop in nanoGPT order (learning rate, evaluate/save, update, log, stop check), on the train
+split only. The budget is wall-clock minutes (or an exact iteration count): the cosine schedule
+runs on the fraction of the budget used, so a run always ends with a decayed learning rate. The
+run is resumable: every `save_every_s` the model, optimizer moments and data-sampler state are
+written under DIR/resume/ as safetensors + JSON (nothing pickled), and `--resume` continues from
+there. At the end the gate is fitted on train-split completions (see `fit_gate`) and the
+checkpoint (manifest, weights, tokenizer) is written to DIR; DIR/resume/ is then removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from safetensors.torch import load_file, save_file
+from torch.nn import functional as F
+
+from service.policy.checkpoint import save_checkpoint
+from service.policy.model import GATE_FEATURES, GPT, ModelConfig, configure_optimizer
+from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete, score_actions
+from service.policy.tokenizer import CodeTokenizer, train_tokenizer
+from trainer.corpus import (
+    Cursor,
+    corpus_files,
+    cursors_from,
+    is_heldout,
+    prefix_match,
+    read_text,
+    stdlib_root,
+)
+
+log = logging.getLogger(__name__)
+
+# Default reward spec (DESIGN.md) used to turn the gate's P(accept) into a show decision.
+ACCEPT_REWARD, REJECT_PENALTY, CHARS_NORM, CHARS_EXPONENT = 0.75, 0.25, 20.0, 0.5
+
+
+@dataclass
+class PretrainConfig:
+    out_dir: Path  # checkpoint directory to write (resume state goes to out_dir/resume)
+    minutes: float = 20.0  # wall-clock budget of the training loop
+    seed: int = 0  # seeds init, data order, gate-fitting samples
+    resume: bool = False  # continue from out_dir/resume if it exists
+    max_iters: int | None = None  # exact iteration budget instead of minutes (reproducible)
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(n_layer=3, n_head=6, n_embd=192, block_size=192)
+    )  # the shipped base's architecture
+    vocab_size: int = 4096  # BPE vocabulary (overrides model.vocab_size)
+    batch_size: int = 24  # sequences per step
+    learning_rate: float = 3e-3  # peak learning rate (3e-3 beat 1e-3 in a 200-step trial)
+    min_lr: float = 2e-4  # learning rate at the end of the cosine
+    warmup_iters: int = 100  # linear warmup steps
+    weight_decay: float = 0.1  # AdamW decay on matrices
+    beta2: float = 0.99  # AdamW beta2 (small model, small batches)
+    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
+    amp: bool = True  # bf16 autocast on CPU (about 1.6x faster here)
+    threads: int | None = None  # torch threads (None: leave torch's default)
+    eval_every: int = 250  # iterations between held-out evaluations
+    eval_windows: int = 96  # held-out windows per periodic evaluation (final: all)
+    save_every_s: float = 120.0  # seconds between resume-state saves
+    max_files: int | None = None  # use only the first N train/held-out files (smoke tests)
+    gate_examples: int = 1500  # train-split completions used to fit the gate (0: keep init)
+    progress: bool = True  # show the rich progress bar
+    keep_state: bool = False  # keep out_dir/resume after a finished run
+
+
+# --- pure helpers ------------------------------------------------------------------------
+def get_lr(it: int, progress: float, cfg: PretrainConfig) -> float:
+    """Linear warmup over iterations, then cosine from the peak to min_lr over the budget."""
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    p = min(max(progress, 0.0), 1.0)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * p)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def budget_progress(it: int, elapsed_s: float, cfg: PretrainConfig) -> float:
+    """Fraction of the budget used: iterations if max_iters is set, else wall-clock."""
+    if cfg.max_iters is not None:
+        return it / max(cfg.max_iters, 1)
+    return elapsed_s / max(cfg.minutes * 60.0, 1e-9)
+
+
+def bits_per_byte(loss_nats_per_token: float, n_tokens: int, n_bytes: int) -> float:
+    return loss_nats_per_token / math.log(2) * n_tokens / max(n_bytes, 1)
+
+
+def show_offset() -> tuple[float, float]:
+    """(bias, log1p_bytes weight) that turn logit P(accept) into logit p(show) under the spec.
+
+    Showing pays P * accept * s - (1 - P) * reject with s = (chars / norm) ** exponent, so it is
+    worth it iff logit P + log(accept / reject) + exponent * log(chars / norm) > 0.
+    """
+    return (
+        math.log(ACCEPT_REWARD / REJECT_PENALTY) - CHARS_EXPONENT * math.log(CHARS_NORM),
+        CHARS_EXPONENT,
+    )
+
+
+# --- data --------------------------------------------------------------------------------
+@dataclass
+class TokenData:
+    tokens: np.ndarray  # uint16 stream, each file preceded by <|eof|>
+    n_bytes: int  # UTF-8 bytes of the text it encodes
+    files: int
+
+
+def tokenize_files(tokenizer: CodeTokenizer, paths: Sequence[Path]) -> TokenData:
+    texts = [read_text(p) for p in paths]
+    chunks = [
+        np.array([tokenizer.eof_id] + ids, dtype=np.uint16) for ids in tokenizer.encode_batch(texts)
+    ]
+    assert tokenizer.vocab_size <= 65536, "token ids must fit uint16"
+    return TokenData(np.concatenate(chunks), sum(len(t.encode()) for t in texts), len(paths))
+
+
+def split_files(cfg: PretrainConfig) -> tuple[list[Path], list[Path]]:
+    train, heldout = corpus_files("train"), corpus_files("heldout")
+    if cfg.max_files is not None:
+        train, heldout = train[: cfg.max_files], heldout[: max(1, cfg.max_files // 10)]
+    root = stdlib_root()
+    assert not set(train) & set(heldout), "a file is in both splits"
+    for p in train:  # the held-out split must never be trained on
+        assert not is_heldout(PurePosixPath(p.relative_to(root).as_posix())), f"{p} is held out"
+    return train, heldout
+
+
+def get_batch(data: np.ndarray, block: int, batch: int, gen: torch.Generator):
+    ix = torch.randint(len(data) - block - 1, (batch,), generator=gen).tolist()
+    x = torch.from_numpy(np.stack([data[i : i + block] for i in ix]).astype(np.int64))
+    y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + block] for i in ix]).astype(np.int64))
+    return x, y
+
+
+@torch.no_grad()
+def heldout_loss(
+    model: GPT, data: np.ndarray, block: int, max_windows: int | None = None, batch: int = 16
+) -> float:
+    """Mean next-token loss (nats) over non-overlapping windows (evenly spaced subset)."""
+    starts = list(range(0, len(data) - block - 1, block))
+    if max_windows is not None and len(starts) > max_windows:
+        starts = [starts[i * len(starts) // max_windows] for i in range(max_windows)]
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(starts), batch):
+        xs = [data[s : s + block + 1].astype(np.int64) for s in starts[i : i + batch]]
+        xy = torch.from_numpy(np.stack(xs))
+        _, loss = model(xy[:, :-1], xy[:, 1:])
+        assert loss is not None
+        total += float(loss) * xy[:, 1:].numel()
+        count += xy[:, 1:].numel()
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+# --- resume state (safetensors + JSON, never pickle) -------------------------------------
+def save_state(
+    d: Path, model: GPT, opt: torch.optim.Optimizer, gen: torch.Generator, meta: dict[str, Any]
+) -> None:
+    tmp = d.with_name(d.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors")
+    )
+    sd = opt.state_dict()
+    tensors = {
+        f"{i}.{k}": v.reshape(-1) if v.dim() == 0 else v
+        for i, st in sd["state"].items()
+        for k, v in st.items()
+    }
+    tensors["generator"] = gen.get_state()
+    save_file(tensors, str(tmp / "optim.safetensors"))
+    meta = dict(meta, param_groups=sd["param_groups"])
+    (tmp / "state.json").write_text(json.dumps(meta, indent=2, default=str))
+    shutil.rmtree(d, ignore_errors=True)
+    tmp.rename(d)
+
+
+def load_state(d: Path, model: GPT, opt: torch.optim.Optimizer, gen: torch.Generator) -> dict:
+    meta = json.loads((d / "state.json").read_text())
+    model.load_state_dict(load_file(str(d / "model.safetensors")))
+    tensors = load_file(str(d / "optim.safetensors"))
+    gen.set_state(tensors.pop("generator"))
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in tensors.items():
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = v.reshape(()) if name == "step" else v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return meta
+
+
+# --- the gate ----------------------------------------------------------------------------
+def fit_gate(
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    cursors: Sequence[Cursor],
+    seed: int,
+    max_new_tokens: int = 32,
+) -> dict[str, float]:
+    """Fit the gate on train-split cursors, then shift it to a reward-aware show decision.
+
+    Label: the sampled completion (serving temperature/top-p) is non-empty and a prefix of the
+    true rest of the line (what a simulated user would accept). A logistic regression on the
+    gate's inputs (L2 on the hidden-state weights) estimates P(accept); the spec offset
+    (`show_offset`) then turns it into p(show), so p(show) > 1/2 where showing pays.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    model.eval()
+    comps = [
+        complete(
+            model,
+            tokenizer,
+            c.prefix,
+            c.suffix,
+            max_new_tokens,
+            DEFAULT_TEMPERATURE,
+            DEFAULT_TOP_P,
+            gen,
+        )
+        for c in cursors
+    ]
+    labels = torch.tensor(
+        [
+            float(prefix_match(c.text, cur.rest_of_line))
+            for c, cur in zip(comps, cursors, strict=True)
+        ]
+    )
+    with torch.no_grad():
+        parts = [
+            score_actions(model, tokenizer, comps[i : i + 128]) for i in range(0, len(comps), 128)
+        ]
+    h = torch.cat([p.gate_hidden for p in parts])
+    x = torch.cat([p.gate_inputs for p in parts])
+    nonempty = torch.tensor([bool(c.text) for c in comps])
+    h, x, y = h[nonempty], x[nonempty], labels[nonempty]
+    gate = model.gate
+    params = list(gate.parameters())
+    opt = torch.optim.Adam(params, lr=0.05)
+    for _ in range(400):
+        logit = gate(h, x)
+        loss = (
+            F.binary_cross_entropy_with_logits(logit, y) + 1e-3 * gate.hidden.weight.square().sum()
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        p = torch.sigmoid(gate(h, x))
+        fit_loss = float(F.binary_cross_entropy(p, y))
+        bias, w_bytes = show_offset()
+        gate.features.bias.add_(bias)
+        gate.features.weight[0, GATE_FEATURES.index("log1p_bytes")] += w_bytes
+    return {
+        "examples": len(comps),
+        "nonempty": int(nonempty.sum()),
+        "accept_rate": float(y.mean()) if len(y) else 0.0,
+        "bce": fit_loss,
+    }
+
+
+# --- the loop ----------------------------------------------------------------------------
+def pretrain(cfg: PretrainConfig) -> Path:
+    """Train (or resume), fit the gate, write the checkpoint to cfg.out_dir; return it."""
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    state_dir = out / "resume"
+    if state_dir.exists() and not cfg.resume:
+        raise FileExistsError(f"{state_dir} exists: pass resume=True (--resume) or remove it")
+    resuming = cfg.resume and (state_dir / "state.json").exists()
+
+    train_paths, heldout_paths = split_files(cfg)
+    if resuming:
+        tokenizer = CodeTokenizer.from_json((state_dir / "tokenizer.json").read_text())
+    else:
+        t0 = time.perf_counter()
+        tokenizer = train_tokenizer((read_text(p) for p in train_paths), cfg.vocab_size)
+        log.info("tokenizer: %d tokens in %.1fs", tokenizer.vocab_size, time.perf_counter() - t0)
+    train = tokenize_files(tokenizer, train_paths)
+    heldout = tokenize_files(tokenizer, heldout_paths)
+    log.info(
+        "train %d files %d tokens, held-out %d files %d tokens",
+        train.files,
+        len(train.tokens),
+        heldout.files,
+        len(heldout.tokens),
+    )
+
+    mcfg = ModelConfig.from_dict(dict(cfg.model.to_dict(), vocab_size=tokenizer.vocab_size))
+    torch.manual_seed(cfg.seed)
+    model = GPT(mcfg)
+    opt = configure_optimizer(model, cfg.weight_decay, cfg.learning_rate, (0.9, cfg.beta2))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    it, elapsed, tokens_seen, history = 0, 0.0, 0, []
+    if resuming:
+        meta = load_state(state_dir, model, opt, gen)
+        it, elapsed, tokens_seen, history = (
+            meta["iter"],
+            meta["elapsed_s"],
+            meta["tokens_seen"],
+            meta["history"],
+        )
+        log.info("resumed at iteration %d (%.0fs trained)", it, elapsed)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+    log.info("model: %d parameters", model.num_params())
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.amp else contextlib.nullcontext()
+    block = mcfg.block_size
+
+    def snapshot() -> None:
+        meta = {
+            "iter": it,
+            "elapsed_s": elapsed,
+            "tokens_seen": tokens_seen,
+            "history": history,
+            "config": _config_json(cfg),
+        }
+        save_state(state_dir, model, opt, gen, meta)
+        (state_dir / "tokenizer.json").write_text(tokenizer.to_json())
+
+    columns = [
+        TextColumn("[bold]pretrain"),
+        BarColumn(),
+        TextColumn("{task.percentage:>5.1f}%"),
+        TextColumn("it {task.fields[it]}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
+    model.train()
+    last_save = loop_t0 = time.perf_counter()
+    elapsed_before = elapsed  # from the resumed state
+    loss_ema: float | None = None
+    with Progress(*columns, disable=not cfg.progress) as bar:
+        task = bar.add_task("pretrain", total=1.0, it=it, loss="-", tps="-")
+        while True:
+            progress = budget_progress(it, elapsed, cfg)
+            if progress >= 1.0:
+                break
+            lr = get_lr(it, progress, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            if it % cfg.eval_every == 0 and it > 0:
+                ho = heldout_loss(model, heldout.tokens, block, cfg.eval_windows)
+                history.append(
+                    {
+                        "iter": it,
+                        "train_loss": loss_ema,
+                        "heldout_loss": ho,
+                        "heldout_bpb": bits_per_byte(ho, len(heldout.tokens), heldout.n_bytes),
+                    }
+                )
+                log.info(
+                    "it %d: train %.3f held-out %.3f (%.3f bits/byte)",
+                    it,
+                    loss_ema or 0,
+                    ho,
+                    history[-1]["heldout_bpb"],
+                )
+            if time.perf_counter() - last_save > cfg.save_every_s:
+                snapshot()
+                last_save = time.perf_counter()
+
+            t0 = time.perf_counter()
+            x, y = get_batch(train.tokens, block, cfg.batch_size, gen)
+            with autocast:
+                _, loss = model(x, y)
+            assert loss is not None
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            dt = time.perf_counter() - t0
+
+            it += 1
+            elapsed = elapsed_before + time.perf_counter() - loop_t0  # evals/saves included
+            tokens_seen += x.numel()
+            lv = loss.item()
+            loss_ema = lv if loss_ema is None else 0.95 * loss_ema + 0.05 * lv
+            bar.update(
+                task,
+                completed=min(budget_progress(it, elapsed, cfg), 1.0),
+                it=it,
+                loss=f"{loss_ema:.3f}",
+                tps=f"{x.numel() / dt:,.0f}",
+            )
+
+    model.eval()
+    final_ho = heldout_loss(model, heldout.tokens, block)
+    bpb = bits_per_byte(final_ho, len(heldout.tokens), heldout.n_bytes)
+    log.info("final held-out loss %.4f nats/token, %.4f bits/byte", final_ho, bpb)
+    gate_fit: dict[str, float] = {}
+    if cfg.gate_examples > 0:
+        cursors = cursors_from(train_paths, cfg.gate_examples, cfg.seed)
+        gate_fit = fit_gate(model, tokenizer, cursors, cfg.seed)
+        log.info("gate fitted: %s", gate_fit)
+    summary = {
+        "kind": "pretrain",
+        "iters": it,
+        "tokens_seen": tokens_seen,
+        "train_seconds": elapsed,
+        "train_loss_ema": loss_ema,
+        "heldout_loss": final_ho,
+        "heldout_bits_per_byte": bpb,
+        "train_files": train.files,
+        "train_tokens": int(len(train.tokens)),
+        "heldout_files": heldout.files,
+        "heldout_tokens": int(len(heldout.tokens)),
+        "params": model.num_params(),
+        "gate_fit": gate_fit,
+        "config": _config_json(cfg),
+        "history": history,
+    }
+    save_checkpoint(
+        out,
+        model,
+        tokenizer,
+        version=0,
+        parent=None,
+        summary=summary,
+        dtype="bfloat16",
+        overwrite=True,
+    )
+    if not cfg.keep_state:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    return out
+
+
+def _config_json(cfg: PretrainConfig) -> dict[str, Any]:
+    d = asdict(cfg)
+    d["out_dir"] = str(cfg.out_dir)
+    return d
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`tabloop pretrain --out DIR --minutes M --seed S [--resume]` (the CLI forwards argv)."""
+    p = argparse.ArgumentParser(prog="tabloop pretrain", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    p.add_argument("--minutes", type=float, default=20.0, help="training-loop budget")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/resume")
+    p.add_argument("--max-iters", type=int, default=None, help="exact iterations instead")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--batch-size", type=int, default=PretrainConfig.batch_size)
+    p.add_argument("--lr", type=float, default=PretrainConfig.learning_rate)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    cfg = PretrainConfig(
+        out_dir=args.out,
+        minutes=args.minutes,
+        seed=args.seed,
+        resume=args.resume,
+        max_iters=args.max_iters,
+        threads=args.threads,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        progress=not args.no_progress,
+    )
+    out = pretrain(cfg)
+    print(f"checkpoint written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,236 @@
+"""The policy-gradient update on the full action (the sampled tokens and the show/abstain decision).
+
+CleanRL's PPO, for one batch of finalized rollouts:
+
+    advantage   A_i = r_i - baseline (batch mean, or the mean of the *other* rewards)
+    ratio       rho_i = pi_theta(a_i) / mu(a_i), mu = the serving policy's logged log-prob
+    policy      -mean(min(rho_i A_i, clip(rho_i, 1 - eps, 1 + eps) A_i))
+    KL          mean(k3(pi_theta, pi_ref)) on the sampled actions, toward the pretrained policy
+    entropy     mean(H), H = summed token entropies + the decision's Bernoulli entropy
+    loss        policy + kl_coef * KL - entropy_coef * entropy
+
+log pi(a) is `score_actions(...).total`: the token log-probs under the distribution actually
+sampled from (the logged temperature, top-p and healing mask) plus log p(decision), so for the
+parameters that served the batch the ratio is 1 up to float error. Rollouts from an older
+deployed version get rho != 1 and the clip bounds how far one batch can push on them.
+
+Advantages are computed once over the whole batch (the baseline must not change with the
+minibatch split), then `epochs` passes of shuffled minibatches, each a gradient step with
+global-norm clipping. Dropout is off during the update: the ratio compares the same function
+the server sampled from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch.nn import functional as F
+
+from service.policy.model import GPT, configure_optimizer
+from service.policy.sampling import Action, score_actions
+from service.policy.tokenizer import CodeTokenizer
+
+LOG_RATIO_CLAMP = 10.0  # |log pi_ref/pi| above this is clamped in the k3 KL (keeps it finite)
+
+
+@dataclass
+class UpdateConfig:
+    learning_rate: float = 1e-4  # AdamW's (make_optimizer); about the end of pretraining's cosine
+    clip_eps: float = 0.2  # PPO clip: ratios outside [1 - eps, 1 + eps] stop pushing
+    kl_coef: float = 0.05  # weight of the KL toward the reference (pretrained) policy
+    entropy_coef: float = 0.0  # weight of the entropy bonus (0: off; try <= 0.01)
+    baseline: Literal["mean", "loo"] = "loo"  # batch mean, or leave-one-out mean of the others
+    normalize_advantages: bool = False  # divide advantages by their std (batch-level)
+    epochs: int = 1  # passes over the batch (1: purely on-policy, ratio only corrects staleness)
+    minibatch_size: int = 256  # rollouts per gradient step
+    max_grad_norm: float = 1.0  # global gradient-norm clip (0: off)
+    train_gate_only: bool = False  # update only the show/abstain gate, the LM stays frozen
+
+
+@dataclass
+class Batch:
+    actions: Sequence[Action]  # logged rollouts (service.policy.sampling.Completion or rows)
+    behaviour_logp: torch.Tensor  # (B,) logged logprob_total of each action (the serving policy)
+    rewards: torch.Tensor  # (B,) finalized rewards
+
+    def __post_init__(self) -> None:
+        n = len(self.actions)
+        assert self.behaviour_logp.shape == (n,), f"behaviour_logp shape != ({n},)"
+        assert self.rewards.shape == (n,), f"rewards shape != ({n},)"
+
+
+# --- pure helpers ------------------------------------------------------------------------
+def advantages(rewards: torch.Tensor, baseline: str, normalize: bool) -> torch.Tensor:
+    """Reward minus a baseline, (B,) -> (B,).
+
+    "mean": r_i - mean(r). "loo": r_i - mean_{j != i} r_j = B/(B-1) (r_i - mean(r)), unbiased
+    because the baseline does not depend on the action it is subtracted from. One sample has
+    no baseline to compare with: its advantage is 0. `normalize` divides by the std (when it is
+    not ~0, so an all-equal batch stays all zeros).
+    """
+    assert rewards.dim() == 1 and rewards.is_floating_point(), "rewards must be 1-D floats"
+    assert baseline in ("mean", "loo"), f"unknown baseline {baseline!r}"
+    n = rewards.numel()
+    if n == 0:
+        raise ValueError("empty batch: no advantages")
+    r = rewards.double()
+    if n == 1:
+        return torch.zeros_like(rewards)
+    adv = r - r.mean()
+    if baseline == "loo":
+        adv = adv * n / (n - 1)
+    if normalize:
+        std = adv.std()
+        if std > 1e-8:
+            adv = adv / std
+    return adv.to(rewards.dtype)
+
+
+def clipped_surrogate(
+    logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, clip_eps: float
+) -> torch.Tensor:
+    """PPO's clipped policy loss: -mean(min(rho A, clip(rho, 1 - eps, 1 + eps) A))."""
+    ratio = torch.exp(logp_new - logp_old)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    return -torch.min(unclipped, clipped).mean()
+
+
+def kl_to_reference(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """KL(pi || pi_ref) by the k3 estimator on actions sampled from pi, mean over the batch.
+
+    k3 = exp(d) - 1 - d with d = log pi_ref(a) - log pi(a) (Schulman, "Approximating KL
+    divergence"): unbiased, and >= 0 per sample, unlike -d. The samples come from the serving
+    policy, which is pi up to bounded staleness. d is clamped to +-LOG_RATIO_CLAMP so one action
+    the reference finds far likelier cannot overflow the loss.
+    """
+    d = torch.clamp(logp_ref - logp_new, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(d) - 1.0 - d).mean()
+
+
+def bernoulli_entropy(logit: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of a Bernoulli with the given logit, elementwise, stable for large |x|."""
+    p_show, p_abstain = torch.sigmoid(logit), torch.sigmoid(-logit)
+    return -(p_show * F.logsigmoid(logit) + p_abstain * F.logsigmoid(-logit))
+
+
+# --- the loss ----------------------------------------------------------------------------
+def pg_loss(
+    model: GPT,
+    ref_model: GPT,
+    tokenizer: CodeTokenizer,
+    batch: Batch,
+    cfg: UpdateConfig,
+    adv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one (mini)batch and its metrics. `adv`: precomputed advantages (update()
+    passes the full batch's), else computed from batch.rewards with cfg's baseline."""
+    if adv is None:
+        adv = advantages(batch.rewards, cfg.baseline, cfg.normalize_advantages)
+    new = score_actions(model, tokenizer, batch.actions)
+    with torch.no_grad():
+        ref = score_actions(ref_model, tokenizer, batch.actions).total
+    # the decision's entropy counts only where it was sampled (score_actions: 0 = deterministic)
+    sampled = new.decision != 0
+    entropy = new.entropy + torch.where(sampled, bernoulli_entropy(new.gate_logit), 0.0)
+
+    policy_loss = clipped_surrogate(new.total, batch.behaviour_logp, adv, cfg.clip_eps)
+    kl = kl_to_reference(new.total, ref)
+    loss = policy_loss + cfg.kl_coef * kl - cfg.entropy_coef * entropy.mean()
+
+    with torch.no_grad():
+        log_ratio = new.total - batch.behaviour_logp
+        ratio = log_ratio.exp()
+        metrics = {
+            "losses/total": loss.item(),
+            "losses/policy": policy_loss.item(),
+            "losses/kl": kl.item(),
+            "losses/entropy": entropy.mean().item(),
+            "charts/clipfrac": ((ratio - 1.0).abs() > cfg.clip_eps).float().mean().item(),
+            "charts/approx_kl": ((ratio - 1.0) - log_ratio).mean().item(),  # vs behaviour
+            "charts/ratio_mean": ratio.mean().item(),
+            "charts/ratio_max": ratio.max().item(),
+            "charts/adv_mean": adv.mean().item(),
+            "charts/adv_std": adv.std().item() if adv.numel() > 1 else 0.0,
+            "charts/reward_mean": batch.rewards.mean().item(),
+            "charts/p_show": torch.sigmoid(new.gate_logit).mean().item(),
+            "charts/shown_frac": torch.tensor([bool(a.shown) for a in batch.actions])
+            .float()
+            .mean()
+            .item(),
+        }
+    return loss, metrics
+
+
+def make_optimizer(model: GPT, cfg: UpdateConfig) -> torch.optim.AdamW:
+    """AdamW at cfg.learning_rate, no weight decay (the KL term is the regulariser); with
+    train_gate_only only the gate's parameters. Keep it across batches (Adam's moments)."""
+    if cfg.train_gate_only:
+        return torch.optim.AdamW(model.gate.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+    return configure_optimizer(model, 0.0, cfg.learning_rate, betas=(0.9, 0.99))
+
+
+@contextlib.contextmanager
+def _updating(model: GPT, ref_model: GPT, gate_only: bool) -> Iterator[None]:
+    """Dropout off for both models, and with gate_only the LM frozen; restored afterwards."""
+    modes = (model.training, ref_model.training)
+    frozen = [p for n, p in model.named_parameters() if gate_only and not n.startswith("gate.")]
+    frozen = [p for p in frozen if p.requires_grad]
+    model.eval()
+    ref_model.eval()
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        model.train(modes[0])
+        ref_model.train(modes[1])
+
+
+def update(
+    model: GPT,
+    ref_model: GPT,
+    tokenizer: CodeTokenizer,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    cfg: UpdateConfig,
+) -> dict[str, float]:
+    """`cfg.epochs` passes of shuffled minibatches over `batch`; the mean metrics of the steps.
+
+    The optimizer (and its learning rate) is the caller's; ref_model is only read, never
+    differentiated. Advantages use the whole batch's baseline.
+    """
+    n = len(batch.actions)
+    assert n > 0, "empty batch"
+    assert cfg.epochs >= 1 and cfg.minibatch_size >= 1, "epochs and minibatch_size must be >= 1"
+    adv = advantages(batch.rewards, cfg.baseline, cfg.normalize_advantages)
+    totals: dict[str, float] = defaultdict(float)
+    steps = 0
+    with _updating(model, ref_model, cfg.train_gate_only):
+        for _ in range(cfg.epochs):
+            order = torch.randperm(n)
+            for start in range(0, n, cfg.minibatch_size):
+                idx = order[start : start + cfg.minibatch_size]
+                mb = Batch(
+                    actions=[batch.actions[i] for i in idx.tolist()],
+                    behaviour_logp=batch.behaviour_logp[idx],
+                    rewards=batch.rewards[idx],
+                )
+                loss, metrics = pg_loss(model, ref_model, tokenizer, mb, cfg, adv=adv[idx])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                params = [p for p in model.parameters() if p.grad is not None]
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+                optimizer.step()
+                metrics["charts/grad_norm"] = float(norm)
+                for k, v in metrics.items():
+                    totals[k] += v
+                steps += 1
+    return {k: v / steps for k, v in totals.items()}
