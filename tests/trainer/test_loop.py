@@ -1,0 +1,184 @@
+"""The trainer end to end: a running service, rollouts and feedback in, rewards finalized for
+every rollout, a candidate trained, gated, canaried and judged — and a kill -9 that loses no
+reward and trains on no rollout twice."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from service.auth.keys import create_key
+from service.config import Settings
+from service.db import make_engine, upgrade
+from service.registry.store import bootstrap
+from service.tables import deployments, policies, rewards, rollouts
+from tests.service.conftest import RunningService, make_settings
+from trainer.deploy import CanaryConfig, ServiceClient
+from trainer.gate import GateConfig
+from trainer.loop import Trainer, TrainerConfig
+
+PREFIXES = ["import os\nimport ", "def f(x):\n    return ", "for i in range(",
+            "class A(object):\n    def __init__(self", "if __name__ == '__main__':\n    "]
+
+
+def now_z() -> str:
+    return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def drive(url: str, token: str, n: int, seed: int) -> list[str]:
+    """n completions from 12 users; accept shown suggestions that end a call, reject others."""
+    rng = random.Random(seed)
+    ids = []
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as c:
+        for i in range(0, n, 10):
+            evs = []
+            for _ in range(min(10, n - i)):
+                user = f"u{rng.randrange(12)}"
+                r = c.post("/v1/complete", json={"user_id": user, "prefix": rng.choice(PREFIXES),
+                                                 "max_new_tokens": 8})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                ids.append(body["suggestion_id"])
+                if body["shown"]:
+                    good = body["text"].rstrip().endswith((")", ":"))
+                    evs.append({"event_id": str(uuid.uuid4()), "type": "accept" if good else "reject",
+                                "user_id": user, "suggestion_id": body["suggestion_id"],
+                                "occurred_at": now_z()})
+            if evs:
+                assert c.post("/v1/events", json={"events": evs}).status_code == 202
+    return ids
+
+
+def wait_for(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def count(engine: sa.Engine, table: sa.Table, *where: Any) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(table).where(*where)).scalar_one()
+
+
+@pytest.fixture
+def embedded(tmp_path: Path) -> Iterator[tuple[Settings, RunningService, str, str]]:
+    settings = make_settings(tmp_path, profile="sim", policy_poll_interval_s=0.2,
+                             rate_limit_per_s=10_000, rate_limit_burst=10_000)
+    upgrade(settings)
+    engine = make_engine(settings)
+    with engine.begin() as conn:
+        bootstrap(conn, settings.base_checkpoint)  # the shipped, pretrained base policy
+        ingest = create_key(conn, name="t", scopes=frozenset({"ingest", "admin"}))[1]
+        deploy = create_key(conn, name="trainer", scopes=frozenset({"deploy"}))[1]
+    engine.dispose()
+    svc = RunningService(settings).start()
+    yield settings, svc, ingest, deploy
+    svc.stop()
+
+
+def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded: Any) -> None:
+    settings, svc, ingest, deploy = embedded
+    cfg = TrainerConfig(batch_size=60, canary_fraction=0.5,
+                        canary=CanaryConfig(min_rollouts=20, timeout_s=60, reward_tolerance=1.0,
+                                            accept_tolerance=1.0),
+                        gate=GateConfig(max_heldout_regression=1.0, max_reward_drop=1.0,
+                                        min_ess=1.0, min_ess_fraction=0.0),
+                        poll_timeout_s=0.2)
+    engine = make_engine(settings)
+    stop = threading.Event()
+    trainer = Trainer(settings, engine, ServiceClient(svc.url, deploy), cfg)
+    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        sent = drive(svc.url, ingest, 120, seed=1)
+        wait_for(lambda: count(engine, deployments, deployments.c.action == "deploy") >= 1, 120,
+                 "a gated canary deploy")
+        # keep traffic flowing until the trainer judges the canary
+        for seed in range(2, 12):
+            if count(engine, deployments, deployments.c.action.in_(("promote", "rollback"))):
+                break
+            sent += drive(svc.url, ingest, 40, seed=seed)
+        wait_for(lambda: count(engine, deployments, deployments.c.action.in_(("promote", "rollback"))) >= 1,
+                 90, "a canary verdict")
+        # every rollout gets exactly one reward (sim horizon: 16 s)
+        wait_for(lambda: count(engine, rewards) == count(engine, rollouts), 60, "all rewards")
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert count(engine, rewards, rewards.c.suggestion_id.in_(sent)) == len(sent)
+    with engine.connect() as conn:
+        candidate = conn.execute(sa.select(policies).where(policies.c.version == 2)).one()
+    assert candidate.parent == 1 and candidate.summary["gate"]["passed"] is True
+    assert count(engine, rewards, rewards.c.trained_into == 2) == candidate.summary["rollouts"]
+    status = httpx.get(svc.url + "/admin/training", headers={"Authorization": f"Bearer {ingest}"}).json()
+    assert status["rewards_finalized"] >= len(sent) and status["trainer"]["history"]
+    engine.dispose()
+
+
+def test_kill_9_loses_no_reward_and_trains_nothing_twice(
+    tmp_path: Path, pg_url: str, durable_kafka: Any
+) -> None:
+    from service.relay import Relay
+
+    settings = make_settings(tmp_path, pg_url=pg_url, bootstrap=durable_kafka.bootstrap,
+                             profile="sim", policy_poll_interval_s=0.2, kafka_topic_partitions=3,
+                             rate_limit_per_s=10_000, rate_limit_burst=10_000)
+    upgrade(settings)
+    engine = make_engine(settings)
+    with engine.begin() as conn:
+        bootstrap(conn, settings.base_checkpoint)
+        ingest = create_key(conn, name="t", scopes=frozenset({"ingest", "admin"}))[1]
+        deploy = create_key(conn, name="trainer", scopes=frozenset({"deploy"}))[1]
+    svc = RunningService(settings).start()
+    stop = threading.Event()
+    relay = threading.Thread(target=Relay(settings, make_engine(settings)).run, args=(stop,),
+                             daemon=True)
+    relay.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TABLOOP_")}
+    env.update(TABLOOP_DATA_DIR=str(tmp_path / "trainer-data"), TABLOOP_DATABASE_URL=pg_url,
+               TABLOOP_KAFKA_BOOTSTRAP_SERVERS=durable_kafka.bootstrap, TABLOOP_PROFILE="sim",
+               TABLOOP_TRAINER_API_URL=svc.url, TABLOOP_TRAINER_API_KEY=deploy,
+               TABLOOP_TRAINER_BATCH_SIZE="40", TABLOOP_KAFKA_SESSION_TIMEOUT_MS="3000")
+    train = [str(Path(sys.executable).parent / "tabloop"), "train"]
+    proc = subprocess.Popen(train, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        sent = drive(svc.url, ingest, 100, seed=3)
+        wait_for(lambda: count(engine, rewards) >= 10, 120, "the first rewards")
+        proc.send_signal(signal.SIGKILL)  # mid-stream: some rewards final, many pending
+        proc.wait(timeout=30)
+        killed_at = count(engine, rewards)
+        sent += drive(svc.url, ingest, 60, seed=4)
+        proc = subprocess.Popen(train, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for(lambda: count(engine, rewards) == len(sent), 120, "every rollout's reward")
+        assert killed_at < len(sent)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        stop.set()
+        relay.join(timeout=30)
+        svc.stop()
+    with engine.connect() as conn:
+        assert set(conn.execute(sa.select(rewards.c.suggestion_id)).scalars()) == set(sent)
+        for p in conn.execute(sa.select(policies).where(policies.c.parent.is_not(None))).all():
+            used = conn.execute(sa.select(sa.func.count()).select_from(rewards)
+                                .where(rewards.c.trained_into == p.version)).scalar_one()
+            assert used == p.summary["rollouts"]
+    engine.dispose()
