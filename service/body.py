@@ -62,8 +62,14 @@ class BodyLimitMiddleware:
         headers = {k.lower(): v for k, v in scope["headers"]}
         encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
         if encoding not in ("identity", "gzip"):
-            await self._fail(scope, receive, send, 415, "unsupported_encoding",
-                             f"Content-Encoding {encoding!r} is not supported; use gzip or none")
+            await self._fail(
+                scope,
+                receive,
+                send,
+                415,
+                "unsupported_encoding",
+                f"Content-Encoding {encoding!r} is not supported; use gzip or none",
+            )
             return
         declared = headers.get(b"content-length")
         too_large = f"request body is over the {limit} byte limit"
@@ -91,15 +97,22 @@ class BodyLimitMiddleware:
             try:
                 body = inflate_bounded(body, limit)
             except OverflowError:
-                await self._fail(scope, receive, send, 413, "too_large",
-                                 f"decompressed body is over the {limit} byte limit")
+                await self._fail(
+                    scope,
+                    receive,
+                    send,
+                    413,
+                    "too_large",
+                    f"decompressed body is over the {limit} byte limit",
+                )
                 return
             except ValueError as e:
                 await self._fail(scope, receive, send, 400, "bad_encoding", str(e))
                 return
             scope = dict(scope)
             scope["headers"] = [
-                (k, v) for k, v in scope["headers"]
+                (k, v)
+                for k, v in scope["headers"]
                 if k.lower() not in (b"content-encoding", b"content-length")
             ] + [(b"content-length", str(len(body)).encode())]
 
@@ -115,5 +128,7 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     @staticmethod
-    async def _fail(scope: Scope, receive: Receive, send: Send, status: int, code: str, msg: str) -> None:
+    async def _fail(
+        scope: Scope, receive: Receive, send: Send, status: int, code: str, msg: str
+    ) -> None:
         await error_response(status, code, msg, {"Connection": "close"})(scope, receive, send)

@@ -25,8 +25,11 @@ def readyz(ctx: CtxDep) -> Response:
     if not ctx.settings.embedded:
         checks["broker"] = bool(h.broker_ok)
     ready = all(checks.values())
-    body = {"status": "ready" if ready else "not_ready", "checks": checks,
-            "outbox_backlog": h.backlog_rows}
+    body = {
+        "status": "ready" if ready else "not_ready",
+        "checks": checks,
+        "outbox_backlog": h.backlog_rows,
+    }
     headers = None if ready else {"Retry-After": str(ctx.settings.retry_after_s)}
     return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 

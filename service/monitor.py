@@ -78,7 +78,9 @@ class Monitor:
         self.settings, self.engine, self.health = settings, engine, health
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tabloop-monitor", daemon=True)
-        self._probe = None if settings.embedded else BrokerProbe(settings.kafka_bootstrap_servers or "")
+        self._probe = (
+            None if settings.embedded else BrokerProbe(settings.kafka_bootstrap_servers or "")
+        )
 
     def check_once(self) -> None:
         check_database(self.engine, self.health, full_mode=not self.settings.embedded)
@@ -97,7 +99,9 @@ class Monitor:
                 was = self.health.broker_ok
                 self.health.broker_ok = self._probe.ok()
                 if was is not None and was != self.health.broker_ok:
-                    log.warning("broker %s", "reachable" if self.health.broker_ok else "unreachable")
+                    log.warning(
+                        "broker %s", "reachable" if self.health.broker_ok else "unreachable"
+                    )
             tick += 1
 
     def stop(self) -> None:

@@ -16,7 +16,9 @@ from service.stream.topics import encode
 from service.tables import outbox, utcnow
 
 
-def outbox_row(topic: str, key: str, value: dict[str, Any], *, now: datetime, embedded: bool) -> dict:
+def outbox_row(
+    topic: str, key: str, value: dict[str, Any], *, now: datetime, embedded: bool
+) -> dict:
     return {
         "topic": topic,
         "key": key,

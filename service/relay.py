@@ -108,7 +108,9 @@ class Relay:
             for r in read_to_end(reader, tps, timeout_s=120):
                 for name, value in r.headers or ():
                     if name == HEADER:
-                        found.setdefault(int(value), set()).add((r.topic, r.key or b"", r.value or b""))
+                        found.setdefault(int(value), set()).add(
+                            (r.topic, r.key or b"", r.value or b"")
+                        )
         finally:
             reader.close()
         marked = 0
@@ -117,17 +119,20 @@ class Relay:
             with self.engine.begin() as conn:
                 for i in range(0, len(ids), 5000):
                     rows = conn.execute(
-                        sa.select(outbox.c.id, outbox.c.topic, outbox.c.key, outbox.c.payload).where(
-                            outbox.c.id.in_(ids[i : i + 5000]), outbox.c.published_at.is_(None)
-                        )
+                        sa.select(
+                            outbox.c.id, outbox.c.topic, outbox.c.key, outbox.c.payload
+                        ).where(outbox.c.id.in_(ids[i : i + 5000]), outbox.c.published_at.is_(None))
                     ).all()
                     same = [
-                        r.id for r in rows
+                        r.id
+                        for r in rows
                         if (r.topic, r.key.encode(), r.payload.encode()) in found[r.id]
                     ]
                     if same:
                         marked += conn.execute(
-                            outbox.update().where(outbox.c.id.in_(same)).values(published_at=utcnow())
+                            outbox.update()
+                            .where(outbox.c.id.in_(same))
+                            .values(published_at=utcnow())
                         ).rowcount
         if marked:
             RELAY_RECONCILED.inc(marked)
@@ -163,8 +168,10 @@ class Relay:
             try:
                 self.producer.flush(timeout=5)
             except KafkaError:
-                log.warning("broker slow or away: %d sends still in flight",
-                            sum(not f.is_done for _, _, f in sends))
+                log.warning(
+                    "broker slow or away: %d sends still in flight",
+                    sum(not f.is_done for _, _, f in sends),
+                )
             if stop.is_set() and not all(f.is_done for _, _, f in sends):
                 self.needs_reconcile = True  # whatever landed is found at the next start
                 return 0
@@ -215,8 +222,9 @@ class Relay:
                 backoff = min(backoff * 2, 10.0)
             except sa.exc.SQLAlchemyError as e:
                 RELAY_ERRORS.inc()
-                log.warning("relay: database error (%s); retrying in %.1fs",
-                            str(e).split("\n")[0], backoff)
+                log.warning(
+                    "relay: database error (%s); retrying in %.1fs", str(e).split("\n")[0], backoff
+                )
                 self.needs_reconcile = True
                 self._drop_lock_conn()
                 stop.wait(backoff)

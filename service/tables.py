@@ -154,7 +154,9 @@ policies = sa.Table(
     sa.Column("sha256", sa.String(64), nullable=False),  # of the weights: the artifact's identity
     sa.Column("manifest", JSONType, nullable=False),
     sa.Column("summary", JSONType, nullable=False),  # training summary
-    sa.Column("status", sa.String(16), nullable=False),  # registered|canary|live|retired|rolled_back
+    sa.Column(
+        "status", sa.String(16), nullable=False
+    ),  # registered|canary|live|retired|rolled_back
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("api_key_id", sa.String(32), nullable=True),
 )
@@ -209,7 +211,10 @@ rewards = sa.Table(
     sa.Column("trained_into", sa.Integer(), nullable=True),  # the candidate version it trained
     sa.Column("late_events", sa.Integer(), nullable=False, server_default="0"),
     sa.Index("ix_rewards_policy_version_finalized_at", "policy_version", "finalized_at"),
-    sa.Index("ix_rewards_untrained", "finalized_at",
-             postgresql_where=sa.text("trained_at IS NULL"),
-             sqlite_where=sa.text("trained_at IS NULL")),
+    sa.Index(
+        "ix_rewards_untrained",
+        "finalized_at",
+        postgresql_where=sa.text("trained_at IS NULL"),
+        sqlite_where=sa.text("trained_at IS NULL"),
+    ),
 )

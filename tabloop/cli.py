@@ -34,6 +34,14 @@ def _settings(args: argparse.Namespace) -> Settings:
     return settings
 
 
+def _serve_metrics(settings: Settings) -> None:
+    """Prometheus metrics for processes without the API (relay, trainer), if a port is set."""
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, addr=settings.host)
+
+
 def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
 
@@ -54,15 +62,22 @@ def _serve(app: object, settings: Settings) -> None:
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
-            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            previous = {
+                s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)
+            }
             try:
                 yield
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,  # type: ignore[arg-type]
-                            log_level=settings.log_level.lower(), access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,  # type: ignore[arg-type]
+        log_level=settings.log_level.lower(),
+        access_log=False,
+    )
     Server(config).run()
 
 
@@ -100,8 +115,11 @@ def _bootstrap_policy(settings: Settings) -> None:
     finally:
         engine.dispose()
     if version is not None:
-        log.info("registered the base policy from %s as v%d and made it live",
-                 settings.base_checkpoint, version)
+        log.info(
+            "registered the base policy from %s as v%d and made it live",
+            settings.base_checkpoint,
+            version,
+        )
 
 
 def _start_relay(settings: Settings, stop: threading.Event) -> threading.Thread:
@@ -125,8 +143,11 @@ def _trainer_key(settings: Settings) -> str:
     engine = make_engine(settings)
     try:
         with engine.begin() as conn:
-            old = conn.execute(sa.select(api_keys.c.id).where(
-                api_keys.c.name == "embedded-trainer", api_keys.c.revoked_at.is_(None))).scalars()
+            old = conn.execute(
+                sa.select(api_keys.c.id).where(
+                    api_keys.c.name == "embedded-trainer", api_keys.c.revoked_at.is_(None)
+                )
+            ).scalars()
             for key_id in list(old):
                 revoke_key(conn, key_id)
             return create_key(conn, name="embedded-trainer", scopes=frozenset({"deploy"}))[1]
@@ -134,7 +155,9 @@ def _trainer_key(settings: Settings) -> str:
         engine.dispose()
 
 
-def _start_trainer(settings: Settings, url: str, token: str, stop: threading.Event) -> threading.Thread:
+def _start_trainer(
+    settings: Settings, url: str, token: str, stop: threading.Event
+) -> threading.Thread:
     from service.db import make_engine
     from trainer.deploy import ServiceClient
     from trainer.loop import Trainer
@@ -166,11 +189,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     threads = []
     if not settings.embedded:
         threads.append(_start_relay(settings, stop))
-    threads.append(_start_trainer(settings, f"http://127.0.0.1:{settings.port}",
-                                  _trainer_key(settings), stop))
+    threads.append(
+        _start_trainer(settings, f"http://127.0.0.1:{settings.port}", _trainer_key(settings), stop)
+    )
     mode = "embedded (SQLite, outbox log)" if settings.embedded else "full (broker)"
-    print(f"tabloop: serving on http://{settings.host}:{settings.port} — {mode}, "
-          f"data in {settings.data_dir.resolve()}", flush=True)
+    print(
+        f"tabloop: serving on http://{settings.host}:{settings.port} — {mode}, "
+        f"data in {settings.data_dir.resolve()}",
+        flush=True,
+    )
     try:
         _serve(create_app(settings), settings)
     finally:
@@ -190,9 +217,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         _serve(create_app(settings), settings)
     else:  # each worker builds its own app (and settings) from the environment
-        uvicorn.run("service.app:app_from_env", factory=True, host=settings.host,
-                    port=settings.port, workers=settings.workers,
-                    log_level=settings.log_level.lower(), access_log=False)
+        uvicorn.run(
+            "service.app:app_from_env",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_level=settings.log_level.lower(),
+            access_log=False,
+        )
     return 0
 
 
@@ -202,14 +235,14 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     if settings.embedded:
-        print("tabloop relay: no broker configured (set TABLOOP_KAFKA_BOOTSTRAP_SERVERS); "
-              "in embedded mode the outbox table is the log and no relay is needed", file=sys.stderr)
+        print(
+            "tabloop relay: no broker configured (set TABLOOP_KAFKA_BOOTSTRAP_SERVERS); "
+            "in embedded mode the outbox table is the log and no relay is needed",
+            file=sys.stderr,
+        )
         return 2
     stop = _stop_on_signals()
-    if settings.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(settings.metrics_port, addr=settings.host)
+    _serve_metrics(settings)
     Relay(settings, make_engine(settings)).run(stop)
     return 0
 
@@ -221,15 +254,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     if not settings.trainer_api_key:
-        print("tabloop train: set TABLOOP_TRAINER_API_KEY to a deploy-scoped key "
-              "(tabloop keys create --scope deploy --name trainer)", file=sys.stderr)
+        print(
+            "tabloop train: set TABLOOP_TRAINER_API_KEY to a deploy-scoped key "
+            "(tabloop keys create --scope deploy --name trainer)",
+            file=sys.stderr,
+        )
         return 2
     url = settings.trainer_api_url or f"http://127.0.0.1:{settings.port}"
     stop = _stop_on_signals()
-    if settings.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(settings.metrics_port, addr=settings.host)
+    _serve_metrics(settings)
     Trainer(settings, make_engine(settings), ServiceClient(url, settings.trainer_api_key)).run(stop)
     return 0
 
@@ -312,22 +345,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, help="uvicorn worker processes (TABLOOP_WORKERS)")
     serve.set_defaults(fn=cmd_serve)
 
-    sub.add_parser("relay", help="full mode: publish the outbox to Kafka").set_defaults(fn=cmd_relay)
+    sub.add_parser("relay", help="full mode: publish the outbox to Kafka").set_defaults(
+        fn=cmd_relay
+    )
     sub.add_parser("train", help="the trainer: join, reward, update, gate, deploy").set_defaults(
-        fn=cmd_train)
+        fn=cmd_train
+    )
 
     # Handled in main(): listed here for `tabloop --help`.
     sub.add_parser("pretrain", help="train the base policy on real code (see --help)")
 
-    db = sub.add_parser("db", help="database migrations").add_subparsers(dest="db_cmd", required=True)
+    db = sub.add_parser("db", help="database migrations").add_subparsers(
+        dest="db_cmd", required=True
+    )
     upg = db.add_parser("upgrade", help="run Alembic migrations")
     upg.add_argument("revision", nargs="?", default="head")
     upg.set_defaults(fn=cmd_db_upgrade)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_cmd", required=True)
     kc = keys.add_parser("create", help="make a key; prints its token once, alone on stdout")
-    kc.add_argument("--scope", action="append", required=True,
-                    help="ingest, deploy or admin; repeat or comma-separate for several")
+    kc.add_argument(
+        "--scope",
+        action="append",
+        required=True,
+        help="ingest, deploy or admin; repeat or comma-separate for several",
+    )
     kc.add_argument("--name", required=True, help="who or what uses the key, e.g. vscode")
     kc.set_defaults(fn=cmd_keys_create)
     keys.add_parser("list", help="list keys (never their secrets)").set_defaults(fn=cmd_keys_list)

@@ -15,8 +15,9 @@ from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FIL
 
 class ServiceClient:
     def __init__(self, base_url: str, token: str, timeout_s: float = 60.0) -> None:
-        self._http = httpx.Client(base_url=base_url, timeout=timeout_s,
-                                  headers={"Authorization": f"Bearer {token}"})
+        self._http = httpx.Client(
+            base_url=base_url, timeout=timeout_s, headers={"Authorization": f"Bearer {token}"}
+        )
 
     def _ok(self, r: httpx.Response) -> Any:
         if r.status_code >= 400:
@@ -35,12 +36,20 @@ class ServiceClient:
         return int(self._ok(self._http.post("/admin/policies", files=files, data=data))["version"])
 
     def deploy(self, version: int, fraction: float, reason: str) -> dict[str, Any]:
-        return self._ok(self._http.post(f"/admin/policies/{version}/deploy",  # type: ignore[no-any-return]
-                                        json={"canary_fraction": fraction, "reason": reason}))
+        return self._ok(
+            self._http.post(
+                f"/admin/policies/{version}/deploy",  # type: ignore[no-any-return]
+                json={"canary_fraction": fraction, "reason": reason},
+            )
+        )
 
     def promote(self, version: int, reason: str) -> dict[str, Any]:
-        return self._ok(self._http.post(f"/admin/policies/{version}/promote",  # type: ignore[no-any-return]
-                                        json={"reason": reason}))
+        return self._ok(
+            self._http.post(
+                f"/admin/policies/{version}/promote",  # type: ignore[no-any-return]
+                json={"reason": reason},
+            )
+        )
 
     def rollback(self, reason: str) -> dict[str, Any]:
         return self._ok(self._http.post("/admin/rollback", json={"reason": reason}))  # type: ignore[no-any-return]
@@ -71,8 +80,9 @@ class CanaryConfig:
     accept_tolerance: float = 0.05  # and its accept rate (of shown) by this much
 
 
-def canary_verdict(canary: ArmStats, live: ArmStats, age_s: float,
-                   cfg: CanaryConfig) -> tuple[Literal["wait", "promote", "rollback"], str]:
+def canary_verdict(
+    canary: ArmStats, live: ArmStats, age_s: float, cfg: CanaryConfig
+) -> tuple[Literal["wait", "promote", "rollback"], str]:
     if canary.n < cfg.min_rollouts:
         if age_s < cfg.timeout_s:
             return "wait", f"{canary.n}/{cfg.min_rollouts} canary rollouts finalized"
@@ -83,5 +93,7 @@ def canary_verdict(canary: ArmStats, live: ArmStats, age_s: float,
         return "rollback", f"mean reward {canary.mean_reward:.3f} < live {live.mean_reward:.3f}"
     if live.shown and canary.accept_rate < live.accept_rate - cfg.accept_tolerance:
         return "rollback", f"accept rate {canary.accept_rate:.2f} < live {live.accept_rate:.2f}"
-    return "promote", (f"mean reward {canary.mean_reward:.3f} vs live {live.mean_reward:.3f}, "
-                       f"accept rate {canary.accept_rate:.2f} vs {live.accept_rate:.2f}")
+    return "promote", (
+        f"mean reward {canary.mean_reward:.3f} vs live {live.mean_reward:.3f}, "
+        f"accept rate {canary.accept_rate:.2f} vs {live.accept_rate:.2f}"
+    )

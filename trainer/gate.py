@@ -45,8 +45,9 @@ class GateResult:
         return asdict(self)
 
 
-def snis(logp_new: torch.Tensor, logp_behaviour: torch.Tensor, rewards: torch.Tensor,
-         clip: float) -> tuple[float, float]:
+def snis(
+    logp_new: torch.Tensor, logp_behaviour: torch.Tensor, rewards: torch.Tensor, clip: float
+) -> tuple[float, float]:
     """Self-normalized IS estimate of the new policy's mean reward, and the effective sample
     size (sum w)^2 / sum w^2, with weights exp(logp_new - logp_behaviour) clipped to [0, clip]."""
     if rewards.numel() == 0:
@@ -72,16 +73,29 @@ def heldout_loss(model: GPT, tokens: torch.Tensor, batch: int = 8) -> float:
 
 
 @torch.no_grad()
-def check(candidate: GPT, live: GPT, tokenizer: CodeTokenizer, heldout: torch.Tensor,
-          actions: Sequence[Action], behaviour_logp: torch.Tensor, rewards: torch.Tensor,
-          cfg: GateConfig) -> GateResult:
+def check(
+    candidate: GPT,
+    live: GPT,
+    tokenizer: CodeTokenizer,
+    heldout: torch.Tensor,
+    actions: Sequence[Action],
+    behaviour_logp: torch.Tensor,
+    rewards: torch.Tensor,
+    cfg: GateConfig,
+) -> GateResult:
     loss_live = heldout_loss(live, heldout)
     loss_cand = heldout_loss(candidate, heldout)
     reward_live = float(rewards.mean()) if rewards.numel() else float("nan")
     logp_new = score_actions(candidate, tokenizer, actions).total if actions else torch.empty(0)
     est, ess = snis(logp_new, behaviour_logp, rewards, cfg.weight_clip)
-    common = dict(heldout_loss_live=loss_live, heldout_loss_candidate=loss_cand,
-                  reward_live=reward_live, reward_candidate_est=est, ess=ess, n=len(actions))
+    common = dict(
+        heldout_loss_live=loss_live,
+        heldout_loss_candidate=loss_cand,
+        reward_live=reward_live,
+        reward_candidate_est=est,
+        ess=ess,
+        n=len(actions),
+    )
     if loss_cand > loss_live + cfg.max_heldout_regression:
         return GateResult(False, f"held-out loss {loss_cand:.3f} vs live {loss_live:.3f}", **common)
     need = max(cfg.min_ess, cfg.min_ess_fraction * len(actions))
@@ -92,8 +106,9 @@ def check(candidate: GPT, live: GPT, tokenizer: CodeTokenizer, heldout: torch.Te
     return GateResult(True, "passed", **common)
 
 
-def heldout_sample(tokenizer: CodeTokenizer, text: str, rows: int, length: int,
-                   seed: int = 0) -> torch.Tensor:
+def heldout_sample(
+    tokenizer: CodeTokenizer, text: str, rows: int, length: int, seed: int = 0
+) -> torch.Tensor:
     """A fixed sample of `rows` windows of `length`+1 tokens from held-out text."""
     ids = torch.tensor(tokenizer.encode(text[: rows * length * 8]), dtype=torch.long)
     assert ids.numel() > length + 1, "held-out text too short for the gate sample"

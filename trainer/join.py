@@ -19,11 +19,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
+from service.rewards.core import Feedback, RewardSpec, RolloutInfo, finalize_at
+from service.rewards.store import reward_from_db, rollout_info
 from service.stream.consumer import Record
 from service.stream.topics import FEEDBACK, ROLLOUTS
 from service.tables import rewards, rollouts, utcnow
-from service.rewards.core import Feedback, RewardSpec, RolloutInfo, finalize_at
-from service.rewards.store import reward_from_db, rollout_info
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,14 @@ class Join:
         """After a (re)start: every rollout without a reward is pending again."""
         with self.engine.connect() as conn:
             rows = conn.execute(
-                sa.select(rollouts.c.suggestion_id, rollouts.c.user_id, rollouts.c.created_at,
-                          rollouts.c.shown, rollouts.c.text, rollouts.c.policy_version)
+                sa.select(
+                    rollouts.c.suggestion_id,
+                    rollouts.c.user_id,
+                    rollouts.c.created_at,
+                    rollouts.c.shown,
+                    rollouts.c.text,
+                    rollouts.c.policy_version,
+                )
                 .outerjoin(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
                 .where(rewards.c.suggestion_id.is_(None))
             ).all()
@@ -101,8 +107,9 @@ class Join:
             with self.engine.begin() as conn:
                 rows = [self._reward_row(conn, p, now) for p in due]
                 insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-                conn.execute(insert(rewards).on_conflict_do_nothing(index_elements=["suggestion_id"]),
-                             rows)
+                conn.execute(
+                    insert(rewards).on_conflict_do_nothing(index_elements=["suggestion_id"]), rows
+                )
             for p in due:
                 del self.pending[p.rollout.suggestion_id]
             self.stats.finalized += len(due)
@@ -113,10 +120,15 @@ class Join:
         r = p.rollout
         reward = reward_from_db(conn, r, self.spec)
         return {
-            "suggestion_id": r.suggestion_id, "user_id": r.user_id,
-            "policy_version": p.policy_version, "rollout_created_at": r.created_at,
-            "value": reward.value, "outcome": reward.outcome, "components": reward.components,
-            "spec_version": self.spec_version, "finalized_at": now,
+            "suggestion_id": r.suggestion_id,
+            "user_id": r.user_id,
+            "policy_version": p.policy_version,
+            "rollout_created_at": r.created_at,
+            "value": reward.value,
+            "outcome": reward.outcome,
+            "components": reward.components,
+            "spec_version": self.spec_version,
+            "finalized_at": now,
         }
 
     def _settle_early(self, now: datetime) -> None:
@@ -125,13 +137,18 @@ class Join:
             return
         ids = list(self.early)
         with self.engine.begin() as conn:
-            final = set(conn.execute(
-                sa.select(rewards.c.suggestion_id).where(rewards.c.suggestion_id.in_(ids))
-            ).scalars())
+            final = set(
+                conn.execute(
+                    sa.select(rewards.c.suggestion_id).where(rewards.c.suggestion_id.in_(ids))
+                ).scalars()
+            )
             for sid in final:
                 n = len(self.early.pop(sid))
-                conn.execute(rewards.update().where(rewards.c.suggestion_id == sid)
-                             .values(late_events=rewards.c.late_events + n))
+                conn.execute(
+                    rewards.update()
+                    .where(rewards.c.suggestion_id == sid)
+                    .values(late_events=rewards.c.late_events + n)
+                )
                 self.stats.late_events += n
         # Feedback for rollouts never seen: drop from memory once past any window (still stored).
         cutoff = now - timedelta(seconds=self.spec.horizon_s * 2)
@@ -139,4 +156,3 @@ class Join:
             if all(f.occurred_at < cutoff for f in fbs):
                 self.stats.orphan_events += len(fbs)
                 del self.early[sid]
-

@@ -25,12 +25,12 @@ from service.config import Settings
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
 from service.policy.model import GPT
 from service.policy.tokenizer import CodeTokenizer
-from service.rewards.store import current_spec
 from service.registry.store import Deployment, artifact_files, current_deployment, write_files
+from service.rewards.store import current_spec
 from service.stream.consumer import open_consumer
 from service.stream.topics import FEEDBACK, ROLLOUTS
-from service.training.endpoints import STATE_NAME
 from service.tables import deployments, policies, rewards, rollouts, trainer_state, utcnow
+from service.training.endpoints import STATE_NAME
 from trainer.deploy import ArmStats, CanaryConfig, ServiceClient, canary_verdict
 from trainer.gate import GateConfig, check, heldout_sample
 from trainer.join import Join
@@ -57,9 +57,13 @@ class TrainerConfig:
     @classmethod
     def for_profile(cls, profile: str) -> TrainerConfig:
         if profile == "sim":  # a whole learn-and-redeploy loop in about a minute
-            return cls(batch_size=160, canary_fraction=0.3,
-                       canary=CanaryConfig(min_rollouts=60, timeout_s=120.0,
-                                           reward_tolerance=0.03, accept_tolerance=0.08))
+            return cls(
+                batch_size=160,
+                canary_fraction=0.3,
+                canary=CanaryConfig(
+                    min_rollouts=60, timeout_s=120.0, reward_tolerance=0.03, accept_tolerance=0.08
+                ),
+            )
         return cls()
 
     @classmethod
@@ -73,8 +77,13 @@ class TrainerConfig:
 
 
 class Trainer:
-    def __init__(self, settings: Settings, engine: sa.Engine, client: ServiceClient,
-                 cfg: TrainerConfig | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: sa.Engine,
+        client: ServiceClient,
+        cfg: TrainerConfig | None = None,
+    ) -> None:
         self.settings, self.engine, self.client = settings, engine, client
         self.cfg = cfg or TrainerConfig.for_settings(settings)
         self.state: dict[str, Any] = {"state": "starting", "history": []}
@@ -89,8 +98,11 @@ class Trainer:
         spec_version, spec = current_spec(self.engine, self.settings.profile)
         join = Join(self.engine, spec, spec_version)
         recovered = join.recover()
-        log.info("trainer starting: %d rollouts pending from before, reward spec v%d",
-                 recovered, spec_version)
+        log.info(
+            "trainer starting: %d rollouts pending from before, reward spec v%d",
+            recovered,
+            spec_version,
+        )
         consumer = open_consumer(self.settings, self.engine, self.cfg.group, [ROLLOUTS, FEEDBACK])
         try:
             while not stop.is_set():
@@ -121,19 +133,30 @@ class Trainer:
         with self.engine.connect() as conn:
             recent = conn.execute(
                 sa.select(deployments.c.live_version, deployments.c.canary_version)
-                .order_by(deployments.c.id.desc()).limit(self.cfg.staleness)
+                .order_by(deployments.c.id.desc())
+                .limit(self.cfg.staleness)
             ).all()
             versions = {v for r in recent for v in r if v is not None}
-            return list(conn.execute(
-                sa.select(rollouts.c.suggestion_id, rollouts.c.context_token_ids,
-                          rollouts.c.token_ids, rollouts.c.heal_text, rollouts.c.temperature,
-                          rollouts.c.top_p, rollouts.c.shown, rollouts.c.logprob_total,
-                          rollouts.c.policy_version, rewards.c.value)
-                .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
-                .where(rewards.c.trained_at.is_(None), rewards.c.policy_version.in_(versions))
-                .order_by(rewards.c.finalized_at)
-                .limit(self.cfg.batch_size)
-            ).all())
+            return list(
+                conn.execute(
+                    sa.select(
+                        rollouts.c.suggestion_id,
+                        rollouts.c.context_token_ids,
+                        rollouts.c.token_ids,
+                        rollouts.c.heal_text,
+                        rollouts.c.temperature,
+                        rollouts.c.top_p,
+                        rollouts.c.shown,
+                        rollouts.c.logprob_total,
+                        rollouts.c.policy_version,
+                        rewards.c.value,
+                    )
+                    .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
+                    .where(rewards.c.trained_at.is_(None), rewards.c.policy_version.in_(versions))
+                    .order_by(rewards.c.finalized_at)
+                    .limit(self.cfg.batch_size)
+                ).all()
+            )
 
     def _maybe_train(self, dep: Deployment) -> None:
         rows = self._batch_rows(dep)
@@ -153,24 +176,39 @@ class Trainer:
         train_rows, gate_rows = rows[:-n_gate], rows[-n_gate:]
         model = copy.deepcopy(live_model)
         model.requires_grad_(True)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.update.learning_rate,
-                                      weight_decay=0.0)
-        batch = Batch(actions=train_rows,
-                      behaviour_logp=torch.tensor([r.logprob_total for r in train_rows]),
-                      rewards=torch.tensor([r.value for r in train_rows]))
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=self.cfg.update.learning_rate, weight_decay=0.0
+        )
+        batch = Batch(
+            actions=train_rows,
+            behaviour_logp=torch.tensor([r.logprob_total for r in train_rows]),
+            rewards=torch.tensor([r.value for r in train_rows]),
+        )
         metrics = update(model, ref_model, tokenizer, batch, optimizer, self.cfg.update)
         model.eval()
         model.requires_grad_(False)
         self.state["state"] = "gating"
-        result = check(model, live_model, tokenizer, self._heldout(tokenizer, model), gate_rows,
-                       torch.tensor([r.logprob_total for r in gate_rows]),
-                       torch.tensor([r.value for r in gate_rows]), self.cfg.gate)
+        result = check(
+            model,
+            live_model,
+            tokenizer,
+            self._heldout(tokenizer, model),
+            gate_rows,
+            torch.tensor([r.logprob_total for r in gate_rows]),
+            torch.tensor([r.value for r in gate_rows]),
+            self.cfg.gate,
+        )
         ids = [r.suggestion_id for r in train_rows]
         now = utcnow()
         self._mark_trained(ids, None)  # before registering: never trained on twice
-        summary = {"parent": dep.live_version, "rollouts": len(train_rows),
-                   "mean_reward": float(batch.rewards.mean()), "update": metrics,
-                   "gate": result.to_dict(), "seconds": round(time.monotonic() - started, 2)}
+        summary = {
+            "parent": dep.live_version,
+            "rollouts": len(train_rows),
+            "mean_reward": float(batch.rewards.mean()),
+            "update": metrics,
+            "gate": result.to_dict(),
+            "seconds": round(time.monotonic() - started, 2),
+        }
         self.state["last_update"] = {"at": now.isoformat(), **summary}
         self.state["last_gate"] = result.to_dict()
         if not result.passed:
@@ -178,15 +216,31 @@ class Trainer:
             self._remember("gate_failed", dep.live_version, result.reason)
             return
         with tempfile.TemporaryDirectory(prefix="tabloop-candidate-") as tmp:
-            ckpt = save_checkpoint(Path(tmp), model, tokenizer, version=0,
-                                   parent=dep.live_version, summary=summary, overwrite=True)
+            ckpt = save_checkpoint(
+                Path(tmp),
+                model,
+                tokenizer,
+                version=0,
+                parent=dep.live_version,
+                summary=summary,
+                overwrite=True,
+            )
             version = self.client.register(ckpt, dep.live_version, summary)
         self._mark_trained(ids, version)
-        self.client.deploy(version, self.cfg.canary_fraction,
-                           reason=f"trainer: gate passed ({result.reason}); canary")
-        log.info("candidate v%d (from v%d, %d rollouts, mean reward %.3f) gated and deployed as "
-                 "a %.0f%% canary", version, dep.live_version, len(train_rows),
-                 summary["mean_reward"], 100 * self.cfg.canary_fraction)
+        self.client.deploy(
+            version,
+            self.cfg.canary_fraction,
+            reason=f"trainer: gate passed ({result.reason}); canary",
+        )
+        log.info(
+            "candidate v%d (from v%d, %d rollouts, mean reward %.3f) gated and deployed as "
+            "a %.0f%% canary",
+            version,
+            dep.live_version,
+            len(train_rows),
+            summary["mean_reward"],
+            100 * self.cfg.canary_fraction,
+        )
         self._remember("canary", version, result.reason)
         self.state["state"] = "canary"
 
@@ -195,8 +249,11 @@ class Trainer:
         values: dict[str, Any] = {"trained_into": version} if version else {"trained_at": utcnow()}
         with self.engine.begin() as conn:
             for i in range(0, len(ids), 1000):
-                conn.execute(rewards.update().where(rewards.c.suggestion_id.in_(ids[i:i + 1000]))
-                             .values(**values))
+                conn.execute(
+                    rewards.update()
+                    .where(rewards.c.suggestion_id.in_(ids[i : i + 1000]))
+                    .values(**values)
+                )
 
     # -- canary ----------------------------------------------------------------------------
 
@@ -218,8 +275,15 @@ class Trainer:
             live = self._arm(conn, dep.live_version, dep.created_at)
         age = (utcnow() - dep.created_at).total_seconds()
         verdict, why = canary_verdict(canary, live, age, self.cfg.canary)
-        self.state.update(state="canary", canary={"version": dep.canary_version, "age_s": age,
-                                                  "canary": asdict(canary), "live": asdict(live)})
+        self.state.update(
+            state="canary",
+            canary={
+                "version": dep.canary_version,
+                "age_s": age,
+                "canary": asdict(canary),
+                "live": asdict(live),
+            },
+        )
         if verdict == "wait":
             return
         try:
@@ -237,14 +301,18 @@ class Trainer:
 
     def _remember(self, event: str, version: int, why: str) -> None:
         history = self.state.setdefault("history", [])
-        history.append({"at": utcnow().isoformat(), "event": event, "version": version,
-                        "reason": why})
+        history.append(
+            {"at": utcnow().isoformat(), "event": event, "version": version, "reason": why}
+        )
         del history[:-50]
 
     def _base_version(self) -> int:
         with self.engine.connect() as conn:
-            return int(conn.execute(sa.select(sa.func.min(policies.c.version))
-                                    .where(policies.c.parent.is_(None))).scalar_one())
+            return int(
+                conn.execute(
+                    sa.select(sa.func.min(policies.c.version)).where(policies.c.parent.is_(None))
+                ).scalar_one()
+            )
 
     def _policy(self, version: int) -> tuple[GPT, CodeTokenizer]:
         if version not in self._policies:
@@ -269,8 +337,9 @@ class Trainer:
         if getattr(self, "_heldout_key", None) != key:
             from trainer.corpus import read_corpus
 
-            self._heldout_tokens = heldout_sample(tokenizer, read_corpus("heldout"),
-                                                  self.cfg.heldout_rows, length)
+            self._heldout_tokens = heldout_sample(
+                tokenizer, read_corpus("heldout"), self.cfg.heldout_rows, length
+            )
             self._heldout_key = key
         return self._heldout_tokens
 
@@ -279,19 +348,29 @@ class Trainer:
             return
         self._last_heartbeat = time.monotonic()
         oldest = min((p.rollout.created_at for p in join.pending.values()), default=None)
-        self.state.update(pending=len(join.pending), finalized=join.stats.finalized,
-                          late_events=join.stats.late_events,
-                          join_lag_s=(utcnow() - oldest).total_seconds() if oldest else 0.0)
+        self.state.update(
+            pending=len(join.pending),
+            finalized=join.stats.finalized,
+            late_events=join.stats.late_events,
+            join_lag_s=(utcnow() - oldest).total_seconds() if oldest else 0.0,
+        )
         now = utcnow()
         with self.engine.begin() as conn:
-            row = conn.execute(sa.select(trainer_state.c.paused)
-                               .where(trainer_state.c.name == STATE_NAME)).first()
+            row = conn.execute(
+                sa.select(trainer_state.c.paused).where(trainer_state.c.name == STATE_NAME)
+            ).first()
             if row is None:
-                conn.execute(trainer_state.insert().values(name=STATE_NAME, heartbeat_at=now,
-                                                           info=self.state, updated_at=now))
+                conn.execute(
+                    trainer_state.insert().values(
+                        name=STATE_NAME, heartbeat_at=now, info=self.state, updated_at=now
+                    )
+                )
             else:
                 self.paused = bool(row.paused)
                 if self.paused:
                     self.state["state"] = "paused"
-                conn.execute(trainer_state.update().where(trainer_state.c.name == STATE_NAME)
-                             .values(heartbeat_at=now, info=self.state, updated_at=now))
+                conn.execute(
+                    trainer_state.update()
+                    .where(trainer_state.c.name == STATE_NAME)
+                    .values(heartbeat_at=now, info=self.state, updated_at=now)
+                )

@@ -34,11 +34,14 @@ async def post_complete(req: CompleteRequest, _key: IngestKey, ctx: CtxDep) -> C
     if req.max_new_tokens > settings.max_new_tokens_limit:
         raise Unprocessable(f"max_new_tokens: at most {settings.max_new_tokens_limit}")
     if not ctx.health.db_ok:
-        raise Unavailable("the database is unavailable",
-                          headers={"Retry-After": str(settings.retry_after_s)})
+        raise Unavailable(
+            "the database is unavailable", headers={"Retry-After": str(settings.retry_after_s)}
+        )
     policy = ctx.policies.route(req.user_id)
     loop = asyncio.get_running_loop()
-    completion, latency_ms = await loop.run_in_executor(ctx.inference, sample, policy, req, settings)
+    completion, latency_ms = await loop.run_in_executor(
+        ctx.inference, sample, policy, req, settings
+    )
     suggestion_id = str(uuid.uuid4())
     record = rollout_record(suggestion_id, req, policy.version, completion, latency_ms)
     await run_in_threadpool(record_rollout, ctx.engine, record, embedded=settings.embedded)

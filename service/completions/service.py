@@ -19,7 +19,9 @@ from service.stream.topics import ROLLOUTS
 from service.tables import outbox, rollouts, utcnow
 
 
-def sample(policy: LoadedPolicy, req: CompleteRequest, settings: Settings) -> tuple[Completion, float]:
+def sample(
+    policy: LoadedPolicy, req: CompleteRequest, settings: Settings
+) -> tuple[Completion, float]:
     """Run the policy on the bounded context; returns the completion and its latency in ms."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "big"))
@@ -77,9 +79,16 @@ def record_rollout(engine: sa.Engine, record: dict[str, Any], *, embedded: bool)
         conn.execute(rollouts.insert().values(created_at=now, **record))
         conn.execute(
             outbox.insert(),
-            [outbox_row(ROLLOUTS, record["user_id"],
-                        {**record, "created_at": now.isoformat().replace("+00:00", "Z")},
-                        now=now, embedded=embedded)],
+            [
+                outbox_row(
+                    ROLLOUTS,
+                    record["user_id"],
+                    {**record, "created_at": now.isoformat().replace("+00:00", "Z")},
+                    now=now,
+                    embedded=embedded,
+                )
+            ],
         )
-    COMPLETIONS.labels(version=str(record["policy_version"]),
-                       shown="true" if record["shown"] else "false").inc()
+    COMPLETIONS.labels(
+        version=str(record["policy_version"]), shown="true" if record["shown"] else "false"
+    ).inc()

@@ -50,7 +50,10 @@ def user_bucket(user_id: str, salt: int) -> float:
 
 
 def choose(routing: Routing, user_id: str) -> LoadedPolicy:
-    if routing.canary is not None and user_bucket(user_id, routing.canary.version) < routing.canary_fraction:
+    if (
+        routing.canary is not None
+        and user_bucket(user_id, routing.canary.version) < routing.canary_fraction
+    ):
         return routing.canary
     return routing.live
 
@@ -91,8 +94,13 @@ class PolicyServer:
         if canary is None:
             log.info("serving policy v%d (deployment %d, %s)", dep.live_version, dep.id, dep.action)
         else:
-            log.info("serving policy v%d, canary v%d for %.0f%% of users (deployment %d)",
-                     dep.live_version, canary.version, 100 * dep.canary_fraction, dep.id)
+            log.info(
+                "serving policy v%d, canary v%d for %.0f%% of users (deployment %d)",
+                dep.live_version,
+                canary.version,
+                100 * dep.canary_fraction,
+                dep.id,
+            )
 
     def _load(self, version: int) -> LoadedPolicy | None:
         if version in self._loaded:
@@ -140,4 +148,3 @@ class PolicyServer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-

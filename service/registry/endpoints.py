@@ -52,9 +52,15 @@ class ReasonIn(BaseModel):
 
 
 def _policy_out(row: Any, with_manifest: bool = False) -> PolicyOut:
-    return PolicyOut(version=row.version, parent=row.parent, sha256=row.sha256, status=row.status,
-                     created_at=row.created_at, summary=row.summary or {},
-                     manifest=row.manifest if with_manifest else None)
+    return PolicyOut(
+        version=row.version,
+        parent=row.parent,
+        sha256=row.sha256,
+        status=row.status,
+        created_at=row.created_at,
+        summary=row.summary or {},
+        manifest=row.manifest if with_manifest else None,
+    )
 
 
 def _deployment_out(d: store.Deployment | None) -> DeploymentOut | None:
@@ -64,8 +70,10 @@ def _deployment_out(d: store.Deployment | None) -> DeploymentOut | None:
 @router.get("/policies", response_model=PolicyList)
 def list_policies(_key: DeployKey, ctx: CtxDep) -> PolicyList:
     with ctx.engine.connect() as conn:
-        return PolicyList(deployment=_deployment_out(store.current_deployment(conn)),
-                          policies=[_policy_out(r) for r in store.list_policy_rows(conn)])
+        return PolicyList(
+            deployment=_deployment_out(store.current_deployment(conn)),
+            policies=[_policy_out(r) for r in store.list_policy_rows(conn)],
+        )
 
 
 @router.get("/policies/{version}", response_model=PolicyOut)
@@ -97,8 +105,11 @@ def register_policy(
     """Register a checkpoint as the next version. The files' SHA-256 sums must match the
     manifest and the weights must load into the manifest's model config."""
     limit = ctx.settings.max_checkpoint_bytes
-    files = {MANIFEST_FILE: _read(manifest, limit), WEIGHTS_FILE: _read(weights, limit),
-             TOKENIZER_FILE: _read(tokenizer, limit)}
+    files = {
+        MANIFEST_FILE: _read(manifest, limit),
+        WEIGHTS_FILE: _read(weights, limit),
+        TOKENIZER_FILE: _read(tokenizer, limit),
+    }
     summary_obj = None
     if summary is not None:
         try:
@@ -108,8 +119,9 @@ def register_policy(
         if not isinstance(summary_obj, dict):
             raise Unprocessable("summary must be a JSON object")
     with ctx.engine.begin() as conn:
-        version = store.register_policy(conn, files, parent=parent, summary=summary_obj,
-                                        api_key_id=_key.id)
+        version = store.register_policy(
+            conn, files, parent=parent, summary=summary_obj, api_key_id=_key.id
+        )
         row = store.get_policy_row(conn, version)
     return _policy_out(row)
 
@@ -123,8 +135,9 @@ def deploy_policy(version: int, body: DeployIn, key: DeployKey, ctx: CtxDep) -> 
 
 
 @router.post("/policies/{version}/promote", response_model=DeploymentOut)
-def promote_policy(version: int, key: DeployKey, ctx: CtxDep,
-                   body: ReasonIn | None = None) -> DeploymentOut:
+def promote_policy(
+    version: int, key: DeployKey, ctx: CtxDep, body: ReasonIn | None = None
+) -> DeploymentOut:
     """Make the current canary the live version."""
     with ctx.engine.begin() as conn:
         d = store.promote(conn, version, reason=body.reason if body else None, api_key_id=key.id)
@@ -143,4 +156,6 @@ def rollback(key: DeployKey, ctx: CtxDep, body: ReasonIn | None = None) -> Deplo
 def deployments(_key: AdminKey, ctx: CtxDep, limit: int = 100) -> list[DeploymentOut]:
     """The deployment timeline, newest first."""
     with ctx.engine.connect() as conn:
-        return [_deployment_out(d) for d in store.deployment_history(conn, min(max(limit, 1), 1000))]  # type: ignore[misc]
+        return [
+            _deployment_out(d) for d in store.deployment_history(conn, min(max(limit, 1), 1000))
+        ]  # type: ignore[misc]

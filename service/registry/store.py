@@ -109,7 +109,10 @@ def register_policy(
     )
     conn.execute(
         policy_artifacts.insert(),
-        [{"version": version, "name": n, "sha256": _sha256(b), "data": b} for n, b in stored.items()],
+        [
+            {"version": version, "name": n, "sha256": _sha256(b), "data": b}
+            for n, b in stored.items()
+        ],
     )
     return version
 
@@ -120,9 +123,9 @@ def read_checkpoint_dir(directory: Path) -> dict[str, bytes]:
 
 def artifact_files(conn: sa.Connection, version: int) -> dict[str, bytes]:
     rows = conn.execute(
-        sa.select(policy_artifacts.c.name, policy_artifacts.c.sha256, policy_artifacts.c.data).where(
-            policy_artifacts.c.version == version
-        )
+        sa.select(
+            policy_artifacts.c.name, policy_artifacts.c.sha256, policy_artifacts.c.data
+        ).where(policy_artifacts.c.version == version)
     ).all()
     files = {r.name: bytes(r.data) for r in rows}
     for r in rows:
@@ -150,20 +153,38 @@ def deployment_history(conn: sa.Connection, limit: int = 100) -> list[Deployment
 
 
 def _deployment(row: sa.Row) -> Deployment:
-    return Deployment(row.id, row.created_at, row.action, row.live_version, row.canary_version,
-                      row.canary_fraction, row.reason)
+    return Deployment(
+        row.id,
+        row.created_at,
+        row.action,
+        row.live_version,
+        row.canary_version,
+        row.canary_fraction,
+        row.reason,
+    )
 
 
 def _set_status(conn: sa.Connection, version: int, status: str) -> None:
     conn.execute(policies.update().where(policies.c.version == version).values(status=status))
 
 
-def _append(conn: sa.Connection, action: str, live: int, canary: int | None, fraction: float,
-            reason: str | None, api_key_id: str | None) -> Deployment:
+def _append(
+    conn: sa.Connection,
+    action: str,
+    live: int,
+    canary: int | None,
+    fraction: float,
+    reason: str | None,
+    api_key_id: str | None,
+) -> Deployment:
     conn.execute(
         deployments.insert().values(
-            created_at=utcnow(), action=action, live_version=live, canary_version=canary,
-            canary_fraction=fraction if canary is not None else 0.0, reason=reason,
+            created_at=utcnow(),
+            action=action,
+            live_version=live,
+            canary_version=canary,
+            canary_fraction=fraction if canary is not None else 0.0,
+            reason=reason,
             api_key_id=api_key_id,
         )
     )
@@ -178,8 +199,14 @@ def _lock_timeline(conn: sa.Connection) -> None:
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(7301)"))
 
 
-def deploy(conn: sa.Connection, version: int, canary_fraction: float, *,
-           reason: str | None = None, api_key_id: str | None = None) -> Deployment:
+def deploy(
+    conn: sa.Connection,
+    version: int,
+    canary_fraction: float,
+    *,
+    reason: str | None = None,
+    api_key_id: str | None = None,
+) -> Deployment:
     """Start `version` as the canary for `canary_fraction` of users (1.0: make it live)."""
     _lock_timeline(conn)
     row = get_policy_row(conn, version)
@@ -202,11 +229,14 @@ def deploy(conn: sa.Connection, version: int, canary_fraction: float, *,
     if current.canary_version is not None and current.canary_version != version:
         _set_status(conn, current.canary_version, "retired")
     _set_status(conn, version, "canary")
-    return _append(conn, "deploy", current.live_version, version, canary_fraction, reason, api_key_id)
+    return _append(
+        conn, "deploy", current.live_version, version, canary_fraction, reason, api_key_id
+    )
 
 
-def promote(conn: sa.Connection, version: int, *, reason: str | None = None,
-            api_key_id: str | None = None) -> Deployment:
+def promote(
+    conn: sa.Connection, version: int, *, reason: str | None = None, api_key_id: str | None = None
+) -> Deployment:
     """Make the current canary the live version."""
     _lock_timeline(conn)
     current = current_deployment(conn)
@@ -217,8 +247,9 @@ def promote(conn: sa.Connection, version: int, *, reason: str | None = None,
     return _append(conn, "promote", version, None, 0.0, reason, api_key_id)
 
 
-def rollback(conn: sa.Connection, *, reason: str | None = None,
-             api_key_id: str | None = None) -> Deployment:
+def rollback(
+    conn: sa.Connection, *, reason: str | None = None, api_key_id: str | None = None
+) -> Deployment:
     """With a canary out: withdraw it. Otherwise: put the previous live version back."""
     _lock_timeline(conn)
     current = current_deployment(conn)
@@ -246,7 +277,13 @@ def bootstrap(conn: sa.Connection, base_dir: Path) -> int | None:
     _lock_timeline(conn)
     if current_deployment(conn) is not None:
         return None
-    version = register_policy(conn, read_checkpoint_dir(base_dir), parent=None, summary=None,
-                              api_key_id=None, status="live")
+    version = register_policy(
+        conn,
+        read_checkpoint_dir(base_dir),
+        parent=None,
+        summary=None,
+        api_key_id=None,
+        status="live",
+    )
     _append(conn, "bootstrap", version, None, 0.0, "the pretrained base policy", None)
     return version

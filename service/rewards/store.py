@@ -21,12 +21,17 @@ def default_spec(profile: str) -> RewardSpec:
 
 def current_spec(engine_or_conn: sa.Engine | sa.Connection, profile: str) -> tuple[int, RewardSpec]:
     """The newest spec version; version 1 (the profile's default) is stored on first use."""
+
     def run(conn: sa.Connection) -> tuple[int, RewardSpec]:
-        row = conn.execute(sa.select(reward_specs).order_by(reward_specs.c.version.desc()).limit(1)).first()
+        row = conn.execute(
+            sa.select(reward_specs).order_by(reward_specs.c.version.desc()).limit(1)
+        ).first()
         if row is not None:
             return row.version, RewardSpec.from_dict(row.spec)
         spec = default_spec(profile)
-        conn.execute(reward_specs.insert().values(version=1, spec=spec.to_dict(), created_at=utcnow()))
+        conn.execute(
+            reward_specs.insert().values(version=1, spec=spec.to_dict(), created_at=utcnow())
+        )
         return 1, spec
 
     if isinstance(engine_or_conn, sa.Engine):
@@ -36,14 +41,19 @@ def current_spec(engine_or_conn: sa.Engine | sa.Connection, profile: str) -> tup
 
 
 def spec_version(conn: sa.Connection, version: int) -> RewardSpec | None:
-    row = conn.execute(sa.select(reward_specs.c.spec).where(reward_specs.c.version == version)).first()
+    row = conn.execute(
+        sa.select(reward_specs.c.spec).where(reward_specs.c.version == version)
+    ).first()
     return RewardSpec.from_dict(row.spec) if row is not None else None
 
 
 def put_spec(conn: sa.Connection, spec: RewardSpec, api_key_id: str | None) -> int:
     latest = conn.execute(sa.select(sa.func.max(reward_specs.c.version))).scalar() or 0
-    conn.execute(reward_specs.insert().values(version=latest + 1, spec=spec.to_dict(),
-                                              created_at=utcnow(), api_key_id=api_key_id))
+    conn.execute(
+        reward_specs.insert().values(
+            version=latest + 1, spec=spec.to_dict(), created_at=utcnow(), api_key_id=api_key_id
+        )
+    )
     return latest + 1
 
 
@@ -53,28 +63,46 @@ def rollout_info(row: Any) -> RolloutInfo:
     created = get("created_at")
     if isinstance(created, str):
         created = datetime.fromisoformat(created.replace("Z", "+00:00"))
-    return RolloutInfo(suggestion_id=get("suggestion_id"), user_id=get("user_id"),
-                       created_at=created, shown=bool(get("shown")), text_chars=len(get("text") or ""))
+    return RolloutInfo(
+        suggestion_id=get("suggestion_id"),
+        user_id=get("user_id"),
+        created_at=created,
+        shown=bool(get("shown")),
+        text_chars=len(get("text") or ""),
+    )
 
 
-ROLLOUT_COLUMNS = (rollouts.c.suggestion_id, rollouts.c.user_id, rollouts.c.created_at,
-                   rollouts.c.shown, rollouts.c.text)
+ROLLOUT_COLUMNS = (
+    rollouts.c.suggestion_id,
+    rollouts.c.user_id,
+    rollouts.c.created_at,
+    rollouts.c.shown,
+    rollouts.c.text,
+)
 
 
 def reward_from_db(conn: sa.Connection, rollout: RolloutInfo, spec: RewardSpec) -> Reward:
     """The reward of one rollout from the events stored about it and its user."""
     horizon = timedelta(seconds=spec.horizon_s)
-    own = conn.execute(
-        sa.select(events.c.payload).where(events.c.suggestion_id == rollout.suggestion_id)
-    ).scalars().all()
-    user_level = conn.execute(
-        sa.select(events.c.payload).where(
-            events.c.user_id == rollout.user_id,
-            events.c.type.in_(("model_switch", "churn")),
-            events.c.occurred_at >= rollout.created_at,
-            events.c.occurred_at <= rollout.created_at + horizon,
+    own = (
+        conn.execute(
+            sa.select(events.c.payload).where(events.c.suggestion_id == rollout.suggestion_id)
         )
-    ).scalars().all()
+        .scalars()
+        .all()
+    )
+    user_level = (
+        conn.execute(
+            sa.select(events.c.payload).where(
+                events.c.user_id == rollout.user_id,
+                events.c.type.in_(("model_switch", "churn")),
+                events.c.occurred_at >= rollout.created_at,
+                events.c.occurred_at <= rollout.created_at + horizon,
+            )
+        )
+        .scalars()
+        .all()
+    )
     feedback = [Feedback.from_event(e) for e in (*own, *user_level)]
     neighbours = [rollout]
     if user_level:  # the user's rollouts that share switch and churn penalties with this one
@@ -89,8 +117,9 @@ def reward_from_db(conn: sa.Connection, rollout: RolloutInfo, spec: RewardSpec) 
     return compute_reward(rollout, feedback, neighbours, spec)
 
 
-def replay(conn: sa.Connection, start: datetime, end: datetime, spec: RewardSpec,
-           limit: int = 100_000) -> dict[str, Any]:
+def replay(
+    conn: sa.Connection, start: datetime, end: datetime, spec: RewardSpec, limit: int = 100_000
+) -> dict[str, Any]:
     """Recompute the rewards of rollouts created in [start, end) under `spec`. Stored rewards
     are not changed (a trained policy may have used them); the summary compares the two."""
     from service.tables import rewards
@@ -112,5 +141,10 @@ def replay(conn: sa.Connection, start: datetime, end: datetime, spec: RewardSpec
         if r.stored is not None:
             stored_n += 1
             changed += abs(reward.value - r.stored) > 1e-9
-    return {"rollouts": len(rows), "mean_reward": total / len(rows) if rows else None,
-            "outcomes": outcomes, "finalized_before": stored_n, "differ_from_stored": int(changed)}
+    return {
+        "rollouts": len(rows),
+        "mean_reward": total / len(rows) if rows else None,
+        "outcomes": outcomes,
+        "finalized_before": stored_n,
+        "differ_from_stored": int(changed),
+    }

@@ -94,7 +94,9 @@ def commit_offset(conn: sa.Connection, group: str, offset: int) -> None:
 class KafkaLogConsumer:
     """A consumer-group member with manual commits (auto-commit off)."""
 
-    def __init__(self, settings: Settings, group: str, topics: Sequence[str], **overrides: Any) -> None:
+    def __init__(
+        self, settings: Settings, group: str, topics: Sequence[str], **overrides: Any
+    ) -> None:
         from kafka import KafkaConsumer
 
         config: dict[str, Any] = dict(

@@ -54,11 +54,15 @@ def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS) -> N
             try:
                 admin.create_topics(
                     [
-                        NewTopic(t, settings.kafka_topic_partitions, settings.kafka_replication_factor)
+                        NewTopic(
+                            t, settings.kafka_topic_partitions, settings.kafka_replication_factor
+                        )
                         for t in missing
                     ]
                 )
-                log.info("created topics %s (%d partitions)", missing, settings.kafka_topic_partitions)
+                log.info(
+                    "created topics %s (%d partitions)", missing, settings.kafka_topic_partitions
+                )
             except TopicAlreadyExistsError:
                 pass
     finally:
@@ -87,8 +91,7 @@ def read_to_end(consumer: KafkaConsumer, tps: list[Any], timeout_s: float) -> li
         for batch in consumer.poll(timeout_ms=200, max_records=5000).values():
             records.extend(batch)
         behind = [
-            tp for tp in tps
-            if (hw := consumer.highwater(tp)) is None or consumer.position(tp) < hw
+            tp for tp in tps if (hw := consumer.highwater(tp)) is None or consumer.position(tp) < hw
         ]
         if not behind:
             return records

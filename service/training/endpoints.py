@@ -21,7 +21,9 @@ def _status(conn: sa.Connection) -> dict[str, Any]:
         sa.select(sa.func.count()).select_from(rewards).where(rewards.c.trained_at.is_(None))
     ).scalar_one()
     finalized = conn.execute(sa.select(sa.func.count()).select_from(rewards)).scalar_one()
-    late = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(rewards.c.late_events), 0))).scalar_one()
+    late = conn.execute(
+        sa.select(sa.func.coalesce(sa.func.sum(rewards.c.late_events), 0))
+    ).scalar_one()
     alive = bool(row and row.heartbeat_at and utcnow() - row.heartbeat_at < timedelta(seconds=15))
     return {
         "paused": bool(row.paused) if row else False,
@@ -45,11 +47,17 @@ def get_training(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
 def _set_paused(ctx: Any, paused: bool) -> dict[str, Any]:
     now = utcnow()
     with ctx.engine.begin() as conn:
-        updated = conn.execute(trainer_state.update().where(trainer_state.c.name == STATE_NAME)
-                               .values(paused=paused, updated_at=now)).rowcount
+        updated = conn.execute(
+            trainer_state.update()
+            .where(trainer_state.c.name == STATE_NAME)
+            .values(paused=paused, updated_at=now)
+        ).rowcount
         if not updated:
-            conn.execute(trainer_state.insert().values(name=STATE_NAME, paused=paused,
-                                                       updated_at=now, info={}))
+            conn.execute(
+                trainer_state.insert().values(
+                    name=STATE_NAME, paused=paused, updated_at=now, info={}
+                )
+            )
         return _status(conn)
 
 

@@ -21,7 +21,9 @@ def db_settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
         return Settings(data_dir=tmp_path)
     pg_url = request.getfixturevalue("pg_url")
     broker = request.getfixturevalue("kafka_broker")
-    return Settings(data_dir=tmp_path, database_url=pg_url, kafka_bootstrap_servers=broker.bootstrap)
+    return Settings(
+        data_dir=tmp_path, database_url=pg_url, kafka_bootstrap_servers=broker.bootstrap
+    )
 
 
 def test_upgrade_downgrade_upgrade(db_settings: Settings) -> None:

@@ -74,8 +74,12 @@ def feedback_ids(bootstrap: str, ids: set[str]) -> list[tuple[str, int, str]]:
 def ingest(client: httpx.Client, n_batches: int, per_batch: int, users: int) -> set[str]:
     acked: set[str] = set()
     for b in range(n_batches):
-        batch = [event(["accept", "reject", "churn"][i % 3], user_id=f"user-{(b * per_batch + i) % users}")
-                 for i in range(per_batch)]
+        batch = [
+            event(
+                ["accept", "reject", "churn"][i % 3], user_id=f"user-{(b * per_batch + i) % users}"
+            )
+            for i in range(per_batch)
+        ]
         r = client.post("/v1/events", json={"events": batch + batch[:3]})  # with repeats
         assert r.status_code == 202, r.text
         assert r.json()["accepted"] == per_batch and r.json()["duplicates"] == 3
@@ -120,7 +124,7 @@ def test_relay_delivers_each_event_once_to_its_key_partition(
         acked = ingest(c, n_batches=10, per_batch=50, users=17)
     with engine.connect() as conn:
         assert backlog(conn).rows == 500  # committed, waiting for the relay
-    with relay_running(full_settings) as relay:
+    with relay_running(full_settings):
         wait_until_published(engine)
     assert_exactly_once(kafka_broker.bootstrap, acked, full_settings.kafka_topic_partitions)
 
@@ -149,19 +153,26 @@ def test_broker_outage_loses_nothing_and_duplicates_nothing(
     from service.auth.keys import create_key
     from service.db import upgrade
 
-    settings = make_settings(tmp_path, pg_url=pg_url, bootstrap=durable_kafka.bootstrap,
-                             kafka_topic_partitions=3)
+    settings = make_settings(
+        tmp_path, pg_url=pg_url, bootstrap=durable_kafka.bootstrap, kafka_topic_partitions=3
+    )
     upgrade(settings)
     engine = make_engine(settings)
     with engine.begin() as conn:
         token = create_key(conn, name="t", scopes=frozenset({"ingest"}))[1]
     svc = service_factory(settings)
-    with httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c, \
-            relay_running(settings):
+    with (
+        httpx.Client(
+            base_url=svc.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ) as c,
+        relay_running(settings),
+    ):
         acked = ingest(c, n_batches=3, per_batch=40, users=7)
         wait_until_published(engine)
         durable_kafka.kill()
-        acked |= ingest(c, n_batches=5, per_batch=40, users=7)  # still accepted: PostgreSQL has them
+        acked |= ingest(
+            c, n_batches=5, per_batch=40, users=7
+        )  # still accepted: PostgreSQL has them
         with engine.connect() as conn:
             assert conn.execute(sa.select(sa.func.count()).select_from(events)).scalar_one() == 320
             assert backlog(conn).rows > 0
@@ -173,8 +184,11 @@ def test_broker_outage_loses_nothing_and_duplicates_nothing(
 
 
 def test_database_outage_answers_503_then_recovers(
-    full_settings: Settings, service_factory: Any, full_keys: Any, postgres_server: Any,
-    kafka_broker: Any
+    full_settings: Settings,
+    service_factory: Any,
+    full_keys: Any,
+    postgres_server: Any,
+    kafka_broker: Any,
 ) -> None:
     svc = service_factory(full_settings)
     engine = make_engine(full_settings)
@@ -217,6 +231,9 @@ def test_relay_header_names_the_outbox_row(full_settings: Settings, kafka_broker
         row_id = conn.execute(sa.select(outbox.c.id)).scalar_one()
     with relay_running(full_settings):
         wait_until_published(engine)
-    recs = [r for r in consume_all(kafka_broker.bootstrap, FEEDBACK, timeout_s=30)
-            if orjson.loads(r.value)["event_id"] == ev["event_id"]]
+    recs = [
+        r
+        for r in consume_all(kafka_broker.bootstrap, FEEDBACK, timeout_s=30)
+        if orjson.loads(r.value)["event_id"] == ev["event_id"]
+    ]
     assert len(recs) == 1 and dict(recs[0].headers)[HEADER] == str(row_id).encode()

@@ -57,7 +57,9 @@ def test_bad_input_gets_a_clear_message(tmp_path: Path) -> None:
     assert bad_scope.returncode == 2 and "scopes must be among" in bad_scope.stderr
     bad_port = run(["db", "upgrade"], env_for(tmp_path, TABLOOP_PORT="eighty"))
     assert bad_port.returncode != 0 and "TABLOOP_PORT" in bad_port.stderr
-    pg_no_broker = run(["db", "upgrade"], env_for(tmp_path, TABLOOP_DATABASE_URL="postgresql://x/y"))
+    pg_no_broker = run(
+        ["db", "upgrade"], env_for(tmp_path, TABLOOP_DATABASE_URL="postgresql://x/y")
+    )
     assert pg_no_broker.returncode != 0 and "TABLOOP_KAFKA_BOOTSTRAP_SERVERS" in pg_no_broker.stderr
     relay = run(["relay"], env)
     assert relay.returncode == 2 and "embedded mode" in relay.stderr
@@ -66,8 +68,9 @@ def test_bad_input_gets_a_clear_message(tmp_path: Path) -> None:
 def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
     port = free_port()
     env = env_for(tmp_path, TABLOOP_PORT=str(port))
-    proc = subprocess.Popen([TABLOOP, "up"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [TABLOOP, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         banner = proc.stdout.readline()
@@ -82,10 +85,15 @@ def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline and proc.poll() is None, "tabloop up did not get ready"
+            assert time.monotonic() < deadline and proc.poll() is None, (
+                "tabloop up did not get ready"
+            )
             time.sleep(0.1)
-        r = httpx.post(url + "/v1/events", json={"events": [event("accept"), event("churn")]},
-                       headers={"Authorization": f"Bearer {token}"})
+        r = httpx.post(
+            url + "/v1/events",
+            json={"events": [event("accept"), event("churn")]},
+            headers={"Authorization": f"Bearer {token}"},
+        )
         assert r.status_code == 202 and r.json()["accepted"] == 2
     finally:
         proc.send_signal(signal.SIGTERM)

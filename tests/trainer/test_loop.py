@@ -31,8 +31,13 @@ from trainer.deploy import CanaryConfig, ServiceClient
 from trainer.gate import GateConfig
 from trainer.loop import Trainer, TrainerConfig
 
-PREFIXES = ["import os\nimport ", "def f(x):\n    return ", "for i in range(",
-            "class A(object):\n    def __init__(self", "if __name__ == '__main__':\n    "]
+PREFIXES = [
+    "import os\nimport ",
+    "def f(x):\n    return ",
+    "for i in range(",
+    "class A(object):\n    def __init__(self",
+    "if __name__ == '__main__':\n    ",
+]
 
 
 def now_z() -> str:
@@ -48,16 +53,24 @@ def drive(url: str, token: str, n: int, seed: int) -> list[str]:
             evs = []
             for _ in range(min(10, n - i)):
                 user = f"u{rng.randrange(12)}"
-                r = c.post("/v1/complete", json={"user_id": user, "prefix": rng.choice(PREFIXES),
-                                                 "max_new_tokens": 8})
+                r = c.post(
+                    "/v1/complete",
+                    json={"user_id": user, "prefix": rng.choice(PREFIXES), "max_new_tokens": 8},
+                )
                 assert r.status_code == 200, r.text
                 body = r.json()
                 ids.append(body["suggestion_id"])
                 if body["shown"]:
                     good = body["text"].rstrip().endswith((")", ":"))
-                    evs.append({"event_id": str(uuid.uuid4()), "type": "accept" if good else "reject",
-                                "user_id": user, "suggestion_id": body["suggestion_id"],
-                                "occurred_at": now_z()})
+                    evs.append(
+                        {
+                            "event_id": str(uuid.uuid4()),
+                            "type": "accept" if good else "reject",
+                            "user_id": user,
+                            "suggestion_id": body["suggestion_id"],
+                            "occurred_at": now_z(),
+                        }
+                    )
             if evs:
                 assert c.post("/v1/events", json={"events": evs}).status_code == 202
     return ids
@@ -72,13 +85,20 @@ def wait_for(pred: Any, timeout_s: float, what: str) -> None:
 
 def count(engine: sa.Engine, table: sa.Table, *where: Any) -> int:
     with engine.connect() as conn:
-        return conn.execute(sa.select(sa.func.count()).select_from(table).where(*where)).scalar_one()
+        return conn.execute(
+            sa.select(sa.func.count()).select_from(table).where(*where)
+        ).scalar_one()
 
 
 @pytest.fixture
 def embedded(tmp_path: Path) -> Iterator[tuple[Settings, RunningService, str, str]]:
-    settings = make_settings(tmp_path, profile="sim", policy_poll_interval_s=0.2,
-                             rate_limit_per_s=10_000, rate_limit_burst=10_000)
+    settings = make_settings(
+        tmp_path,
+        profile="sim",
+        policy_poll_interval_s=0.2,
+        rate_limit_per_s=10_000,
+        rate_limit_burst=10_000,
+    )
     upgrade(settings)
     engine = make_engine(settings)
     with engine.begin() as conn:
@@ -93,12 +113,17 @@ def embedded(tmp_path: Path) -> Iterator[tuple[Settings, RunningService, str, st
 
 def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded: Any) -> None:
     settings, svc, ingest, deploy = embedded
-    cfg = TrainerConfig(batch_size=60, canary_fraction=0.5,
-                        canary=CanaryConfig(min_rollouts=20, timeout_s=60, reward_tolerance=1.0,
-                                            accept_tolerance=1.0),
-                        gate=GateConfig(max_heldout_regression=1.0, max_reward_drop=1.0,
-                                        min_ess=1.0, min_ess_fraction=0.0),
-                        poll_timeout_s=0.2)
+    cfg = TrainerConfig(
+        batch_size=60,
+        canary_fraction=0.5,
+        canary=CanaryConfig(
+            min_rollouts=20, timeout_s=60, reward_tolerance=1.0, accept_tolerance=1.0
+        ),
+        gate=GateConfig(
+            max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
+        ),
+        poll_timeout_s=0.2,
+    )
     engine = make_engine(settings)
     stop = threading.Event()
     trainer = Trainer(settings, engine, ServiceClient(svc.url, deploy), cfg)
@@ -106,15 +131,23 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
     thread.start()
     try:
         sent = drive(svc.url, ingest, 120, seed=1)
-        wait_for(lambda: count(engine, deployments, deployments.c.action == "deploy") >= 1, 120,
-                 "a gated canary deploy")
+        wait_for(
+            lambda: count(engine, deployments, deployments.c.action == "deploy") >= 1,
+            120,
+            "a gated canary deploy",
+        )
         # keep traffic flowing until the trainer judges the canary
         for seed in range(2, 12):
             if count(engine, deployments, deployments.c.action.in_(("promote", "rollback"))):
                 break
             sent += drive(svc.url, ingest, 40, seed=seed)
-        wait_for(lambda: count(engine, deployments, deployments.c.action.in_(("promote", "rollback"))) >= 1,
-                 90, "a canary verdict")
+        wait_for(
+            lambda: (
+                count(engine, deployments, deployments.c.action.in_(("promote", "rollback"))) >= 1
+            ),
+            90,
+            "a canary verdict",
+        )
         # every rollout gets exactly one reward (sim horizon: 16 s)
         wait_for(lambda: count(engine, rewards) == count(engine, rollouts), 60, "all rewards")
     finally:
@@ -125,7 +158,9 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
         candidate = conn.execute(sa.select(policies).where(policies.c.version == 2)).one()
     assert candidate.parent == 1 and candidate.summary["gate"]["passed"] is True
     assert count(engine, rewards, rewards.c.trained_into == 2) == candidate.summary["rollouts"]
-    status = httpx.get(svc.url + "/admin/training", headers={"Authorization": f"Bearer {ingest}"}).json()
+    status = httpx.get(
+        svc.url + "/admin/training", headers={"Authorization": f"Bearer {ingest}"}
+    ).json()
     assert status["rewards_finalized"] >= len(sent) and status["trainer"]["history"]
     engine.dispose()
 
@@ -135,9 +170,16 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
 ) -> None:
     from service.relay import Relay
 
-    settings = make_settings(tmp_path, pg_url=pg_url, bootstrap=durable_kafka.bootstrap,
-                             profile="sim", policy_poll_interval_s=0.2, kafka_topic_partitions=3,
-                             rate_limit_per_s=10_000, rate_limit_burst=10_000)
+    settings = make_settings(
+        tmp_path,
+        pg_url=pg_url,
+        bootstrap=durable_kafka.bootstrap,
+        profile="sim",
+        policy_poll_interval_s=0.2,
+        kafka_topic_partitions=3,
+        rate_limit_per_s=10_000,
+        rate_limit_burst=10_000,
+    )
     upgrade(settings)
     engine = make_engine(settings)
     with engine.begin() as conn:
@@ -146,14 +188,21 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
         deploy = create_key(conn, name="trainer", scopes=frozenset({"deploy"}))[1]
     svc = RunningService(settings).start()
     stop = threading.Event()
-    relay = threading.Thread(target=Relay(settings, make_engine(settings)).run, args=(stop,),
-                             daemon=True)
+    relay = threading.Thread(
+        target=Relay(settings, make_engine(settings)).run, args=(stop,), daemon=True
+    )
     relay.start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TABLOOP_")}
-    env.update(TABLOOP_DATA_DIR=str(tmp_path / "trainer-data"), TABLOOP_DATABASE_URL=pg_url,
-               TABLOOP_KAFKA_BOOTSTRAP_SERVERS=durable_kafka.bootstrap, TABLOOP_PROFILE="sim",
-               TABLOOP_TRAINER_API_URL=svc.url, TABLOOP_TRAINER_API_KEY=deploy,
-               TABLOOP_TRAINER_BATCH_SIZE="40", TABLOOP_KAFKA_SESSION_TIMEOUT_MS="3000")
+    env.update(
+        TABLOOP_DATA_DIR=str(tmp_path / "trainer-data"),
+        TABLOOP_DATABASE_URL=pg_url,
+        TABLOOP_KAFKA_BOOTSTRAP_SERVERS=durable_kafka.bootstrap,
+        TABLOOP_PROFILE="sim",
+        TABLOOP_TRAINER_API_URL=svc.url,
+        TABLOOP_TRAINER_API_KEY=deploy,
+        TABLOOP_TRAINER_BATCH_SIZE="40",
+        TABLOOP_KAFKA_SESSION_TIMEOUT_MS="3000",
+    )
     train = [str(Path(sys.executable).parent / "tabloop"), "train"]
     proc = subprocess.Popen(train, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -178,7 +227,10 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
     with engine.connect() as conn:
         assert set(conn.execute(sa.select(rewards.c.suggestion_id)).scalars()) == set(sent)
         for p in conn.execute(sa.select(policies).where(policies.c.parent.is_not(None))).all():
-            used = conn.execute(sa.select(sa.func.count()).select_from(rewards)
-                                .where(rewards.c.trained_into == p.version)).scalar_one()
+            used = conn.execute(
+                sa.select(sa.func.count())
+                .select_from(rewards)
+                .where(rewards.c.trained_into == p.version)
+            ).scalar_one()
             assert used == p.summary["rollouts"]
     engine.dispose()

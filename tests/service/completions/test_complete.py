@@ -22,14 +22,23 @@ PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        ret
 @pytest.fixture
 def api(served: Any, key_factory: Any) -> Any:
     token = key_factory("ingest")
-    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {token}"},
-                      timeout=30) as c:
+    with httpx.Client(
+        base_url=served.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+    ) as c:
         yield c
 
 
 def complete(c: httpx.Client, **over: Any) -> httpx.Response:
-    body = {"user_id": "u-1", "session_id": "s-1", "workspace_id": "w-1", "language": "python",
-            "file_path": "pkg/mod.py", "prefix": PREFIX, "suffix": "\n", "max_new_tokens": 16}
+    body = {
+        "user_id": "u-1",
+        "session_id": "s-1",
+        "workspace_id": "w-1",
+        "language": "python",
+        "file_path": "pkg/mod.py",
+        "prefix": PREFIX,
+        "suffix": "\n",
+        "max_new_tokens": 16,
+    }
     body.update(over)
     return c.post("/v1/complete", json={k: v for k, v in body.items() if v is not None})
 
@@ -87,13 +96,17 @@ def test_needs_an_ingest_key(served: Any, key_factory: Any) -> None:
     body = {"user_id": "u", "prefix": "x"}
     assert httpx.post(served.url + "/v1/complete", json=body).status_code == 401
     admin = key_factory("admin")
-    r = httpx.post(served.url + "/v1/complete", json=body,
-                   headers={"Authorization": f"Bearer {admin}"})
+    r = httpx.post(
+        served.url + "/v1/complete", json=body, headers={"Authorization": f"Bearer {admin}"}
+    )
     assert r.status_code == 403
 
 
 def test_no_policy_deployed_is_503(service: Any, key_factory: Any) -> None:
     token = key_factory("ingest")
-    r = httpx.post(service.url + "/v1/complete", json={"user_id": "u", "prefix": "x"},
-                   headers={"Authorization": f"Bearer {token}"})
+    r = httpx.post(
+        service.url + "/v1/complete",
+        json={"user_id": "u", "prefix": "x"},
+        headers={"Authorization": f"Bearer {token}"},
+    )
     assert r.status_code == 503 and "Retry-After" in r.headers

@@ -17,8 +17,14 @@ from service.completions.serving import user_bucket
 from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 
 
-def upload(c: httpx.Client, ckpt: Path, *, weights: bytes | None = None,
-           manifest: bytes | None = None, parent: int | None = 1) -> httpx.Response:
+def upload(
+    c: httpx.Client,
+    ckpt: Path,
+    *,
+    weights: bytes | None = None,
+    manifest: bytes | None = None,
+    parent: int | None = 1,
+) -> httpx.Response:
     files = {
         "manifest": ("manifest.json", manifest or (ckpt / MANIFEST_FILE).read_bytes()),
         "weights": ("model.safetensors", weights or (ckpt / WEIGHTS_FILE).read_bytes()),
@@ -32,10 +38,16 @@ def upload(c: httpx.Client, ckpt: Path, *, weights: bytes | None = None,
 
 @pytest.fixture
 def clients(served: Any, key_factory: Any) -> Any:
-    deploy = httpx.Client(base_url=served.url, timeout=30,
-                          headers={"Authorization": f"Bearer {key_factory('deploy')}"})
-    ingest = httpx.Client(base_url=served.url, timeout=30,
-                          headers={"Authorization": f"Bearer {key_factory('ingest')}"})
+    deploy = httpx.Client(
+        base_url=served.url,
+        timeout=30,
+        headers={"Authorization": f"Bearer {key_factory('deploy')}"},
+    )
+    ingest = httpx.Client(
+        base_url=served.url,
+        timeout=30,
+        headers={"Authorization": f"Bearer {key_factory('ingest')}"},
+    )
     yield deploy, ingest
     deploy.close()
     ingest.close()
@@ -44,8 +56,10 @@ def clients(served: Any, key_factory: Any) -> Any:
 def versions_served(ingest: httpx.Client, users: list[str]) -> dict[str, int]:
     out = {}
     for u in users:
-        r = ingest.post("/v1/complete", json={"user_id": u, "prefix": "def f(x):\n    return ",
-                                              "max_new_tokens": 4})
+        r = ingest.post(
+            "/v1/complete",
+            json={"user_id": u, "prefix": "def f(x):\n    return ", "max_new_tokens": 4},
+        )
         assert r.status_code == 200, r.text
         out[u] = r.json()["policy_version"]
     return out
@@ -53,18 +67,22 @@ def versions_served(ingest: httpx.Client, users: list[str]) -> dict[str, int]:
 
 def wait_for_routing(served: Any, deployment_id: int) -> None:
     deadline = time.monotonic() + 30
-    while (served.app.state.ctx.policies.routing or None) is None or \
-            served.app.state.ctx.policies.routing.deployment_id != deployment_id:
+    while (
+        served.app.state.ctx.policies.routing or None
+    ) is None or served.app.state.ctx.policies.routing.deployment_id != deployment_id:
         assert time.monotonic() < deadline, "the service did not load the new deployment"
         time.sleep(0.05)
 
 
-def test_register_canary_promote_rollback(served: Any, clients: Any,
-                                          tiny_checkpoint_factory: Any) -> None:
+def test_register_canary_promote_rollback(
+    served: Any, clients: Any, tiny_checkpoint_factory: Any
+) -> None:
     deploy, ingest = clients
     r = upload(deploy, tiny_checkpoint_factory(1))
     assert r.status_code == 201, r.text
-    assert r.json()["version"] == 2 and r.json()["parent"] == 1 and r.json()["status"] == "registered"
+    assert (
+        r.json()["version"] == 2 and r.json()["parent"] == 1 and r.json()["status"] == "registered"
+    )
     listing = deploy.get("/admin/policies").json()
     assert [p["version"] for p in listing["policies"]] == [2, 1]
     assert listing["deployment"]["live_version"] == 1
@@ -104,8 +122,9 @@ def test_conflicts_and_missing(served: Any, clients: Any) -> None:
     assert deploy.get("/admin/policies/77").status_code == 404
 
 
-def test_bad_checkpoints_are_refused(served: Any, clients: Any, tiny_checkpoint_factory: Any,
-                                     tmp_path: Path) -> None:
+def test_bad_checkpoints_are_refused(
+    served: Any, clients: Any, tiny_checkpoint_factory: Any, tmp_path: Path
+) -> None:
     deploy, _ = clients
     ckpt = tiny_checkpoint_factory(2)
     tampered = bytearray((ckpt / WEIGHTS_FILE).read_bytes())
@@ -140,8 +159,9 @@ def test_scopes(served: Any, key_factory: Any) -> None:
     assert httpx.get(served.url + "/admin/policies").status_code == 401
 
 
-def test_hot_swap_under_load_fails_no_request(served: Any, clients: Any,
-                                              tiny_checkpoint_factory: Any) -> None:
+def test_hot_swap_under_load_fails_no_request(
+    served: Any, clients: Any, tiny_checkpoint_factory: Any
+) -> None:
     deploy, _ = clients
     assert upload(deploy, tiny_checkpoint_factory(3)).status_code == 201  # v2
     token = clients[1].headers["Authorization"]
@@ -153,8 +173,14 @@ def test_hot_swap_under_load_fails_no_request(served: Any, clients: Any,
         with httpx.Client(base_url=served.url, headers={"Authorization": token}, timeout=30) as c:
             i = 0
             while not stop.is_set() and i < 2000:
-                r = c.post("/v1/complete", json={"user_id": f"load-{n}-{i % 25}",
-                                                 "prefix": "for i in range(", "max_new_tokens": 6})
+                r = c.post(
+                    "/v1/complete",
+                    json={
+                        "user_id": f"load-{n}-{i % 25}",
+                        "prefix": "for i in range(",
+                        "max_new_tokens": 6,
+                    },
+                )
                 statuses[r.status_code] += 1
                 if r.status_code == 200:
                     versions[r.json()["policy_version"]] += 1
@@ -164,10 +190,12 @@ def test_hot_swap_under_load_fails_no_request(served: Any, clients: Any,
     for t in threads:
         t.start()
     try:
-        for step in (lambda: deploy.post("/admin/policies/2/deploy", json={"canary_fraction": 0.3}),
-                     lambda: deploy.post("/admin/policies/2/promote"),
-                     lambda: deploy.post("/admin/rollback"),
-                     lambda: deploy.post("/admin/policies/2/deploy", json={"canary_fraction": 1.0})):
+        for step in (
+            lambda: deploy.post("/admin/policies/2/deploy", json={"canary_fraction": 0.3}),
+            lambda: deploy.post("/admin/policies/2/promote"),
+            lambda: deploy.post("/admin/rollback"),
+            lambda: deploy.post("/admin/policies/2/deploy", json={"canary_fraction": 1.0}),
+        ):
             time.sleep(1.0)
             r = step()
             assert r.status_code == 200, r.text

@@ -30,11 +30,15 @@ def test_consumer_reads_everything_once_and_resumes_after_commit(
     settings: Settings, engine: sa.Engine
 ) -> None:
     first = [event("accept", user_id=f"u{i % 4}") for i in range(30)]
-    ingest_events(engine, first, api_key_id=None, max_event_bytes=10_000, embedded=settings.embedded)
+    ingest_events(
+        engine, first, api_key_id=None, max_event_bytes=10_000, embedded=settings.embedded
+    )
     stop = threading.Event()
     relay_thread = None
     if not settings.embedded:
-        relay_thread = threading.Thread(target=Relay(settings, engine).run, args=(stop,), daemon=True)
+        relay_thread = threading.Thread(
+            target=Relay(settings, engine).run, args=(stop,), daemon=True
+        )
         relay_thread.start()
     group = f"g-{uuid.uuid4().hex[:8]}"
     try:
@@ -48,8 +52,9 @@ def test_consumer_reads_everything_once_and_resumes_after_commit(
         c1.close()
 
         second = [event("reject") for _ in range(5)]
-        ingest_events(engine, second, api_key_id=None, max_event_bytes=10_000,
-                      embedded=settings.embedded)
+        ingest_events(
+            engine, second, api_key_id=None, max_event_bytes=10_000, embedded=settings.embedded
+        )
         c2 = open_consumer(settings, engine, group, [ROLLOUTS, FEEDBACK])
         new = {e["event_id"] for e in second}
         again = read_until(c2, new)
@@ -61,7 +66,9 @@ def test_consumer_reads_everything_once_and_resumes_after_commit(
         # Without a commit the same records come back to the next member of the group.
         c3 = open_consumer(settings, engine, group, [ROLLOUTS, FEEDBACK])
         replay = read_until(c3, new)
-        assert sorted(r.value["event_id"] for r in replay if r.value["event_id"] in new) == sorted(new)
+        assert sorted(r.value["event_id"] for r in replay if r.value["event_id"] in new) == sorted(
+            new
+        )
         c3.close()
     finally:
         stop.set()
