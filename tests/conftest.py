@@ -18,13 +18,17 @@ from __future__ import annotations
 # --import-mode=importlib).
 # ============================================================================
 import shutil
+import sysconfig
 import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from service.policy.model import GPT, ModelConfig
+from service.policy.tokenizer import CodeTokenizer, train_tokenizer
 from tests.services import KafkaBroker, PostgresServer
 
 
@@ -75,3 +79,30 @@ def durable_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBro
 # ============================================================================
 # End of service fixtures. Application fixtures go below.
 # ============================================================================
+
+
+# ============================================================================
+# Tiny policies: a BPE trained on a few stdlib files and a random-init model, for tests that
+# need a real (small) policy without the shipped checkpoint.
+# ============================================================================
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+SMALL_SOURCES = ("json/decoder.py", "json/encoder.py", "textwrap.py", "string.py")
+
+
+@pytest.fixture(scope="session")
+def small_code() -> list[str]:
+    return [(STDLIB / p).read_text(encoding="utf-8") for p in SMALL_SOURCES]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(small_code: list[str]) -> CodeTokenizer:
+    return train_tokenizer(small_code, vocab_size=400)
+
+
+@pytest.fixture
+def tiny_model(tiny_tokenizer: CodeTokenizer) -> GPT:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32
+    )
+    return GPT(cfg).eval()

@@ -144,6 +144,7 @@ def pg_loss(
     loss = policy_loss + cfg.kl_coef * kl - cfg.entropy_coef * entropy.mean()
 
     with torch.no_grad():
+        shown = torch.tensor([bool(a.shown) for a in batch.actions], dtype=torch.float32)
         log_ratio = new.total - batch.behaviour_logp
         ratio = log_ratio.exp()
         metrics = {
@@ -159,10 +160,7 @@ def pg_loss(
             "charts/adv_std": adv.std().item() if adv.numel() > 1 else 0.0,
             "charts/reward_mean": batch.rewards.mean().item(),
             "charts/p_show": torch.sigmoid(new.gate_logit).mean().item(),
-            "charts/shown_frac": torch.tensor([bool(a.shown) for a in batch.actions])
-            .float()
-            .mean()
-            .item(),
+            "charts/shown_frac": shown.mean().item(),
         }
     return loss, metrics
 
@@ -204,8 +202,9 @@ def update(
 ) -> dict[str, float]:
     """`cfg.epochs` passes of shuffled minibatches over `batch`; the mean metrics of the steps.
 
-    The optimizer (and its learning rate) is the caller's; ref_model is only read, never
-    differentiated. Advantages use the whole batch's baseline.
+    The optimizer (and its learning rate) is the caller's, kept across batches (`make_optimizer`
+    builds the usual one); ref_model is only read, never differentiated. Advantages use the
+    whole batch's baseline.
     """
     n = len(batch.actions)
     assert n > 0, "empty batch"
@@ -224,7 +223,7 @@ def update(
                     rewards=batch.rewards[idx],
                 )
                 loss, metrics = pg_loss(model, ref_model, tokenizer, mb, cfg, adv=adv[idx])
-                optimizer.zero_grad(set_to_none=True)
+                model.zero_grad(set_to_none=True)  # also parameters the optimizer lacks
                 loss.backward()
                 params = [p for p in model.parameters() if p.grad is not None]
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
@@ -233,4 +232,5 @@ def update(
                 for k, v in metrics.items():
                     totals[k] += v
                 steps += 1
+    model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
     return {k: v / steps for k, v in totals.items()}

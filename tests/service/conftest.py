@@ -134,20 +134,6 @@ def client(service: RunningService, key_factory: Any) -> Iterator[httpx.Client]:
 
 # --- tiny policies: a real (small) tokenizer and a random-init model, saved as checkpoints ----
 
-TINY_SOURCES = ("json/decoder.py", "json/encoder.py", "textwrap.py", "string.py")
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer() -> Any:
-    import sysconfig
-
-    from service.policy.tokenizer import train_tokenizer
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return train_tokenizer([(stdlib / p).read_text(encoding="utf-8") for p in TINY_SOURCES],
-                           vocab_size=400)
-
-
 @pytest.fixture(scope="session")
 def tiny_checkpoint_factory(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """make(seed) -> directory of a tiny random-init checkpoint (distinct weights per seed)."""

@@ -158,7 +158,8 @@ def test_greedy_is_deterministic_with_zero_logprob(
     a = complete(tiny_model, tiny_tokenizer, "import js", "", 8, 0.0, None, None)
     b = complete(tiny_model, tiny_tokenizer, "import js", "", 8, 0.0, None, None)
     assert a == b and a.logprob_total == 0.0
-    assert float(batch_action_logprobs(tiny_model, tiny_tokenizer, [a])[0]) == 0.0
+    with torch.no_grad():
+        assert batch_action_logprobs(tiny_model, tiny_tokenizer, [a])[0].item() == 0.0
 
 
 def test_empty_completion_is_never_shown(
@@ -168,7 +169,7 @@ def test_empty_completion_is_never_shown(
     gen = torch.Generator().manual_seed(11)
     comps = [
         complete(tiny_model, tiny_tokenizer, p, "", 3, 2.0, None, gen)
-        for p in _prompts(small_code, 150, seed=12)
+        for p in _prompts(small_code, 40, seed=12)
     ]
     empty = [c for c in comps if not c.text]
     assert empty, "the seed should produce some immediate line ends"
