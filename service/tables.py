@@ -106,6 +106,8 @@ outbox = sa.Table(
     ),
 )
 
+TRAINER_STATE_NAME = "trainer"  # the trainer's own row (heartbeat, paused flag, state)
+
 trainer_state = sa.Table(
     "trainer_state",
     metadata,

@@ -24,6 +24,7 @@ from service.rewards.store import reward_from_db, rollout_info
 from service.stream.consumer import Record
 from service.stream.topics import FEEDBACK, ROLLOUTS
 from service.tables import rewards, rollouts, utcnow
+from trainer.metrics import LATE_EVENTS, REWARDS_FINALIZED
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class Join:
                 )
             for p in due:
                 del self.pending[p.rollout.suggestion_id]
+            for row in rows:
+                REWARDS_FINALIZED.labels(outcome=row["outcome"]).inc()
             self.stats.finalized += len(due)
         self._settle_early(now)
         return len(due)
@@ -150,6 +153,7 @@ class Join:
                     .values(late_events=rewards.c.late_events + n)
                 )
                 self.stats.late_events += n
+                LATE_EVENTS.inc(n)
         # Feedback for rollouts never seen: drop from memory once past any window (still stored).
         cutoff = now - timedelta(seconds=self.spec.horizon_s * 2)
         for sid, fbs in list(self.early.items()):

@@ -29,11 +29,19 @@ from service.registry.store import Deployment, artifact_files, current_deploymen
 from service.rewards.store import current_spec
 from service.stream.consumer import open_consumer
 from service.stream.topics import FEEDBACK, ROLLOUTS
+from service.tables import TRAINER_STATE_NAME as STATE_NAME
 from service.tables import deployments, policies, rewards, rollouts, trainer_state, utcnow
-from service.training.endpoints import STATE_NAME
 from trainer.deploy import ArmStats, CanaryConfig, ServiceClient, canary_verdict
 from trainer.gate import GateConfig, check, heldout_sample
 from trainer.join import Join
+from trainer.metrics import (
+    BATCH_FILL,
+    CANARY_VERDICTS,
+    GATE_RESULTS,
+    JOIN_LAG,
+    PENDING,
+    UPDATES,
+)
 from trainer.update import Batch, UpdateConfig, update
 
 log = logging.getLogger(__name__)
@@ -185,6 +193,7 @@ class Trainer:
             rewards=torch.tensor([r.value for r in train_rows]),
         )
         metrics = update(model, ref_model, tokenizer, batch, optimizer, self.cfg.update)
+        UPDATES.inc()
         model.eval()
         model.requires_grad_(False)
         self.state["state"] = "gating"
@@ -211,6 +220,7 @@ class Trainer:
         }
         self.state["last_update"] = {"at": now.isoformat(), **summary}
         self.state["last_gate"] = result.to_dict()
+        GATE_RESULTS.labels(result="passed" if result.passed else "failed").inc()
         if not result.passed:
             log.info("candidate from v%d failed the gate: %s", dep.live_version, result.reason)
             self._remember("gate_failed", dep.live_version, result.reason)
@@ -295,6 +305,7 @@ class Trainer:
             log.warning("canary %s of v%d not applied: %s", verdict, dep.canary_version, e)
             return
         log.info("canary v%d: %s (%s)", dep.canary_version, verdict, why)
+        CANARY_VERDICTS.labels(verdict=verdict).inc()
         self._remember(verdict, dep.canary_version, why)
 
     # -- helpers ---------------------------------------------------------------------------
@@ -354,6 +365,9 @@ class Trainer:
             late_events=join.stats.late_events,
             join_lag_s=(utcnow() - oldest).total_seconds() if oldest else 0.0,
         )
+        PENDING.set(len(join.pending))
+        JOIN_LAG.set(self.state["join_lag_s"])
+        BATCH_FILL.set(self.state.get("batch_fill", 0))
         now = utcnow()
         with self.engine.begin() as conn:
             row = conn.execute(

@@ -9,10 +9,10 @@ import sqlalchemy as sa
 from fastapi import APIRouter
 
 from service.deps import AdminKey, CtxDep
+from service.tables import TRAINER_STATE_NAME as STATE_NAME
 from service.tables import rewards, trainer_state, utcnow
 
 router = APIRouter(prefix="/admin/training", tags=["admin: training"])
-STATE_NAME = "trainer"  # the trainer's row in trainer_state
 
 
 def _status(conn: sa.Connection) -> dict[str, Any]:

@@ -1,0 +1,28 @@
+"""Prometheus metrics of the trainer (exposed by the API process under `tabloop up`, and on
+TABLOOP_METRICS_PORT by `tabloop train`). Documented in docs/METRICS.md."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+REWARDS_FINALIZED = Counter(
+    "tabloop_trainer_rewards_finalized_total",
+    "Rewards finalized by the join, by outcome.",
+    ["outcome"],
+)
+LATE_EVENTS = Counter(
+    "tabloop_trainer_late_events_total",
+    "Feedback that arrived after its rollout's reward was final (stored, counted, not applied).",
+)
+UPDATES = Counter("tabloop_trainer_updates_total", "Policy-gradient updates taken.")
+GATE_RESULTS = Counter(
+    "tabloop_trainer_gate_results_total", "Gate decisions on candidates.", ["result"]
+)
+CANARY_VERDICTS = Counter(
+    "tabloop_trainer_canary_verdicts_total", "Canary decisions (promote, rollback).", ["verdict"]
+)
+BATCH_FILL = Gauge("tabloop_trainer_batch_fill", "Untrained rewards ready for the next batch.")
+PENDING = Gauge(
+    "tabloop_trainer_pending_rollouts", "Rollouts waiting for their reward to be final."
+)
+JOIN_LAG = Gauge("tabloop_trainer_join_lag_seconds", "Age of the oldest pending rollout.")
