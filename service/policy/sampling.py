@@ -38,6 +38,7 @@ from service.policy.tokenizer import CodeTokenizer, Healing
 
 DEFAULT_TEMPERATURE = 0.7  # serving default; the gate is fitted for it
 DEFAULT_TOP_P = 0.95  # serving default nucleus
+DEFAULT_MAX_CONTEXT_TOKENS = 96  # prefix tokens seen when serving: same exact match as 160 here
 CHARS_PER_TOKEN_BOUND = 8  # prefix characters kept per context token before encoding
 NEG_INF = float("-inf")
 
@@ -184,21 +185,23 @@ def bytes_to_text(b: bytes) -> str:
     return b.decode("utf-8", errors="ignore").rstrip("\r")
 
 
-def _allowed_mask(tokenizer: CodeTokenizer, remaining: bytes, vocab: int) -> torch.Tensor:
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    mask[tokenizer.allowed_tokens(remaining)] = True
-    return mask
-
-
 def prepare_context(
-    tokenizer: CodeTokenizer, prefix: str, block_size: int, max_new_tokens: int, heal: bool = True
+    tokenizer: CodeTokenizer,
+    prefix: str,
+    block_size: int,
+    max_new_tokens: int,
+    heal: bool = True,
+    max_context_tokens: int | None = None,
 ) -> Healing:
     """Encode the prefix tail, heal its end, keep the last tokens that fit beside the completion.
 
     `<|eof|>` (the file separator seen in training) is prepended when the whole prefix fits,
-    so the model knows it is at the start of a file.
+    so the model knows it is at the start of a file. `max_context_tokens` caps the context
+    below what the block allows (prefill time is about linear in it).
     """
     budget = block_size - max_new_tokens
+    if max_context_tokens is not None:
+        budget = min(budget, max_context_tokens)
     assert budget >= 2, f"block_size {block_size} leaves no room for the context"
     tail = prefix[-budget * CHARS_PER_TOKEN_BOUND :]
     whole = len(tail) == len(prefix)
@@ -227,11 +230,13 @@ def complete(
     top_p: float | None = DEFAULT_TOP_P,
     generator: torch.Generator | None = None,
     heal: bool = True,
+    max_context_tokens: int | None = DEFAULT_MAX_CONTEXT_TOKENS,
 ) -> Completion:
     """Sample the rest of the current line after `prefix`, then the show/abstain decision.
 
     `suffix` is accepted for the API's sake and not used by this model. `heal=False` turns
-    token healing off (for measuring what it buys; serving keeps it on).
+    token healing off (for measuring what it buys; serving keeps it on); `max_context_tokens`
+    caps the prefix tokens the model sees (a latency/quality knob; None: all that fit).
     """
     del suffix  # the model is left-to-right only (docs/MODEL.md)
     assert max_new_tokens >= 1, "max_new_tokens must be >= 1"
@@ -239,9 +244,10 @@ def complete(
     assert top_p is None or 0.0 < top_p <= 1.0, "top_p must be in (0, 1]"
     cfg = model.config
     max_new_tokens = min(max_new_tokens, cfg.block_size - 2)
-    healing = prepare_context(tokenizer, prefix, cfg.block_size, max_new_tokens, heal)
+    healing = prepare_context(
+        tokenizer, prefix, cfg.block_size, max_new_tokens, heal, max_context_tokens
+    )
     constraint = healing.constraint
-    vocab = cfg.vocab_size
 
     cache = KVCache(cfg, 1)
     h = model.hidden(torch.tensor([healing.context_ids]), cache)[:, -1]
@@ -253,7 +259,7 @@ def complete(
     while True:
         logits = model.logits(h)  # (1, V)
         remaining = constraint[len(done) :] if len(done) < len(constraint) else b""
-        allowed = _allowed_mask(tokenizer, remaining, vocab) if remaining else None
+        allowed = tokenizer.allowed_mask(remaining) if remaining else None
         if temperature == 0.0:
             masked = logits if allowed is None else logits.masked_fill(~allowed, NEG_INF)
             tok, lp = int(masked.argmax(-1)), 0.0
@@ -340,7 +346,7 @@ def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action
         allowed = torch.ones(len(targets), model.config.vocab_size, dtype=torch.bool)
         for i, r in enumerate(remains):
             if r:
-                allowed[i] = _allowed_mask(tokenizer, r, model.config.vocab_size)
+                allowed[i] = tokenizer.allowed_mask(r)
     logp = sampling_logprobs(
         logits, temp.clamp(min=1e-6), torch.tensor(tops, dtype=torch.float32), allowed, tgt
     )

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOF_TOKEN = "<|eof|>"  # separates files in training; ends a generation
@@ -54,6 +55,7 @@ class CodeTokenizer:
         eof_id = tk.token_to_id(EOF_TOKEN)
         assert eof_id is not None, f"tokenizer has no {EOF_TOKEN} token"
         self.eof_id: int = eof_id
+        self._mask_cache: dict[bytes, torch.Tensor] = {}
 
     # --- serialisation -------------------------------------------------------------------
     @classmethod
@@ -144,10 +146,29 @@ class CodeTokenizer:
         out = [ids[remaining[:k]] for k in range(1, len(remaining)) if remaining[:k] in ids]
         keys, vals = self._sorted_bytes
         lo = bisect.bisect_left(keys, remaining)
-        while lo < len(keys) and keys[lo].startswith(remaining):
-            out.append(vals[lo])
-            lo += 1
-        return out
+        hi = (
+            len(keys) if (succ := _successor(remaining)) is None else bisect.bisect_left(keys, succ)
+        )
+        return out + vals[lo:hi]  # the tokens starting with `remaining` are one sorted run
+
+    def allowed_mask(self, remaining: bytes) -> torch.Tensor:
+        """`allowed_tokens` as a (vocab,) bool mask; cached (constraints repeat). Read-only."""
+        mask = self._mask_cache.get(remaining)
+        if mask is None:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[self.allowed_tokens(remaining)] = True
+            if len(self._mask_cache) >= 4096:
+                self._mask_cache.clear()
+            self._mask_cache[remaining] = mask
+        return mask
+
+
+def _successor(b: bytes) -> bytes | None:
+    """The smallest byte string greater than every string starting with b (None: no bound)."""
+    stripped = b.rstrip(b"\xff")
+    if not stripped:
+        return None
+    return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> CodeTokenizer:

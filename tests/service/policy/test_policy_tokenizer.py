@@ -68,7 +68,9 @@ def test_healing_empty_prefix(tiny_tokenizer: CodeTokenizer) -> None:
     assert h.context_ids == [] and h.constraint == b""
 
 
-@pytest.mark.parametrize("remaining", [b" ", b"sel", b" self", b"\n    ", b"__init__", b"\xc3"])
+@pytest.mark.parametrize(
+    "remaining", [b" ", b"sel", b" self", b"\n    ", b"__init__", b"\xc3", b"\xff", b"a\xff"]
+)
 def test_allowed_tokens_are_consistent(tiny_tokenizer: CodeTokenizer, remaining: bytes) -> None:
     allowed = set(tiny_tokenizer.allowed_tokens(remaining))
     tb = tiny_tokenizer.token_bytes
