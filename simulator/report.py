@@ -1,0 +1,285 @@
+"""What a simulation run measured: per-request records, time buckets, first vs last fifth, the
+issue's targets, and the plot. Pure functions of the records (the plot aside)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+# The issue's targets, first fifth of the run against the last.
+ACCEPT_RATE_GAIN = 0.30  # accept rate of shown up by at least 30% (relative)
+SHOWN_DROP = 0.20  # shown suggestions per request down by at least 20% (relative)
+MIN_GATED_DEPLOYS = 5
+# Collapse: the policy (nearly) stopped showing, or its retained characters fell by half.
+COLLAPSE_SHOWN_SHARE = 0.25
+COLLAPSE_RETAINED_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One completion request and what the simulated person did with it."""
+
+    t: float  # seconds since the run started, when the request was sent
+    user_id: str
+    version: int  # policy version that answered
+    shown: bool
+    family: bool  # a reject-family context (simulator.population.in_reject_family)
+    shown_chars: int  # characters shown (0 when abstained)
+    verdict: str | None  # correct | close | wrong; None when nothing was shown
+    action: str  # abstained | accept | reject | ignore
+    accepted_chars: int
+    retained_chars: float  # accepted_chars * retained fraction
+    reward: float  # the reward's decision part, as the service computes it (no switch/churn)
+    latency_ms: float
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Rates over a set of requests; a rate with an empty denominator is None."""
+    n = len(records)
+    shown = [r for r in records if r.shown]
+    accepted = [r for r in shown if r.action == "accept"]
+    family = [r for r in records if r.family]
+    other = [r for r in records if not r.family]
+    other_shown = [r for r in other if r.shown]
+    return {
+        "requests": n,
+        "shown": len(shown),
+        "accepted": len(accepted),
+        "rejected": sum(r.action == "reject" for r in shown),
+        "ignored": sum(r.action == "ignore" for r in shown),
+        "shown_per_request": _ratio(len(shown), n),
+        "accept_rate_of_shown": _ratio(len(accepted), len(shown)),
+        "correct_of_shown": _ratio(sum(r.verdict == "correct" for r in shown), len(shown)),
+        "accepted_chars_per_100": _ratio(100 * sum(r.accepted_chars for r in accepted), n),
+        "retained_chars_per_100": _ratio(100 * sum(r.retained_chars for r in accepted), n),
+        "reward_per_request": _ratio(sum(r.reward for r in records), n),
+        "mean_shown_chars": _ratio(sum(r.shown_chars for r in shown), len(shown)),
+        "family_requests": len(family),
+        "family_shown": sum(r.shown for r in family),
+        "family_shown_rate": _ratio(sum(r.shown for r in family), len(family)),
+        "other_shown_per_request": _ratio(len(other_shown), len(other)),
+        "other_accept_rate_of_shown": _ratio(sum(r.action == "accept" for r in other_shown),
+                                             len(other_shown)),
+        "versions": {str(v): c for v, c in sorted(Counter(r.version for r in records).items())},
+        "latency_ms_p50": _percentile([r.latency_ms for r in records], 0.5),
+    }
+
+
+def _percentile(xs: Sequence[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def split_by_time(records: Sequence[RequestRecord], width_s: float, duration_s: float
+                  ) -> list[tuple[float, float, list[RequestRecord]]]:
+    """(start, end, records) for consecutive windows of width_s covering [0, duration_s)."""
+    assert width_s > 0, "width_s must be > 0"
+    n = max(1, math.ceil(duration_s / width_s - 1e-9))
+    parts: list[list[RequestRecord]] = [[] for _ in range(n)]
+    for r in records:
+        parts[min(n - 1, max(0, int(r.t // width_s)))].append(r)
+    return [(k * width_s, min(duration_s, (k + 1) * width_s), p) for k, p in enumerate(parts)]
+
+
+def bucketize(records: Sequence[RequestRecord], bucket_s: float,
+              duration_s: float) -> list[dict[str, Any]]:
+    return [{"t0": t0, "t1": t1, **metrics(part)}
+            for t0, t1, part in split_by_time(records, bucket_s, duration_s)]
+
+
+def by_version(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Metrics of the requests each policy version answered."""
+    versions = sorted({r.version for r in records})
+    out = {}
+    for v in versions:
+        m = metrics([r for r in records if r.version == v])
+        del m["versions"]
+        out[str(v)] = m
+    return out
+
+
+def relative_change(first: float | None, last: float | None) -> float | None:
+    if first is None or last is None or first == 0:
+        return None
+    return (last - first) / first
+
+
+def fifths(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any]:
+    """Metrics of each fifth of the run, and the first-to-last relative changes."""
+    parts = [metrics(p) for _, _, p in split_by_time(records, duration_s / 5, duration_s)]
+    first, last = parts[0], parts[-1]
+    keys = ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100",
+            "accepted_chars_per_100", "reward_per_request", "family_shown_rate",
+            "other_shown_per_request", "other_accept_rate_of_shown", "mean_shown_chars")
+    return {"parts": parts, "first": first, "last": last,
+            "change": {k: relative_change(first[k], last[k]) for k in keys}}
+
+
+def gated_deploys(deployments: Sequence[dict[str, Any]]) -> int:
+    """Canary deploys (the trainer deploys only what passed its gate)."""
+    return sum(d["action"] == "deploy" and d.get("canary_version") is not None for d in deployments)
+
+
+def targets(summary: dict[str, Any],
+            deployments: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The issue's targets, each with its value and whether it was met (None: not measurable)."""
+    first, last, change = summary["first"], summary["last"], summary["change"]
+
+    acc, shown = change["accept_rate_of_shown"], change["shown_per_request"]
+    ret_first, ret_last = first["retained_chars_per_100"], last["retained_chars_per_100"]
+    deploys = None if deployments is None else gated_deploys(deployments)
+    collapse = None
+    shown_first, shown_last = first["shown_per_request"], last["shown_per_request"]
+    if shown_first and ret_first is not None and shown_last is not None:
+        collapse = (last["shown_per_request"] < COLLAPSE_SHOWN_SHARE * first["shown_per_request"]
+                    or (ret_last or 0.0) < COLLAPSE_RETAINED_SHARE * ret_first)
+    return [
+        {"name": "accept rate of shown, relative change", "target": f">= +{ACCEPT_RATE_GAIN:.0%}",
+         "value": acc, "met": (None if acc is None else acc >= ACCEPT_RATE_GAIN)},
+        {"name": "shown per request, relative change", "target": f"<= -{SHOWN_DROP:.0%}",
+         "value": shown, "met": (None if shown is None else shown <= -SHOWN_DROP)},
+        {"name": "retained chars per 100 requests, last vs first", "target": "not lower",
+         "value": [ret_first, ret_last],
+         "met": (None if ret_first is None or ret_last is None else ret_last >= ret_first)},
+        {"name": "gated deploys", "target": f">= {MIN_GATED_DEPLOYS}", "value": deploys,
+         "met": (None if deploys is None else deploys >= MIN_GATED_DEPLOYS)},
+        {"name": "no collapse",
+         "target": (f"last fifth shows >= {COLLAPSE_SHOWN_SHARE:.0%} of the first's rate and "
+                    f"keeps >= {COLLAPSE_RETAINED_SHARE:.0%} of its retained chars"),
+         "value": None if collapse is None else not collapse,
+         "met": (None if collapse is None else not collapse)},
+    ]
+
+
+def compare(summary: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The learned policy's last fifth against the baseline's chosen threshold."""
+    if not baseline:
+        return None
+    first, last = summary["first"], summary["last"]
+    best, served = baseline["best"], baseline.get("stochastic_gate") or {}
+    keys = ("accept_rate_of_shown", "shown_per_request", "retained_chars_per_100",
+            "reward_per_request", "family_shown_rate")
+    return {k: {"learned_last_fifth": last.get(k), "baseline": best.get(k),
+                "difference": None if last.get(k) is None or best.get(k) is None
+                else last[k] - best[k],
+                "live_first_fifth": first.get(k), "base_as_served_offline": served.get(k)}
+            for k in keys}
+
+
+def timeline(deployments: Sequence[dict[str, Any]], started_at: datetime, until_s: float
+             ) -> list[dict[str, Any]]:
+    """Deployments made during the run (oldest first), each with `t` seconds since its start."""
+    out = []
+    for d in deployments:
+        at = datetime.fromisoformat(str(d["created_at"]).replace("Z", "+00:00"))
+        t = (at - started_at).total_seconds()
+        if 0 <= t <= until_s:
+            out.append({"t": round(t, 2), **{k: d.get(k) for k in (
+                "id", "action", "live_version", "canary_version", "canary_fraction", "reason")}})
+    return sorted(out, key=lambda d: (d["t"], d["id"] or 0))
+
+
+# --- the plot --------------------------------------------------------------------------------
+
+_MARKS = {"deploy": ("tab:blue", ":", "canary deploy"), "promote": ("tab:green", "-", "promotion"),
+          "rollback": ("tab:red", "--", "rollback")}
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """A PNG of the learning curve, deployments marked, the baseline as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    buckets = report["buckets"]
+    x = [(b["t0"] + b["t1"]) / 2 / 60 for b in buckets]
+    base = (report.get("baseline") or {}).get("best") or {}
+    panels = [
+        ("accept rate of shown", [("all", "accept_rate_of_shown")],
+         base.get("accept_rate_of_shown")),
+        ("shown per request", [("all", "shown_per_request"),
+                               ("def/class (always rejected)", "family_shown_rate")],
+         base.get("shown_per_request")),
+        ("retained chars / 100 requests", [("all", "retained_chars_per_100")],
+         base.get("retained_chars_per_100")),
+        ("reward per request (decision part)", [("all", "reward_per_request")],
+         base.get("reward_per_request")),
+    ]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 10), sharex=True)
+    for ax, (title, series, baseline) in zip(axes, panels, strict=True):
+        for i, (label, key) in enumerate(series):
+            ys = [b[key] if b[key] is not None else math.nan for b in buckets]
+            line, = ax.plot(x, ys, marker="o", markersize=3, linewidth=1, alpha=0.8,
+                            label=f"{label}, per {report['config']['bucket_s']:g} s")
+            parts = (report.get("fifths") or {}).get("parts")
+            if parts:  # each fifth's mean, the figures the targets compare
+                width = report["config"].get("duration_s", 60 * report["config"]["minutes"]) / 5
+                xs = [k * width / 60 for k in range(6)]
+                ys5 = [p[key] if p[key] is not None else math.nan for p in parts]
+                ax.step(xs, ys5 + ys5[-1:], where="post", color=line.get_color(), linewidth=2.5,
+                        alpha=0.45, label="fifth of the run" if i == 0 else None)
+        if baseline is not None:
+            ax.axhline(baseline, color="grey", linestyle="--", linewidth=1,
+                       label="base policy, best fixed threshold")
+        seen = set()
+        for d in report.get("deployments") or []:
+            if d["action"] not in _MARKS:
+                continue
+            color, style, label = _MARKS[d["action"]]
+            ax.axvline(d["t"] / 60, color=color, linestyle=style, linewidth=0.8, alpha=0.7,
+                       label=None if d["action"] in seen else label)
+            seen.add(d["action"])
+        ax.set_ylabel(title, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("minutes since the simulation started")
+    handles: dict[str, Any] = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8,
+               frameon=False)
+    cfg = report["config"]
+    fig.suptitle(f"tabloop simulate: {cfg['users']} users, {cfg['minutes']} min, "
+                 f"seed {cfg['seed']}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m simulator.report REPORT.json`: redraw the plot, optionally with another
+    baseline (from `python -m simulator.baseline`), rewriting the report's comparison."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m simulator.report", description=main.__doc__)
+    p.add_argument("report", type=Path)
+    p.add_argument("--baseline", type=Path, help="baseline JSON to put in the report")
+    p.add_argument("--png", type=Path, help="default: learning_curve.png beside the report")
+    p.add_argument("--json", type=Path, help="where to write the report (default: in place)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    report = json.loads(args.report.read_text())
+    if args.baseline:
+        report["baseline"] = json.loads(args.baseline.read_text())
+        report["comparison"] = compare(report["fifths"], report["baseline"])
+    (args.json or args.report).write_text(json.dumps(report, indent=1, default=str))
+    plot(report, args.png or args.report.parent / "learning_curve.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Buckets, fifths, targets and the deployment timeline of a simulation report."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from simulator.report import (
+    RequestRecord,
+    bucketize,
+    by_version,
+    fifths,
+    gated_deploys,
+    metrics,
+    plot,
+    split_by_time,
+    targets,
+    timeline,
+)
+
+
+def rec(t: float, action: str = "abstained", *, family: bool = False, chars: int = 0,
+        accepted: int = 0, retained: float = 0.0, version: int = 1, reward: float = 0.0
+        ) -> RequestRecord:
+    shown = action != "abstained"
+    return RequestRecord(t=t, user_id="u", version=version, shown=shown, family=family,
+                         shown_chars=chars if shown else 0, verdict="correct" if shown else None,
+                         action=action, accepted_chars=accepted, retained_chars=retained,
+                         reward=reward, latency_ms=10.0)
+
+
+def test_split_by_time_edges() -> None:
+    records = [rec(t) for t in (0.0, 4.9, 5.0, 9.99, 10.0)]
+    parts = split_by_time(records, 5.0, 10.0)
+    assert [(a, b, len(p)) for a, b, p in parts] == [(0.0, 5.0, 2), (5.0, 10.0, 3)]
+
+
+def test_split_by_time_partial_last_window() -> None:
+    parts = split_by_time([rec(11.0)], 5.0, 12.0)
+    assert [(a, b, len(p)) for a, b, p in parts] == [(0, 5, 0), (5, 10, 0), (10, 12, 1)]
+
+
+def test_metrics() -> None:
+    records = [
+        rec(0, "accept", chars=10, accepted=10, retained=10.0, reward=0.5),
+        rec(1, "accept", chars=20, accepted=5, retained=2.5, version=2, reward=0.1),
+        rec(2, "reject", chars=8, family=True, reward=-0.25),
+        rec(3, "ignore", chars=4, reward=-0.25),
+        rec(4, family=True),
+    ]
+    m = metrics(records)
+    counts = (m["requests"], m["shown"], m["accepted"], m["rejected"], m["ignored"])
+    assert counts == (5, 4, 2, 1, 1)
+    assert m["shown_per_request"] == pytest.approx(0.8)
+    assert m["accept_rate_of_shown"] == pytest.approx(0.5)
+    assert m["accepted_chars_per_100"] == pytest.approx(100 * 15 / 5)
+    assert m["retained_chars_per_100"] == pytest.approx(100 * 12.5 / 5)
+    assert m["reward_per_request"] == pytest.approx(0.1 / 5)
+    assert (m["family_requests"], m["family_shown"], m["family_shown_rate"]) == (2, 1, 0.5)
+    assert m["other_shown_per_request"] == pytest.approx(1.0)
+    assert m["other_accept_rate_of_shown"] == pytest.approx(2 / 3)
+    assert m["mean_shown_chars"] == pytest.approx(42 / 4)
+    assert m["versions"] == {"1": 4, "2": 1}
+
+
+def test_metrics_of_nothing_has_no_rates() -> None:
+    m = metrics([])
+    assert m["requests"] == 0
+    assert m["shown_per_request"] is None and m["accept_rate_of_shown"] is None
+    assert m["family_shown_rate"] is None and m["latency_ms_p50"] is None
+
+
+def test_metrics_nothing_shown_has_no_accept_rate() -> None:
+    assert metrics([rec(0), rec(1)])["accept_rate_of_shown"] is None
+
+
+def test_bucketize_and_by_version() -> None:
+    records = [rec(0, version=1), rec(12, "accept", chars=3, accepted=3, retained=3, version=2)]
+    buckets = bucketize(records, 10, 20)
+    assert [(b["t0"], b["requests"], b["versions"]) for b in buckets] == [
+        (0, 1, {"1": 1}), (10, 1, {"2": 1})]
+    assert by_version(records)["2"]["accept_rate_of_shown"] == 1.0
+    assert "versions" not in by_version(records)["1"]
+
+
+def test_fifths_compare_first_and_last() -> None:
+    # first fifth: 4 requests, 2 shown, 1 accepted; last fifth: 4 requests, 1 shown and accepted
+    first = [rec(0, "accept", chars=4, accepted=4, retained=4), rec(1, "reject", chars=4),
+             rec(2), rec(3)]
+    last = [rec(40, "accept", chars=8, accepted=8, retained=8), rec(41), rec(42), rec(43)]
+    s = fifths(first + last, 50.0)
+    assert [p["requests"] for p in s["parts"]] == [4, 0, 0, 0, 4]
+    assert s["change"]["accept_rate_of_shown"] == pytest.approx(1.0)  # 0.5 -> 1.0
+    assert s["change"]["shown_per_request"] == pytest.approx(-0.5)  # 0.5 -> 0.25
+    assert s["change"]["retained_chars_per_100"] == pytest.approx(1.0)  # 100 -> 200
+    assert s["change"]["family_shown_rate"] is None  # no family requests
+
+
+def summary(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    base = {"shown_per_request": 0.2, "accept_rate_of_shown": 0.5, "retained_chars_per_100": 100.0}
+    f, la = {**base, **first}, {**base, **last}
+    return {"first": f, "last": la, "change": {
+        k: (la[k] - f[k]) / f[k] for k in ("shown_per_request", "accept_rate_of_shown")}}
+
+
+DEPLOY = {"action": "deploy", "canary_version": 2}
+
+
+@pytest.mark.parametrize(("first", "last", "deploys", "expected"), [
+    pytest.param({}, {"accept_rate_of_shown": 0.65, "shown_per_request": 0.16,
+                      "retained_chars_per_100": 100.0}, [DEPLOY] * 5,
+                 [True, True, True, True, True], id="all-met"),
+    pytest.param({}, {"accept_rate_of_shown": 0.64, "shown_per_request": 0.17,
+                      "retained_chars_per_100": 99.0}, [DEPLOY] * 4,
+                 [False, False, False, False, True], id="all-just-missed"),
+    pytest.param({}, {"shown_per_request": 0.04}, [DEPLOY] * 5,
+                 [False, True, True, True, False], id="collapse-stops-showing"),
+    pytest.param({}, {"retained_chars_per_100": 49.0}, None,
+                 [False, False, False, None, False], id="collapse-loses-retained-no-admin"),
+    pytest.param({}, {}, [{"action": "deploy", "canary_version": None}, {"action": "promote"}],
+                 [False, False, True, False, True], id="only-canary-deploys-count"),
+])
+def test_targets(first: dict[str, Any], last: dict[str, Any], deploys: list[dict[str, Any]] | None,
+                 expected: list[bool | None]) -> None:
+    assert [t["met"] for t in targets(summary(first, last), deploys)] == expected
+
+
+def test_gated_deploys_counts_canaries_only() -> None:
+    assert gated_deploys([DEPLOY, {"action": "deploy", "canary_version": None},
+                          {"action": "bootstrap"}, {"action": "rollback"}, DEPLOY]) == 2
+
+
+def test_timeline_keeps_the_run_in_order() -> None:
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def at(s: float) -> str:
+        return (start + timedelta(seconds=s)).isoformat().replace("+00:00", "Z")
+
+    rows = [{"id": 3, "created_at": at(50), "action": "promote", "live_version": 2,
+             "canary_version": None, "canary_fraction": 0.0, "reason": "r"},
+            {"id": 2, "created_at": at(20), "action": "deploy", "live_version": 1,
+             "canary_version": 2, "canary_fraction": 0.3, "reason": "r"},
+            {"id": 1, "created_at": at(-5), "action": "bootstrap", "live_version": 1,
+             "canary_version": None, "canary_fraction": 0.0, "reason": "r"},
+            {"id": 4, "created_at": at(500), "action": "deploy", "live_version": 2,
+             "canary_version": 3, "canary_fraction": 0.3, "reason": "r"}]
+    got = timeline(rows, start, 100)
+    assert [(d["id"], d["t"], d["action"]) for d in got] == [
+        (2, 20.0, "deploy"), (3, 50.0, "promote")]
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    records = [rec(t, "accept" if t % 3 == 0 else "abstained", chars=5, accepted=5, retained=5,
+                   family=t % 4 == 0) for t in range(60)]
+    report = {"config": {"users": 2, "minutes": 1, "seed": 0, "bucket_s": 10},
+              "buckets": bucketize(records, 10, 60),
+              "deployments": [{"t": 20, "action": "deploy"}, {"t": 40, "action": "rollback"}],
+              "baseline": {"best": {"accept_rate_of_shown": 0.6, "shown_per_request": 0.2,
+                                    "retained_chars_per_100": 50, "reward_per_request": 0.01}}}
+    plot(report, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_main_swaps_the_baseline_and_redraws(tmp_path: Path) -> None:
+    import json
+
+    from simulator.report import main
+
+    records = [rec(t, "accept" if t % 2 else "abstained", chars=4, accepted=4, retained=4)
+               for t in range(50)]
+    report = {"config": {"users": 1, "minutes": 1, "seed": 0, "bucket_s": 10, "duration_s": 50},
+              "buckets": bucketize(records, 10, 50), "fifths": fifths(records, 50),
+              "deployments": None, "baseline": None, "comparison": None}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    best = {"accept_rate_of_shown": 0.4, "shown_per_request": 0.1, "retained_chars_per_100": 9.0,
+            "reward_per_request": 0.0, "family_shown_rate": None}
+    (tmp_path / "b.json").write_text(json.dumps({"best": best, "stochastic_gate": best}))
+    assert main([str(tmp_path / "report.json"), "--baseline", str(tmp_path / "b.json")]) == 0
+    out = json.loads((tmp_path / "report.json").read_text())
+    assert out["baseline"]["best"] == best
+    assert out["comparison"]["accept_rate_of_shown"] == {
+        "learned_last_fifth": 1.0, "baseline": 0.4, "difference": pytest.approx(0.6),
+        "live_first_fifth": 1.0, "base_as_served_offline": 0.4}
+    assert (tmp_path / "learning_curve.png").stat().st_size > 1000
