@@ -354,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Handled in main(): listed here for `tabloop --help`.
     sub.add_parser("pretrain", help="train the base policy on real code (see --help)")
+    sub.add_parser("simulate", help="simulated editors against a running service (see --help)")
 
     db = sub.add_parser("db", help="database migrations").add_subparsers(
         dest="db_cmd", required=True
@@ -385,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.pretrain import main as pretrain_main
 
         return pretrain_main(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from simulator.run import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.fn(args) or 0)
 
