@@ -40,7 +40,9 @@ class AppContext:
     keys: KeyCache  # recently authenticated keys (see KeyCache for how revocation stays prompt)
 
 
-def get_ctx(request: Request) -> AppContext:
+async def get_ctx(request: Request) -> AppContext:
+    # async: FastAPI runs a plain `def` dependency in the thread pool, a hop per request for a
+    # field read
     return request.app.state.ctx  # type: ignore[no-any-return]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -22,7 +23,14 @@ EVENT_TYPES = ("accept", "reject", "code_retained", "model_switch", "churn")
 SCHEMA_VERSION = 1
 
 
+# The form clients almost always send, which is already canonical: checking it is ~7x cheaper
+# than parsing it (and the ingest hot path checks two per event).
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
 def _canonical_uuid(value: str) -> str:
+    if _CANONICAL_UUID.fullmatch(value):
+        return value
     try:
         return str(uuid.UUID(value))
     except ValueError:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
+from contextlib import nullcontext
 from datetime import datetime
 from typing import Any
 
@@ -17,6 +19,8 @@ from service.outbox import outbox_row
 from service.stream.topics import FEEDBACK, encode
 from service.tables import dead_letters, events, outbox, utcnow
 
+_sqlite_writer = threading.Lock()
+
 
 def insert_ignoring_conflicts(conn: sa.Connection, table: sa.Table, key: str) -> Any:
     """`INSERT ... ON CONFLICT (key) DO NOTHING RETURNING key` for either database."""
@@ -25,9 +29,10 @@ def insert_ignoring_conflicts(conn: sa.Connection, table: sa.Table, key: str) ->
 
 
 # PostgreSQL: the whole batch in one statement and one round trip. The columns travel as arrays
-# (a short, constant query text that psycopg prepares once per connection), the events are
-# inserted in batch order skipping known ids, and an outbox row is written for each event that
-# was new, in the same order (the relay publishes by outbox id: a user's events stay in order).
+# (a short, constant query text that psycopg prepares once per connection). Events are inserted
+# skipping known ids, in event_id order so that two batches sharing ids wait for each other
+# instead of deadlocking; an outbox row is written for each event that was new, in batch order
+# (the relay publishes by outbox id: a user's events stay in the order they were sent).
 _PG_INSERT = """
 WITH batch AS (
     SELECT * FROM unnest(
@@ -37,7 +42,7 @@ WITH batch AS (
 ), stored AS (
     INSERT INTO events (event_id, type, user_id, suggestion_id, occurred_at, received_at, payload)
     SELECT event_id, type, user_id, suggestion_id, occurred_at, %(now)s, payload::jsonb
-    FROM batch ORDER BY n
+    FROM batch ORDER BY event_id
     ON CONFLICT (event_id) DO NOTHING
     RETURNING event_id
 ), queued AS (
@@ -137,15 +142,18 @@ def ingest_events(
         valid.append(event)
 
     inserted: set[str] = set()
-    with engine.begin() as conn:
+    # SQLite takes one writer at a time, and its busy handler polls with sleeps of up to 100 ms:
+    # concurrent batches wait here instead, in turn, rather than seconds in the worst case.
+    writer = _sqlite_writer if engine.dialect.name == "sqlite" else nullcontext()
+    with writer, engine.begin() as conn:
         if valid:
             store = _store_postgresql if conn.dialect.name == "postgresql" else _store_portable
             inserted = store(conn, valid, now=now, embedded=embedded)
         if dead:
             conn.execute(dead_letters.insert(), dead)
 
-    for e in valid:
-        outcomes[(e["type"], "accepted" if e["event_id"] in inserted else "duplicate")] += 1
+    for ev in valid:
+        outcomes[(ev["type"], "accepted" if ev["event_id"] in inserted else "duplicate")] += 1
     for (event_type, outcome), n in outcomes.items():
         INGEST_EVENTS.labels(type=event_type, outcome=outcome).inc(n)
     return IngestResult(

@@ -226,3 +226,20 @@ def test_events_json_text_cannot_hold_are_rejected_alone(client: httpx.Client) -
     assert r.status_code == 202, r.text
     assert r.json()["accepted"] == 1
     assert [x["index"] for x in r.json()["rejected"]] == [0, 2]
+
+
+def test_concurrent_batches_sharing_events_store_each_once(
+    client: httpx.Client, engine: sa.Engine
+) -> None:
+    """Two clients retrying the same events in different orders at the same time: no deadlock
+    (which would be a 503), every event stored and queued exactly once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rounds = [[event(t, user_id=f"u-{i}") for i, t in enumerate(EVENT_TYPES * 4)]
+              for _ in range(10)]
+    with ThreadPoolExecutor(2) as pool:
+        for batch in rounds:
+            a, b = pool.map(lambda evs: post(client, evs), [batch, batch[::-1]])
+            assert a.status_code == b.status_code == 202, (a.text, b.text)
+            assert a.json()["accepted"] + b.json()["accepted"] == len(batch)
+    assert count(engine, events) == count(engine, outbox) == 10 * 20
