@@ -76,6 +76,7 @@ class ArmStats:
 class CanaryConfig:
     min_rollouts: int  # finalized canary rollouts needed for a verdict
     timeout_s: float  # past this with too little data, the canary is withdrawn
+    min_shown: int = 10  # ... of which shown: abstentions finalize at once and say little
     reward_tolerance: float = 0.02  # the canary's mean reward may trail live by this much
     accept_tolerance: float = 0.05  # and its accept rate (of shown) by this much
 
@@ -83,10 +84,15 @@ class CanaryConfig:
 def canary_verdict(
     canary: ArmStats, live: ArmStats, age_s: float, cfg: CanaryConfig
 ) -> tuple[Literal["wait", "promote", "rollback"], str]:
-    if canary.n < cfg.min_rollouts:
+    if canary.n < cfg.min_rollouts or canary.shown < cfg.min_shown:
         if age_s < cfg.timeout_s:
-            return "wait", f"{canary.n}/{cfg.min_rollouts} canary rollouts finalized"
-        return "rollback", f"only {canary.n} canary rollouts in {cfg.timeout_s:.0f}s"
+            return "wait", (
+                f"{canary.n}/{cfg.min_rollouts} canary rollouts finalized, "
+                f"{canary.shown}/{cfg.min_shown} shown"
+            )
+        return "rollback", (
+            f"only {canary.n} canary rollouts ({canary.shown} shown) in {cfg.timeout_s:.0f}s"
+        )
     if canary.shown == 0:
         return "rollback", "the canary showed nothing (collapse)"
     if canary.mean_reward < live.mean_reward - cfg.reward_tolerance:

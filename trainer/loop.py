@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ class TrainerConfig:
     gate_fraction: float = 0.2  # share of a batch held back to estimate the candidate's reward
     staleness: int = 3  # train on rollouts of versions seen in the last N deployments
     canary_fraction: float = 0.1  # share of users the candidate gets first
-    canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(2000, 3600.0))
+    canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(2000, 3600.0, 500))
     gate: GateConfig = field(default_factory=GateConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     heldout_rows: int = 24  # the gate's held-out code sample
@@ -69,7 +70,11 @@ class TrainerConfig:
                 batch_size=160,
                 canary_fraction=0.3,
                 canary=CanaryConfig(
-                    min_rollouts=60, timeout_s=120.0, reward_tolerance=0.03, accept_tolerance=0.08
+                    min_rollouts=60,
+                    timeout_s=150.0,
+                    min_shown=20,
+                    reward_tolerance=0.03,
+                    accept_tolerance=0.08,
                 ),
             )
         return cls()
@@ -98,6 +103,7 @@ class Trainer:
         self._policies: dict[int, tuple[GPT, CodeTokenizer]] = {}
         self._last_heartbeat = 0.0
         self.paused = False
+        self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -105,6 +111,7 @@ class Trainer:
         torch.set_num_threads(self.settings.torch_threads)
         spec_version, spec = current_spec(self.engine, self.settings.profile)
         join = Join(self.engine, spec, spec_version)
+        self.horizon = timedelta(seconds=spec.horizon_s)
         recovered = join.recover()
         log.info(
             "trainer starting: %d rollouts pending from before, reward spec v%d",
@@ -160,8 +167,15 @@ class Trainer:
                         rewards.c.value,
                     )
                     .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
-                    .where(rewards.c.trained_at.is_(None), rewards.c.policy_version.in_(versions))
-                    .order_by(rewards.c.finalized_at)
+                    .where(
+                        rewards.c.trained_at.is_(None),
+                        rewards.c.policy_version.in_(versions),
+                        # only rollouts old enough that all of their time's rewards are final:
+                        # abstentions finalize at once, shown ones later, and a batch drawn
+                        # by finalization time would under-represent what was shown
+                        rewards.c.rollout_created_at <= utcnow() - self.horizon,
+                    )
+                    .order_by(rewards.c.rollout_created_at)
                     .limit(self.cfg.batch_size)
                 ).all()
             )
