@@ -8,13 +8,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.services import wait_http_ready  # noqa: E402
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
 
@@ -38,24 +38,16 @@ def tabloop_up(**env_overrides: str) -> Iterator[Server]:
     data_dir = Path(tempfile.mkdtemp(prefix="tabloop-bench-"))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TABLOOP_")}
-    env.update(TABLOOP_DATA_DIR=str(data_dir), TABLOOP_PORT=str(port), TABLOOP_LOG_LEVEL="WARNING",
-               TABLOOP_RATE_LIMIT_PER_S="100000", TABLOOP_RATE_LIMIT_BURST="100000", **env_overrides)
+    env.update(TABLOOP_DATA_DIR=str(data_dir), TABLOOP_PORT=str(port),
+               TABLOOP_LOG_LEVEL="WARNING", TABLOOP_RATE_LIMIT_PER_S="100000",
+               TABLOOP_RATE_LIMIT_BURST="100000", **env_overrides)
     proc = subprocess.Popen([TABLOOP, "up"], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         proc.stdout.readline()
         token = proc.stdout.readline().strip()
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("tabloop up did not start")
-            time.sleep(0.2)
+        wait_http_ready(url, proc, timeout_s=120)
         yield Server(url, token, data_dir, proc)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -874,8 +874,9 @@ def consume_all(
 ) -> list[Any]:
     """Everything currently in ``topic``: a group-less consumer is assigned all
     partitions, seeks to the beginning and reads up to the high watermark that
-    fetches report (Tansu's ListOffsets "latest" answers per batch, not per record). Returns the ConsumerRecords ordered by (partition, offset); raises
-    TimeoutError if the end is not reached in ``timeout_s``."""
+    fetches report (Tansu's ListOffsets "latest" answers per batch, not per record).
+    Returns the ConsumerRecords ordered by (partition, offset); raises TimeoutError if
+    the end is not reached in ``timeout_s``."""
     from kafka import KafkaConsumer, TopicPartition
     from kafka.errors import KafkaTimeoutError
 
@@ -925,3 +926,21 @@ def committed_offsets(bootstrap: str, group: str) -> dict[Any, int]:
         return {tp: om.offset for tp, om in offsets.items()}
     finally:
         admin.close()
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen[Any], timeout_s: float = 120.0) -> None:
+    """Poll `url`/readyz until it answers 200; ServiceError if `proc` exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise ServiceError(f"{proc.args} exited with {proc.returncode} during start-up")
+        if time.monotonic() > deadline:
+            raise ServiceError(f"{url} was not ready after {timeout_s:.0f} s")
+        time.sleep(0.2)

@@ -38,7 +38,7 @@ import torch
 from service.policy.checkpoint import load_checkpoint
 from service.policy.sampling import Completion, complete, score_actions
 from simulator.population import CursorSource, in_reject_family, request_context
-from tests.services import free_port
+from tests.services import free_port, wait_http_ready
 from trainer.corpus import heldout_lines
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
@@ -71,16 +71,7 @@ def up(tmp_path: Path) -> Iterator[Up]:
         proc.stdout.readline()
         token = proc.stdout.readline().strip()  # the first admin key, printed once
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, "tabloop up exited during start-up"
-            assert time.monotonic() < deadline, "tabloop up did not become ready in 120 s"
-            time.sleep(0.2)
+        wait_http_ready(url, proc, timeout_s=120)
         yield Up(url, token, tmp_path / "data")
     finally:
         proc.send_signal(signal.SIGTERM)

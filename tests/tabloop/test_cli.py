@@ -16,7 +16,7 @@ from service.auth.keys import authenticate
 from service.config import Settings
 from service.db import make_engine
 from tests.factories import event
-from tests.services import free_port
+from tests.services import free_port, wait_http_ready
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
 
@@ -78,17 +78,7 @@ def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
         token = proc.stdout.readline().strip()
         assert token.startswith("tlk_")
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, (
-                "tabloop up did not get ready"
-            )
-            time.sleep(0.1)
+        wait_http_ready(url, proc, timeout_s=60)
         r = httpx.post(
             url + "/v1/events",
             json={"events": [event("accept"), event("churn")]},
