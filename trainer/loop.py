@@ -43,7 +43,7 @@ from trainer.metrics import (
     PENDING,
     UPDATES,
 )
-from trainer.update import Batch, UpdateConfig, update
+from trainer.update import Batch, UpdateConfig, carry_state, make_optimizer, update
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class TrainerConfig:
             return cls(
                 batch_size=160,
                 canary_fraction=0.3,
+                update=UpdateConfig(minibatch_size=64, epochs=2),
                 canary=CanaryConfig(
                     min_rollouts=60,
                     timeout_s=150.0,
@@ -104,6 +105,7 @@ class Trainer:
         self._last_heartbeat = 0.0
         self.paused = False
         self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
+        self._optimizer_state: dict[str, Any] | None = None  # Adam's moments, kept across updates
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -198,15 +200,15 @@ class Trainer:
         train_rows, gate_rows = rows[:-n_gate], rows[-n_gate:]
         model = copy.deepcopy(live_model)
         model.requires_grad_(True)
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=self.cfg.update.learning_rate, weight_decay=0.0
-        )
+        optimizer = make_optimizer(model, self.cfg.update)
+        carry_state(optimizer, self._optimizer_state)
         batch = Batch(
             actions=train_rows,
             behaviour_logp=torch.tensor([r.logprob_total for r in train_rows]),
             rewards=torch.tensor([r.value for r in train_rows]),
         )
         metrics = update(model, ref_model, tokenizer, batch, optimizer, self.cfg.update)
+        self._optimizer_state = copy.deepcopy(optimizer.state_dict())
         UPDATES.inc()
         model.eval()
         model.requires_grad_(False)

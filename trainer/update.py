@@ -26,12 +26,12 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.nn import functional as F
 
-from service.policy.model import GPT, configure_optimizer
+from service.policy.model import GPT
 from service.policy.sampling import Action, score_actions
 from service.policy.tokenizer import CodeTokenizer
 
@@ -41,6 +41,7 @@ LOG_RATIO_CLAMP = 10.0  # |log pi_ref/pi| above this is clamped in the k3 KL (ke
 @dataclass
 class UpdateConfig:
     learning_rate: float = 1e-4  # AdamW's (make_optimizer); about the end of pretraining's cosine
+    gate_lr_mult: float = 10.0  # the gate head's learning rate / learning_rate (a small fresh head)
     clip_eps: float = 0.2  # PPO clip: ratios outside [1 - eps, 1 + eps] stop pushing
     kl_coef: float = 0.05  # weight of the KL toward the reference (pretrained) policy
     entropy_coef: float = 0.0  # weight of the entropy bonus (0: off; try <= 0.01)
@@ -166,11 +167,30 @@ def pg_loss(
 
 
 def make_optimizer(model: GPT, cfg: UpdateConfig) -> torch.optim.AdamW:
-    """AdamW at cfg.learning_rate, no weight decay (the KL term is the regulariser); with
-    train_gate_only only the gate's parameters. Keep it across batches (Adam's moments)."""
-    if cfg.train_gate_only:
-        return torch.optim.AdamW(model.gate.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
-    return configure_optimizer(model, 0.0, cfg.learning_rate, betas=(0.9, 0.99))
+    """AdamW, no weight decay (the KL term is the regulariser): the language model at
+    cfg.learning_rate, the gate at gate_lr_mult times that (with train_gate_only, the gate
+    alone). Keep its state across batches (`carry_state`): a fresh Adam's first step moves
+    every parameter by the full learning rate whatever its gradient, i.e. sign-SGD."""
+    gate = [p for n, p in model.named_parameters() if n.startswith("gate.")]
+    groups = [{"params": gate, "lr": cfg.learning_rate * cfg.gate_lr_mult}]
+    if not cfg.train_gate_only:
+        lm = [p for n, p in model.named_parameters() if not n.startswith("gate.")]
+        groups.insert(0, {"params": lm, "lr": cfg.learning_rate})
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
+
+
+def carry_state(optimizer: torch.optim.Optimizer, state: dict[str, Any] | None) -> None:
+    """Load Adam's moments from an earlier update into `optimizer` (built by make_optimizer for
+    a copy of the same architecture), keeping this optimizer's learning rates. The moments are
+    gradient statistics, so they carry over to the next candidate whichever parent it has."""
+    if state is None:
+        return
+    groups = optimizer.state_dict()["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in state["param_groups"]]:
+        return  # another parameter layout (gate-only vs full): start fresh
+    optimizer.load_state_dict(state)
+    for group, fresh in zip(optimizer.param_groups, groups, strict=True):
+        group["lr"] = fresh["lr"]
 
 
 @contextlib.contextmanager

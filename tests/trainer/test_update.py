@@ -19,6 +19,7 @@ from trainer.update import (
     UpdateConfig,
     advantages,
     bernoulli_entropy,
+    carry_state,
     clipped_surrogate,
     kl_to_reference,
     make_optimizer,
@@ -428,6 +429,53 @@ def test_train_gate_only_leaves_the_language_model_alone(
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed and all(n.startswith("gate.") for n in changed), changed
     assert all(p.requires_grad for p in tiny_model.parameters())
+
+
+def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) -> None:
+    cfg = UpdateConfig(learning_rate=1e-4, gate_lr_mult=10.0)
+    lm, gate = make_optimizer(tiny_model, cfg).param_groups
+    assert lm["lr"] == pytest.approx(1e-4) and gate["lr"] == pytest.approx(1e-3)
+    gate_ids = {id(p) for p in tiny_model.gate.parameters()}
+    assert {id(p) for p in gate["params"]} == gate_ids
+    assert not gate_ids & {id(p) for p in lm["params"]}
+    n = sum(1 for _ in tiny_model.parameters())
+    assert len(lm["params"]) + len(gate["params"]) == n
+    gate_cfg = dataclasses.replace(cfg, train_gate_only=True)
+    (only,) = make_optimizer(tiny_model, gate_cfg).param_groups
+    assert {id(p) for p in only["params"]} == gate_ids
+
+
+def test_carry_state_continues_adam_on_a_copy(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """The next candidate (a fresh copy) continues Adam's moments and step count, with its
+    own learning rates; no state (first update) or another layout starts fresh."""
+    _set_gate(tiny_model, 0.0)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2)
+    batch = _batch(comps, [0.75 if c.shown else -0.25 for c in comps])
+    cfg = UpdateConfig(learning_rate=1e-3)
+    first = make_optimizer(tiny_model, cfg)
+    update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, first, cfg)
+    state = copy.deepcopy(first.state_dict())
+
+    nxt = copy.deepcopy(tiny_model)
+    slower = dataclasses.replace(cfg, learning_rate=1e-5)
+    second = make_optimizer(nxt, slower)
+    carry_state(second, state)
+    assert [g["lr"] for g in second.param_groups] == pytest.approx([1e-5, 1e-4])
+    p = next(nxt.parameters())
+    moved = second.state[p]
+    assert float(moved["step"]) == 1.0
+    assert torch.equal(moved["exp_avg"], first.state_dict()["state"][0]["exp_avg"])
+    update(nxt, copy.deepcopy(tiny_model), tiny_tokenizer, batch, second, slower)
+    assert float(second.state[p]["step"]) == 2.0
+
+    fresh = make_optimizer(nxt, cfg)
+    carry_state(fresh, None)
+    assert not fresh.state
+    gate_only = make_optimizer(nxt, dataclasses.replace(cfg, train_gate_only=True))
+    carry_state(gate_only, state)  # 1 group against 2: not loaded
+    assert not gate_only.state
 
 
 # --- synthetic learning (issue 4) --------------------------------------------------------
