@@ -1,0 +1,116 @@
+"""The learning result of docs/RESULTS.md: service + trainer + `tabloop simulate`, one command.
+
+    python benchmarks/simulation.py --mode embedded --minutes 15 --users 16 --seed 0 --out DIR
+    python benchmarks/simulation.py --mode full --minutes 15 --users 16 --seed 0 --out DIR \
+        [--baseline DIR/baseline.json]
+
+Everything runs on this machine, on 127.0.0.1 only, with TABLOOP_PROFILE=sim (seconds-long
+reward windows, the sim trainer profile) and otherwise default settings, except the per-key
+rate limit, which is lifted (16 people send ~10 requests/s with one key).
+
+- embedded: `tabloop up` (SQLite, the outbox table as the log, the trainer in-process);
+- full: PostgreSQL (tests/services.PostgresServer: fsync on) and a Tansu broker
+  (tests/services.KafkaBroker), then the production processes: `tabloop serve`,
+  `tabloop relay`, `tabloop train` (with a deploy-scoped key), as docker-compose.yml runs them.
+
+Then `tabloop simulate --no-live` writes DIR/report.json, records.jsonl and
+learning_curve.png (with --baseline, the offline baseline from that file instead of computing
+one: it depends only on the base policy and the seed, so one file serves every run).
+The service logs are in DIR/logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ingest import Proc, clean_env, free_port, tabloop, wait_ready  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=["embedded", "full"], default="embedded")
+    p.add_argument("--minutes", type=float, default=15)
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--baseline", type=Path, help="an offline baseline JSON to reuse")
+    p.add_argument("--baseline-cursors", type=int, default=2000)
+    args = p.parse_args()
+
+    out = args.out.resolve()
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tabloop-sim-"))
+    port = free_port()
+    env = clean_env(TABLOOP_PROFILE="sim", TABLOOP_PORT=str(port),
+                    TABLOOP_DATA_DIR=str(work / "data"), TABLOOP_LOG_LEVEL="INFO",
+                    TABLOOP_RATE_LIMIT_PER_S="100000", TABLOOP_RATE_LIMIT_BURST="100000")
+    procs: list[Proc] = []
+    pg = broker = None
+    try:
+        if args.mode == "embedded":
+            tabloop("db", "upgrade", env=env)
+            token = tabloop("keys", "create", "--scope", "admin,deploy,ingest", "--name", "sim",
+                            env=env).strip()
+            procs.append(Proc("up", [sys.executable, "-m", "tabloop.cli", "up"], env, logs))
+        else:
+            from tests.services import KafkaBroker, PostgresServer
+
+            pg_dir = Path(tempfile.mkdtemp(prefix="tabloop-sim-pg-"))  # reachable by `postgres`
+            pg = PostgresServer(pg_dir, fast=False).start()
+            broker = KafkaBroker(work / "kafka", durable=False).start()
+            env.update(TABLOOP_DATABASE_URL=pg.create_database("tabloop_sim"),
+                       TABLOOP_KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap)
+            tabloop("db", "upgrade", env=env)
+            token = tabloop("keys", "create", "--scope", "admin,deploy,ingest", "--name", "sim",
+                            env=env).strip()
+            trainer_key = tabloop("keys", "create", "--scope", "deploy", "--name", "trainer",
+                                  env=env).strip()
+            procs.append(Proc("serve", [sys.executable, "-m", "tabloop.cli", "serve"], env, logs))
+            wait_ready(port, "/readyz", procs[-1])  # serve registers the base policy
+            procs.append(Proc("relay", [sys.executable, "-m", "tabloop.cli", "relay"],
+                              {**env, "TABLOOP_METRICS_PORT": str(free_port())}, logs))
+            procs.append(Proc("train", [sys.executable, "-m", "tabloop.cli", "train"],
+                              {**env, "TABLOOP_METRICS_PORT": str(free_port()),
+                               "TABLOOP_TRAINER_API_KEY": trainer_key,
+                               "TABLOOP_TRAINER_API_URL": f"http://127.0.0.1:{port}"}, logs))
+        wait_ready(port, "/readyz", procs[0])
+        print(f"{args.mode}: service on :{port}, logs in {logs}; simulating {args.minutes} min",
+              flush=True)
+        argv = [sys.executable, "-m", "tabloop.cli", "simulate", "--api",
+                f"http://127.0.0.1:{port}", "--key", token, "--users", str(args.users),
+                "--minutes", str(args.minutes), "--seed", str(args.seed), "--out", str(out),
+                "--no-live"]
+        if args.baseline:
+            argv += ["--baseline-cursors", "0"]
+        else:
+            argv += ["--baseline-cursors", str(args.baseline_cursors)]
+        rc = subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
+        for proc in procs:
+            if proc.popen.poll() is not None:
+                print(f"{proc.name} exited early ({proc.popen.returncode}):\n{proc.tail()}")
+                rc = rc or 1
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        if broker is not None:
+            broker.close()
+        if pg is not None:
+            pg.close()
+        shutil.rmtree(work, ignore_errors=True)
+    if rc == 0 and args.baseline:
+        rc = subprocess.run([sys.executable, "-m", "simulator.report", str(out / "report.json"),
+                             "--baseline", str(args.baseline)], cwd=ROOT, check=False).returncode
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
