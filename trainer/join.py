@@ -53,6 +53,13 @@ class Join:
         self.early: dict[str, list[Feedback]] = {}  # feedback that came before its rollout
         self.stats = JoinStats()
 
+    def set_spec(self, spec: RewardSpec, spec_version: int) -> None:
+        """A new reward spec (PUT /admin/reward-spec): every reward finalized from now on uses
+        it, the pending rollouts' included, and their due times follow its windows."""
+        self.spec, self.spec_version = spec, spec_version
+        for p in self.pending.values():
+            p.due = finalize_at(p.rollout, p.events, spec)
+
     # -- input ---------------------------------------------------------------------------
 
     def recover(self) -> int:

@@ -31,7 +31,15 @@ from service.rewards.store import current_spec
 from service.stream.consumer import open_consumer
 from service.stream.topics import FEEDBACK, ROLLOUTS
 from service.tables import TRAINER_STATE_NAME as STATE_NAME
-from service.tables import deployments, policies, rewards, rollouts, trainer_state, utcnow
+from service.tables import (
+    deployments,
+    policies,
+    reward_specs,
+    rewards,
+    rollouts,
+    trainer_state,
+    utcnow,
+)
 from trainer.deploy import ArmStats, CanaryConfig, ServiceClient, canary_verdict
 from trainer.gate import GateConfig, check, heldout_sample
 from trainer.join import Join
@@ -127,7 +135,8 @@ class Trainer:
                 join.add(records)
                 join.finalize_due()
                 consumer.commit(records)
-                self._heartbeat(join)
+                if self._heartbeat(join):
+                    self._follow_spec(join)
                 if self.paused:
                     continue
                 with self.engine.connect() as conn:
@@ -370,9 +379,23 @@ class Trainer:
             self._heldout_key = key
         return self._heldout_tokens
 
-    def _heartbeat(self, join: Join, force: bool = False) -> None:
-        if not force and time.monotonic() - self._last_heartbeat < self.cfg.heartbeat_s:
+    def _follow_spec(self, join: Join) -> None:
+        """Pick up a reward spec put since the last look (the check is one indexed max())."""
+        with self.engine.connect() as conn:
+            newest = conn.execute(sa.select(sa.func.max(reward_specs.c.version))).scalar()
+        if newest is None or newest == join.spec_version:
             return
+        old = join.spec_version
+        version, spec = current_spec(self.engine, self.settings.profile)
+        join.set_spec(spec, version)
+        self.horizon = timedelta(seconds=spec.horizon_s)
+        self.state["reward_spec_version"] = version
+        log.info("reward spec v%d in use from now on (was v%d)", version, old)
+
+    def _heartbeat(self, join: Join, force: bool = False) -> bool:
+        """Write the state row at most every heartbeat_s; True when it did."""
+        if not force and time.monotonic() - self._last_heartbeat < self.cfg.heartbeat_s:
+            return False
         self._last_heartbeat = time.monotonic()
         oldest = min((p.rollout.created_at for p in join.pending.values()), default=None)
         self.state.update(
@@ -404,3 +427,4 @@ class Trainer:
                     .where(trainer_state.c.name == STATE_NAME)
                     .values(heartbeat_at=now, info=self.state, updated_at=now)
                 )
+        return True

@@ -234,3 +234,35 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
             ).scalar_one()
             assert used == p.summary["rollouts"]
     engine.dispose()
+
+
+def test_a_new_reward_spec_is_followed_without_a_restart(tmp_path: Path) -> None:
+    """PUT /admin/reward-spec while the trainer runs: the join's windows and the reward rows
+    written afterwards use the new version; pending rollouts get the new due times."""
+    from service.rewards.core import RewardSpec, RolloutInfo
+    from service.rewards.store import current_spec, put_spec
+    from trainer.join import Join, Pending
+
+    settings = make_settings(tmp_path, profile="sim")
+    upgrade(settings)
+    engine = make_engine(settings)
+    version, spec = current_spec(engine, "sim")
+    join = Join(engine, spec, version)
+    created = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    shown = RolloutInfo("s1", "u1", created, shown=True, text_chars=5)
+    due = created + dt.timedelta(seconds=spec.decision_window_s)
+    join.pending["s1"] = Pending(shown, 1, due=due)
+    trainer = Trainer(settings, engine, ServiceClient("http://127.0.0.1:9", "unused"))
+
+    trainer._follow_spec(join)  # nothing new: unchanged
+    assert join.spec_version == 1 and "reward_spec_version" not in trainer.state
+
+    longer = RewardSpec.from_dict({**spec.to_dict(), "decision_window_s": 9})
+    with engine.begin() as conn:
+        put_spec(conn, longer, None)
+    trainer._follow_spec(join)
+    assert (join.spec_version, join.spec) == (2, longer)
+    assert trainer.state["reward_spec_version"] == 2
+    assert join.pending["s1"].due == created + dt.timedelta(seconds=9)
+    assert trainer.horizon == dt.timedelta(seconds=longer.horizon_s)
+    engine.dispose()
