@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from fastapi import FastAPI
 
 from service import health
+from service.analytics import endpoints as analytics_endpoints
 from service.auth import endpoints as key_endpoints
 from service.auth.keys import KeyCache, RateLimiter
 from service.body import BodyLimitMiddleware
@@ -99,6 +100,7 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(training_endpoints.router)
     app.include_router(reward_endpoints.router)
     app.include_router(key_endpoints.router)
+    app.include_router(analytics_endpoints.router)
     app.include_router(health.router)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})
