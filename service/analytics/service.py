@@ -1,10 +1,11 @@
 """Live-traffic metrics per policy version and time bucket, from the rollouts and rewards tables.
 
-Two grouped queries over the window, whatever its size: one sums counts, characters and rewards
-per (bucket, version) in the database; one reads the latencies (bucket, version, ms) for the
-percentiles, computed here because SQLite has no percentile function. Buckets are aligned to
-multiples of bucket_s since the epoch, so a refreshing chart keeps its points in place; the first
-and last bucket may be partial.
+Two grouped queries over the window, whatever its size, so the work stays in the database: one
+sums counts, characters and rewards per (bucket, version); one ranks latencies with window
+functions (SQLite has no percentile aggregate) and returns only the few ranked rows that the
+p50 and p99 of each bucket and version interpolate between. Buckets are aligned to multiples of
+bucket_s since the epoch, so a refreshing chart keeps its points in place; the first and last
+bucket may be partial.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import numpy as np
 import sqlalchemy as sa
 
 from service.analytics.schemas import BucketRow, MetricsOut, Row
@@ -84,7 +84,6 @@ class _Acc:
     retention_sum: float = 0.0
     reward_sum: float = 0.0
     rewards_finalized: int = 0
-    latencies: list[float] = field(default_factory=list)
 
     def add(self, other: _Acc) -> None:
         self.suggestions += other.suggestions
@@ -95,13 +94,9 @@ class _Acc:
         self.retention_sum += other.retention_sum
         self.reward_sum += other.reward_sum
         self.rewards_finalized += other.rewards_finalized
-        self.latencies.extend(other.latencies)
 
-    def row(self, version: int) -> dict[str, Any]:
+    def row(self, version: int, latency: dict[int, float]) -> dict[str, Any]:
         n = self.suggestions
-        p50 = p99 = None
-        if self.latencies:
-            p50, p99 = (float(p) for p in np.percentile(self.latencies, [50, 99]))
         return {
             "policy_version": version,
             "suggestions": n,
@@ -116,9 +111,37 @@ class _Acc:
                 self.reward_sum / self.rewards_finalized if self.rewards_finalized else None
             ),
             "rewards_finalized": self.rewards_finalized,
-            "latency_ms_p50": p50,
-            "latency_ms_p99": p99,
+            "latency_ms_p50": latency.get(50),
+            "latency_ms_p99": latency.get(99),
         }
+
+
+PERCENTILES = (50, 99)
+
+
+def _ranks(n: int, p: int) -> tuple[int, int, float]:
+    """The 0-based ranks the p-th percentile of n sorted values interpolates between, and the
+    weight of the upper one: numpy's default ("linear") definition."""
+    position = (n - 1) * p / 100
+    low = (n - 1) * p // 100
+    return low, -(-(n - 1) * p // 100), position - low
+
+
+def _percentile_rows(rank: Any, count: Any) -> Any:
+    """SQL: this row holds one of the ranks `_ranks` needs (integer arithmetic: SQLite has no
+    floor() or ceil() unless built with its math functions)."""
+    wanted = []
+    for p in PERCENTILES:
+        wanted += [rank == ((count - 1) * p) // 100, rank == ((count - 1) * p + 99) // 100]
+    return sa.or_(*wanted)
+
+
+def _interpolate(n: int, values: dict[int, float]) -> dict[int, float]:
+    out = {}
+    for p in PERCENTILES:
+        low, high, weight = _ranks(n, p)
+        out[p] = values[low] + (values[high] - values[low]) * weight
+    return out
 
 
 def _epoch_s(column: Any, dialect: str) -> Any:
@@ -173,23 +196,51 @@ def metrics(
             reward_sum=float(row.reward_sum),
             rewards_finalized=int(row.rewards_finalized),
         )
-    latency = sa.select(bucket, r.c.policy_version, r.c.latency_ms).where(in_window)
-    for b, version, ms in conn.execute(latency):
-        acc = accs.get((int(b), int(version)))
-        if acc is not None:  # a rollout inserted between the two queries is left out of both
-            acc.latencies.append(float(ms))
+    # Latency percentiles: each rollout's rank within its (bucket, version) and its version.
+    ms = r.c.latency_ms
+    by_bucket, by_version = [bucket, r.c.policy_version], [r.c.policy_version]
+    ranked = (
+        sa.select(
+            bucket,
+            r.c.policy_version,
+            ms.label("ms"),
+            (sa.func.row_number().over(partition_by=by_bucket, order_by=ms) - 1).label("b_rank"),
+            sa.func.count().over(partition_by=by_bucket).label("b_n"),
+            (sa.func.row_number().over(partition_by=by_version, order_by=ms) - 1).label("v_rank"),
+            sa.func.count().over(partition_by=by_version).label("v_n"),
+        )
+        .where(in_window)
+        .subquery()
+    )
+    q = ranked.c
+    picked = sa.select(ranked).where(
+        sa.or_(_percentile_rows(q.b_rank, q.b_n), _percentile_rows(q.v_rank, q.v_n))
+    )
+    bucket_ms: dict[tuple[int, int], tuple[int, dict[int, float]]] = {}
+    version_ms: dict[int, tuple[int, dict[int, float]]] = {}
+    for row in conn.execute(picked):
+        key = (int(row.bucket), int(row.policy_version))
+        bucket_ms.setdefault(key, (int(row.b_n), {}))[1][int(row.b_rank)] = float(row.ms)
+        version_ms.setdefault(key[1], (int(row.v_n), {}))[1][int(row.v_rank)] = float(row.ms)
+
+    def latency(ranked_ms: tuple[int, dict[int, float]] | None) -> dict[int, float]:
+        # None: a rollout inserted between the two queries made a new group; no figure for it
+        return {} if ranked_ms is None else _interpolate(*ranked_ms)
 
     per_version: dict[int, _Acc] = defaultdict(_Acc)
     buckets = []
     for (b, version), acc in sorted(accs.items()):
         per_version[version].add(acc)
         bucket_start = datetime.fromtimestamp(first + b * bucket_s, UTC)
-        buckets.append(BucketRow(start=bucket_start, **acc.row(version)))
+        row_ = acc.row(version, latency(bucket_ms.get((b, version))))
+        buckets.append(BucketRow(start=bucket_start, **row_))
     return MetricsOut.model_validate({
         "window_s": window_s,
         "bucket_s": bucket_s,
         "from": start,
         "to": end,
-        "versions": [Row(**per_version[v].row(v)) for v in sorted(per_version)],
+        "versions": [
+            Row(**per_version[v].row(v, latency(version_ms.get(v)))) for v in sorted(per_version)
+        ],
         "buckets": buckets,
     })
