@@ -19,6 +19,7 @@ from service.body import BodyLimitMiddleware
 from service.completions import endpoints as complete_endpoints
 from service.completions.serving import PolicyServer
 from service.config import Settings, load_settings
+from service.dashboard import endpoints as dashboard
 from service.db import make_engine
 from service.deps import AppContext, Health
 from service.errors import install_handlers
@@ -101,6 +102,7 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(reward_endpoints.router)
     app.include_router(key_endpoints.router)
     app.include_router(analytics_endpoints.router)
+    dashboard.install(app)
     app.include_router(health.router)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})
