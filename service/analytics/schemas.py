@@ -12,6 +12,7 @@ _ROW_EXAMPLE: dict[str, Any] = {
     "suggestions": 1200,
     "shown": 420,
     "shown_rate": 0.35,
+    "shown_finalized": 400,
     "accepted": 126,
     "accept_rate": 0.3,
     "retained_fraction": 0.82,
@@ -27,8 +28,9 @@ _ROW_EXAMPLE: dict[str, Any] = {
 class Row(BaseModel):
     """Live-traffic figures of one policy version over a window or a bucket.
 
-    Acceptance, retention and reward come from finalized rewards, so the most recent reward
-    horizon (10 min by default) is still filling in: see `rewards_finalized`.
+    Acceptance, retention, characters and reward come from finalized rewards and are rates over
+    the rollouts that have one, so a bucket still inside the reward horizon (10 min by default)
+    shows the part already decided instead of a false dip: see `rewards_finalized`.
     """
 
     model_config = ConfigDict(json_schema_extra={"example": _ROW_EXAMPLE})
@@ -37,15 +39,20 @@ class Row(BaseModel):
     suggestions: int = Field(description="rollouts served (every /v1/complete call)")
     shown: int = Field(description="rollouts where the policy showed a suggestion")
     shown_rate: float = Field(description="shown / suggestions")
+    shown_finalized: int = Field(description="shown rollouts with a finalized reward")
     accepted: int = Field(description="rollouts whose finalized reward says accepted")
-    accept_rate: float | None = Field(description="accepted / shown; null when none shown")
+    accept_rate: float | None = Field(
+        description="accepted / shown_finalized; null when no shown rollout is final yet"
+    )
     retained_fraction: float | None = Field(
         description="mean retention over accepted rollouts with a finalized reward (a provisional "
         "accept counts at the spec's provisional weight); null if none"
     )
-    accepted_chars_per_request: float = Field(description="accepted characters / suggestions")
-    retained_chars_per_request: float = Field(
-        description="accepted characters x retention / suggestions"
+    accepted_chars_per_request: float | None = Field(
+        description="accepted characters / rewards_finalized; null if none"
+    )
+    retained_chars_per_request: float | None = Field(
+        description="accepted characters x retention / rewards_finalized; null if none"
     )
     mean_reward: float | None = Field(description="mean over finalized rewards; null if none")
     rewards_finalized: int = Field(description="rollouts with a finalized reward")

@@ -78,6 +78,7 @@ class _Acc:
 
     suggestions: int = 0
     shown: int = 0
+    shown_finalized: int = 0
     accepted: int = 0
     accepted_chars: float = 0.0
     retained_chars: float = 0.0
@@ -88,6 +89,7 @@ class _Acc:
     def add(self, other: _Acc) -> None:
         self.suggestions += other.suggestions
         self.shown += other.shown
+        self.shown_finalized += other.shown_finalized
         self.accepted += other.accepted
         self.accepted_chars += other.accepted_chars
         self.retained_chars += other.retained_chars
@@ -96,20 +98,19 @@ class _Acc:
         self.rewards_finalized += other.rewards_finalized
 
     def row(self, version: int, latency: dict[int, float]) -> dict[str, Any]:
-        n = self.suggestions
+        n, done = self.suggestions, self.rewards_finalized
         return {
             "policy_version": version,
             "suggestions": n,
             "shown": self.shown,
             "shown_rate": self.shown / n if n else 0.0,
             "accepted": self.accepted,
-            "accept_rate": self.accepted / self.shown if self.shown else None,
+            "shown_finalized": self.shown_finalized,
+            "accept_rate": self.accepted / self.shown_finalized if self.shown_finalized else None,
             "retained_fraction": self.retention_sum / self.accepted if self.accepted else None,
-            "accepted_chars_per_request": self.accepted_chars / n if n else 0.0,
-            "retained_chars_per_request": self.retained_chars / n if n else 0.0,
-            "mean_reward": (
-                self.reward_sum / self.rewards_finalized if self.rewards_finalized else None
-            ),
+            "accepted_chars_per_request": self.accepted_chars / done if done else None,
+            "retained_chars_per_request": self.retained_chars / done if done else None,
+            "mean_reward": self.reward_sum / done if done else None,
             "rewards_finalized": self.rewards_finalized,
             "latency_ms_p50": latency.get(50),
             "latency_ms_p99": latency.get(99),
@@ -164,6 +165,7 @@ def metrics(
     bucket = ((_epoch_s(r.c.created_at, conn.dialect.name) - first) // bucket_s).label("bucket")
     in_window = sa.and_(r.c.created_at >= start, r.c.created_at < end)
 
+    final = w.c.suggestion_id.is_not(None)
     accepted = w.c.outcome == "accepted"
     chars = sa.func.round(w.c.components["share"].as_float() * sa.func.length(r.c.text))
     retention = w.c.components["retention"].as_float()
@@ -173,6 +175,7 @@ def metrics(
             r.c.policy_version,
             sa.func.count().label("suggestions"),
             sa.func.sum(sa.case((r.c.shown, 1), else_=0)).label("shown"),
+            sa.func.sum(sa.case((sa.and_(r.c.shown, final), 1), else_=0)).label("shown_finalized"),
             sa.func.sum(sa.case((accepted, 1), else_=0)).label("accepted"),
             sa.func.sum(sa.case((accepted, chars), else_=0)).label("accepted_chars"),
             sa.func.sum(sa.case((accepted, chars * retention), else_=0)).label("retained_chars"),
@@ -189,6 +192,7 @@ def metrics(
         accs[(int(row.bucket), int(row.policy_version))] = _Acc(
             suggestions=int(row.suggestions),
             shown=int(row.shown),
+            shown_finalized=int(row.shown_finalized),
             accepted=int(row.accepted),
             accepted_chars=float(row.accepted_chars),
             retained_chars=float(row.retained_chars),

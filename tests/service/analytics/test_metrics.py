@@ -76,17 +76,22 @@ def seed(engine: sa.Engine) -> None:
         ])
 
 
-def row(version: int, suggestions: int, shown: int, accepted: int, retained_fraction: Any,
-        accepted_chars: float, retained_chars: float, mean_reward: Any, finalized: int,
-        p50: float, p99: float) -> dict[str, Any]:
+def row(version: int, suggestions: int, shown: int, shown_final: int, accepted: int,
+        retained_fraction: Any, accepted_chars: float, retained_chars: float, reward_sum: float,
+        finalized: int, p50: float, p99: float) -> dict[str, Any]:
+    """The expected Row: rates of acceptance, characters and reward are over finalized rewards."""
+    def per_final(x: float) -> Any:
+        return pytest.approx(x / finalized) if finalized else None
+
     return {
         "policy_version": version, "suggestions": suggestions, "shown": shown,
-        "shown_rate": pytest.approx(shown / suggestions), "accepted": accepted,
-        "accept_rate": pytest.approx(accepted / shown) if shown else None,
+        "shown_rate": pytest.approx(shown / suggestions), "shown_finalized": shown_final,
+        "accepted": accepted,
+        "accept_rate": pytest.approx(accepted / shown_final) if shown_final else None,
         "retained_fraction": retained_fraction,
-        "accepted_chars_per_request": pytest.approx(accepted_chars / suggestions),
-        "retained_chars_per_request": pytest.approx(retained_chars / suggestions),
-        "mean_reward": mean_reward, "rewards_finalized": finalized,
+        "accepted_chars_per_request": per_final(accepted_chars),
+        "retained_chars_per_request": per_final(retained_chars),
+        "mean_reward": per_final(reward_sum), "rewards_finalized": finalized,
         "latency_ms_p50": pytest.approx(p50), "latency_ms_p99": pytest.approx(p99),
     }
 
@@ -101,18 +106,19 @@ def test_figures_on_a_small_dataset(client: httpx.Client, engine: sa.Engine) -> 
     assert datetime.fromisoformat(m["from"]) == at(50)
     assert datetime.fromisoformat(m["to"]) == END
     # latencies: v1 [10, 20, 30, 40, 50] -> p50 30, p99 40 + 0.96 * 10 (linear interpolation)
+    # e is shown but not final: it counts in shown_rate, not in the rates of finalized rewards
     assert m["versions"] == [
-        row(1, 5, 4, 2, pytest.approx(0.75), 20, 15, pytest.approx(0.75 / 4), 4, 30, 49.6),
-        row(2, 2, 1, 1, pytest.approx(0.0), 2, 0, pytest.approx(0.1), 1, 10, 14.9),
-        row(3, 1, 0, 0, None, 0, 0, None, 0, 7, 7),
+        row(1, 5, 4, 3, 2, pytest.approx(0.75), 20, 15, 0.75, 4, 30, 49.6),
+        row(2, 2, 1, 1, 1, pytest.approx(0.0), 2, 0, 0.1, 1, 10, 14.9),
+        row(3, 1, 0, 0, 0, None, 0, 0, 0, 0, 7, 7),
     ]
     starts = [(datetime.fromisoformat(b.pop("start")), b["policy_version"]) for b in m["buckets"]]
     assert starts == [(at(50), 1), (at(50), 3), (at(55), 1), (at(55), 2)]
     assert m["buckets"] == [
-        row(1, 3, 2, 1, pytest.approx(0.5), 10, 5, pytest.approx(0.05), 3, 20, 29.8),
-        row(3, 1, 0, 0, None, 0, 0, None, 0, 7, 7),
-        row(1, 2, 2, 1, pytest.approx(1.0), 10, 10, pytest.approx(0.6), 1, 45, 49.9),
-        row(2, 2, 1, 1, pytest.approx(0.0), 2, 0, pytest.approx(0.1), 1, 10, 14.9),
+        row(1, 3, 2, 2, 1, pytest.approx(0.5), 10, 5, 0.15, 3, 20, 29.8),
+        row(3, 1, 0, 0, 0, None, 0, 0, 0, 0, 7, 7),
+        row(1, 2, 2, 1, 1, pytest.approx(1.0), 10, 10, 0.6, 1, 45, 49.9),
+        row(2, 2, 1, 1, 1, pytest.approx(0.0), 2, 0, 0.1, 1, 10, 14.9),
     ]
 
 
