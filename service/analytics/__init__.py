@@ -1,0 +1,1 @@
+"""Live-traffic metrics per policy version over time: GET /admin/metrics."""

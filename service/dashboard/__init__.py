@@ -1,0 +1,1 @@
+"""The operators' dashboard: GET /admin/ (a static page) and its files under /admin/static/."""

@@ -1,0 +1,156 @@
+"""The dashboard in a real browser (Debian's chromium, driven by Playwright) against the real
+service on a socket, with data from a short real flow: a canary deployed through the API,
+completions from both versions (the shipped base policy and a
+tiny random one), accept/reject feedback, rewards finalized by the trainer's join.
+
+Then: a wrong key is refused with a message; the right key shows charts with data; "Roll back"
+adds the rollback to the timeline.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.rewards.core import RewardSpec
+from service.tables import utcnow
+from tests.factories import event
+from tests.service.registry.test_registry import upload, wait_for_routing
+from trainer.join import Join
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-default-apps", "--disable-sync", "--no-first-run",
+]
+PREFIXES = [
+    "import os\nimport ", "def add(a, b):\n    return a ", "for i in range(",
+    "class Point:\n    def __init__(self, x, y):\n        self.",
+]
+TIMEOUT_MS = 30_000  # generous: CI machines are shared
+
+
+@pytest.fixture
+def mode() -> str:
+    return "embedded"  # the page is the same over either database; /admin/metrics tests both
+
+
+@pytest.fixture
+def served(settings_factory: Any, service_factory: Any) -> Any:
+    """The service with the shipped base policy live as v1: unlike a random tiny model, it
+    shows suggestions, so the accept-rate chart has data."""
+    from service.db import make_engine
+    from service.registry.store import bootstrap
+
+    settings = settings_factory(policy_poll_interval_s=0.2)
+    engine = make_engine(settings)
+    with engine.begin() as conn:
+        assert bootstrap(conn, settings.base_checkpoint) == 1
+    engine.dispose()
+    return service_factory(settings)
+
+
+@pytest.fixture
+def browser_page() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    assert Path(CHROMIUM).exists(), "chromium is missing: scripts/test.sh installs it (apt)"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.set_default_timeout(TIMEOUT_MS)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        yield page
+        browser.close()
+        assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def real_traffic(served: Any, admin: httpx.Client, ingest: httpx.Client, ckpt: Path) -> None:
+    """v2 as a 50% canary, 40 users asking for completions, feedback on what was shown, and
+    the trainer's join finalizing every reward (as if the windows had passed)."""
+    assert upload(admin, ckpt).status_code == 201
+    d = admin.post("/admin/policies/2/deploy", json={"canary_fraction": 0.5}).json()
+    wait_for_routing(served, d["id"])
+    events = []
+    for i in range(40):
+        user = f"user-{i}"
+        r = ingest.post("/v1/complete", json={"user_id": user, "prefix": PREFIXES[i % 4],
+                                              "max_new_tokens": 12})
+        assert r.status_code == 200, r.text
+        s = r.json()
+        if s["shown"]:
+            now, sid = utcnow().isoformat(), s["suggestion_id"]
+            if i % 3:
+                events.append(event("accept", user_id=user, suggestion_id=sid, occurred_at=now,
+                                    accepted_chars=None))
+                events.append(event("code_retained", user_id=user, suggestion_id=sid,
+                                    occurred_at=now, after_seconds=30, retained_fraction=0.75))
+            else:
+                events.append(event("reject", user_id=user, suggestion_id=sid, occurred_at=now))
+    if events:
+        assert ingest.post("/v1/events", json={"events": events}).status_code == 202
+    join = Join(served.app.state.ctx.engine, RewardSpec(), spec_version=1)
+    assert join.recover() == 40
+    assert join.finalize_due(now=utcnow() + timedelta(hours=1)) == 40
+
+
+def test_login_charts_and_rollback(
+    served: Any, key_factory: Any, tiny_checkpoint_factory: Any, browser_page: Any
+) -> None:
+    from playwright.sync_api import expect
+
+    admin_token, ingest_token = key_factory("admin", "deploy"), key_factory("ingest")
+    with httpx.Client(base_url=served.url, timeout=30,
+                      headers={"Authorization": f"Bearer {admin_token}"}) as admin, \
+         httpx.Client(base_url=served.url, timeout=30,
+                      headers={"Authorization": f"Bearer {ingest_token}"}) as ingest:
+        real_traffic(served, admin, ingest, tiny_checkpoint_factory(1))
+    page = browser_page
+    page.goto(served.url + "/admin/")
+
+    # a wrong key, then a key without the admin scope: refused, with a message, still at login
+    for token, message in (("tlk_nope_nope", "not accepted"), (ingest_token, "admin scope")):
+        page.fill("#key-input", token)
+        page.click("#login-button")
+        expect(page.locator("#login-error")).to_contain_text(message)
+        expect(page.locator("#app")).to_be_hidden()
+
+    page.fill("#key-input", admin_token)
+    page.click("#login-button")
+    expect(page.locator("#app")).to_be_visible()
+    expect(page.locator("#routing")).to_contain_text("canary v2")
+    expect(page.locator("#versions-table tbody tr[data-version]")).to_have_count(2)
+
+    # every chart drew a canvas and holds data for both versions
+    for chart in ("accept", "shown", "retained", "reward"):
+        expect(page.locator(f"#chart-{chart} canvas").first).to_be_visible()
+    series = page.evaluate("""() => Object.fromEntries(
+        Object.entries(window.tabloopDashboard.charts).map(([id, c]) =>
+            [id, c.data.slice(1).map((s) => s.filter((v) => v != null).length)]))""")
+    assert series["shown"] == [1, 1] and series["reward"] == [1, 1], series
+    # the accept rate is of shown suggestions: the base policy (v1) shows some, the tiny one
+    # (v2) shows nothing, so it has no accept rate
+    assert series["accept"] == [1, 0], series
+
+    # roll back the canary from the page (confirming the dialog); the timeline gains the entry
+    expect(page.locator("#timeline li")).to_have_count(2)  # bootstrap, deploy
+    page.on("dialog", lambda d: d.accept())
+    expect(page.locator("#rollback")).to_be_enabled()
+    page.click("#rollback")
+    expect(page.locator("#timeline li").first).to_have_attribute("data-action", "rollback")
+    expect(page.locator("#timeline li")).to_have_count(3)
+    expect(page.locator("#banner")).to_contain_text("Rolled back")
+    expect(page.locator("#routing")).not_to_contain_text("canary")
+    expect(page.locator("#promote")).to_be_disabled()
+
+    # signing out returns to the form; the key is gone from the tab
+    page.click("#logout")
+    expect(page.locator("#login")).to_be_visible()
+    assert page.evaluate("sessionStorage.getItem('tabloop.adminKey')") is None
