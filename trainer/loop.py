@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainerConfig:
     group: str = "tabloop-trainer"  # consumer group (embedded: the trainer_state row)
-    batch_size: int = 4096  # finalized rollouts per policy-gradient update
+    batch_size: int = 4096  # finalized rollouts needed before a policy-gradient update
+    max_batch_factor: int = 4  # an update takes every eligible rollout up to this x batch_size
     gate_fraction: float = 0.2  # share of a batch held back to estimate the candidate's reward
     staleness: int = 3  # train on rollouts of versions seen in the last N deployments
     canary_fraction: float = 0.1  # share of users the candidate gets first
@@ -77,7 +78,7 @@ class TrainerConfig:
             return cls(
                 batch_size=160,
                 canary_fraction=0.3,
-                update=UpdateConfig(minibatch_size=64, epochs=2),
+                update=UpdateConfig(minibatch_size=64),
                 canary=CanaryConfig(
                     min_rollouts=60,
                     timeout_s=150.0,
@@ -186,8 +187,9 @@ class Trainer:
                         # by finalization time would under-represent what was shown
                         rewards.c.rollout_created_at <= utcnow() - self.horizon,
                     )
-                    .order_by(rewards.c.rollout_created_at)
-                    .limit(self.cfg.batch_size)
+                    # newest first: what waited during a canary is used, not left to go stale
+                    .order_by(rewards.c.rollout_created_at.desc())
+                    .limit(self.cfg.batch_size * self.cfg.max_batch_factor)
                 ).all()
             )
 
@@ -205,6 +207,7 @@ class Trainer:
             return
         live_model, tokenizer = self._policy(dep.live_version)
         ref_model, _ = self._policy(self._base_version())
+        rows.sort(key=lambda r: r.suggestion_id)  # random uuids: an unbiased train/gate split
         n_gate = max(1, int(len(rows) * self.cfg.gate_fraction))
         train_rows, gate_rows = rows[:-n_gate], rows[-n_gate:]
         model = copy.deepcopy(live_model)
