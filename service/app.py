@@ -27,6 +27,7 @@ from service.monitor import Monitor
 from service.registry import endpoints as policy_endpoints
 from service.rewards import endpoints as reward_endpoints
 from service.training import endpoints as training_endpoints
+from service.users import endpoints as user_endpoints
 
 VERSION = "0.1.0"
 
@@ -99,6 +100,7 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(training_endpoints.router)
     app.include_router(reward_endpoints.router)
     app.include_router(key_endpoints.router)
+    app.include_router(user_endpoints.router)
     app.include_router(health.router)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})

@@ -26,3 +26,7 @@ PENDING = Gauge(
     "tabloop_trainer_pending_rollouts", "Rollouts waiting for their reward to be final."
 )
 JOIN_LAG = Gauge("tabloop_trainer_join_lag_seconds", "Age of the oldest pending rollout.")
+PURGED_ROLLOUTS = Counter(
+    "tabloop_trainer_purged_rollouts_total",
+    "Pending rollouts dropped without a reward because their user was purged.",
+)
