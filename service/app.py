@@ -22,6 +22,7 @@ from service.db import make_engine
 from service.deps import AppContext, Health
 from service.errors import install_handlers
 from service.events import endpoints as event_endpoints
+from service.logs import RequestLogMiddleware, setup_logging
 from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
 from service.registry import endpoints as policy_endpoints
@@ -105,9 +106,12 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})
     app.add_middleware(RequestMetrics)
+    app.add_middleware(RequestLogMiddleware)  # outermost: every request gets an id and a line
     return app
 
 
 def app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory service.app:app_from_env` (one per worker process)."""
-    return create_app(load_settings())
+    settings = load_settings()
+    setup_logging(settings.log_level, settings.log_format or "json")  # a fresh process
+    return create_app(settings)

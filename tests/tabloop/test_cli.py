@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -101,3 +102,21 @@ def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
         again.send_signal(signal.SIGTERM)
         out, _ = again.communicate(timeout=30)
     assert "tlk_" not in out
+
+
+def test_log_lines_are_json_objects_when_asked(tmp_path: Path) -> None:
+    out = run(["db", "upgrade"], env_for(tmp_path, TABLOOP_LOG_FORMAT="json"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[-1] == "tabloop: database at head"  # the command's own output stays text
+    logged = [json.loads(line) for line in lines[:-1]]
+    assert logged and {"time", "level", "logger", "message"} <= set(logged[-1])
+    assert logged[-1]["message"] == "database at revision head"
+
+
+def test_log_format_flag_on_the_long_running_commands() -> None:
+    from tabloop.cli import build_parser
+
+    for command in ("up", "serve", "relay", "train"):
+        args = build_parser().parse_args([command, "--log-format", "text"])
+        assert args.log_format == "text"
