@@ -56,7 +56,7 @@ def test_every_admin_operation_has_a_description_and_body_examples(tmp_path: Pat
             for status, response in op.get("responses", {}).items():
                 if not status.startswith("2") or "content" not in response:
                     continue
-                for media in response["content"].values():
-                    if not _has_example(doc, media):
-                        missing.append(f"{where}: an example of the {status} response")
+                media = response["content"].get("application/json")  # not an HTML page
+                if media is not None and not _has_example(doc, media):
+                    missing.append(f"{where}: an example of the {status} response")
     assert not missing, "\n".join(missing)
