@@ -24,11 +24,13 @@ from service.db import make_engine
 from service.deps import AppContext, Health
 from service.errors import install_handlers
 from service.events import endpoints as event_endpoints
+from service.logs import RequestLogMiddleware, setup_logging
 from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
 from service.registry import endpoints as policy_endpoints
 from service.rewards import endpoints as reward_endpoints
 from service.training import endpoints as training_endpoints
+from service.users import endpoints as user_endpoints
 
 VERSION = "0.1.0"
 
@@ -101,15 +103,19 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(training_endpoints.router)
     app.include_router(reward_endpoints.router)
     app.include_router(key_endpoints.router)
+    app.include_router(user_endpoints.router)
     app.include_router(analytics_endpoints.router)
     dashboard.install(app)
     app.include_router(health.router)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})
     app.add_middleware(RequestMetrics)
+    app.add_middleware(RequestLogMiddleware)  # outermost: every request gets an id and a line
     return app
 
 
 def app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory service.app:app_from_env` (one per worker process)."""
-    return create_app(load_settings())
+    settings = load_settings()
+    setup_logging(settings.log_level, settings.log_format or "json")  # a fresh process
+    return create_app(settings)

@@ -34,7 +34,11 @@ class Settings(BaseSettings):
     # uvicorn worker processes for `tabloop serve`.
     workers: int = Field(1, ge=1, le=64)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    # Port for the Prometheus endpoint of processes without an API (`tabloop relay`).
+    # "json": one JSON object per line; "text": for a person. Unset: json for serve, relay and
+    # train, text for `tabloop up` and the one-shot commands (a --log-format flag overrides).
+    log_format: Literal["json", "text"] | None = None
+    # Port for the Prometheus endpoint of processes without an API (`tabloop relay`, `tabloop
+    # train`).
     metrics_port: int | None = Field(None, ge=1, le=65535)
 
     # Bounds on POST /v1/events: events per batch, body bytes (after gzip), bytes per event.

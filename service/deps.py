@@ -16,6 +16,7 @@ from service.auth.keys import ApiKey, KeyCache, RateLimiter, authenticate
 from service.completions.serving import PolicyServer
 from service.config import Settings
 from service.errors import Forbidden, RateLimited, Unauthorized
+from service.logs import current_request
 
 
 @dataclass
@@ -75,6 +76,9 @@ def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
             key = await run_in_threadpool(_lookup, ctx, token)
         if key is None:
             raise Unauthorized("unknown or revoked API key", headers=challenge)
+        logged = current_request()
+        if logged is not None:  # the access line names the key (its public id, never the token)
+            logged.key_id = key.id
         if not key.scopes.intersection(scopes):
             raise Forbidden(f"this key lacks the {' or '.join(repr(s) for s in scopes)} scope")
         wait = ctx.limiter.acquire(key.id)

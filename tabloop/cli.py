@@ -11,26 +11,20 @@ import threading
 from collections.abc import Callable, Iterator
 
 from service.config import Settings, load_settings
+from service.logs import LogFormat, setup_logging
 
 log = logging.getLogger("tabloop")
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-
-
-def _settings(args: argparse.Namespace) -> Settings:
+def _settings(args: argparse.Namespace, log_format: LogFormat = "text") -> Settings:
+    """The process's settings (flags over environment), and its logging set up: `log_format`
+    unless TABLOOP_LOG_FORMAT or --log-format says otherwise."""
     overrides = {}
-    for name in ("host", "port", "workers"):
+    for name in ("host", "port", "workers", "log_format"):
         if getattr(args, name, None) is not None:
             overrides[name] = getattr(args, name)
     settings = load_settings(**overrides)
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format or log_format)
     return settings
 
 
@@ -76,7 +70,8 @@ def _serve(app: object, settings: Settings) -> None:
         host=settings.host,
         port=settings.port,  # type: ignore[arg-type]
         log_level=settings.log_level.lower(),
-        access_log=False,
+        access_log=False,  # service.logs writes the access line, with the request id
+        log_config=None,  # uvicorn's loggers go through our handler and format
     )
     Server(config).run()
 
@@ -210,7 +205,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    settings = _settings(args)
+    settings = _settings(args, "json")
     _bootstrap_policy(settings)
     if settings.workers == 1:
         from service.app import create_app
@@ -225,6 +220,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             workers=settings.workers,
             log_level=settings.log_level.lower(),
             access_log=False,
+            log_config=None,  # each worker sets up logging in app_from_env
         )
     return 0
 
@@ -233,7 +229,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from service.db import make_engine
     from service.relay import Relay
 
-    settings = _settings(args)
+    settings = _settings(args, "json")
     if settings.embedded:
         print(
             "tabloop relay: no broker configured (set TABLOOP_KAFKA_BOOTSTRAP_SERVERS); "
@@ -252,7 +248,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from trainer.deploy import ServiceClient
     from trainer.loop import Trainer
 
-    settings = _settings(args)
+    settings = _settings(args, "json")
     if not settings.trainer_api_key:
         print(
             "tabloop train: set TABLOOP_TRAINER_API_KEY to a deploy-scoped key "
@@ -332,25 +328,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def log_flags(sp: argparse.ArgumentParser, default: str) -> argparse.ArgumentParser:
+        sp.add_argument(
+            "--log-format",
+            choices=("json", "text"),
+            help=f"log lines as JSON objects or text (TABLOOP_LOG_FORMAT, default {default})",
+        )
+        return sp
+
     def server_flags(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--host", help="bind address (TABLOOP_HOST, default 127.0.0.1)")
         sp.add_argument("--port", type=int, help="port (TABLOOP_PORT, default 8000)")
 
     up = sub.add_parser("up", help="embedded: migrate, make a first admin key, start everything")
     server_flags(up)
+    log_flags(up, "text")
     up.set_defaults(fn=cmd_up)
 
     serve = sub.add_parser("serve", help="full mode: the HTTP API")
     server_flags(serve)
+    log_flags(serve, "json")
     serve.add_argument("--workers", type=int, help="uvicorn worker processes (TABLOOP_WORKERS)")
     serve.set_defaults(fn=cmd_serve)
 
-    sub.add_parser("relay", help="full mode: publish the outbox to Kafka").set_defaults(
-        fn=cmd_relay
-    )
-    sub.add_parser("train", help="the trainer: join, reward, update, gate, deploy").set_defaults(
-        fn=cmd_train
-    )
+    relay = sub.add_parser("relay", help="full mode: publish the outbox to Kafka")
+    log_flags(relay, "json").set_defaults(fn=cmd_relay)
+    train = sub.add_parser("train", help="the trainer: join, reward, update, gate, deploy")
+    log_flags(train, "json").set_defaults(fn=cmd_train)
 
     # Handled in main(): listed here for `tabloop --help`.
     sub.add_parser("pretrain", help="train the base policy on real code (see --help)")

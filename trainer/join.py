@@ -6,6 +6,10 @@ then computes the reward from the database — the source of truth for events, s
 arrived out of order is missed — and writes it once (`rewards` keyed by suggestion id).
 Pending state is rebuilt from the database after a restart, so consumer offsets can be
 committed as soon as a poll is processed.
+
+A `user_purged` tombstone (DELETE /admin/users/{id}) drops everything held of that user, and
+no reward is written for a rollout whose row is gone: the purge may commit before its tombstone
+is read, so `finalize_due` checks, and the tombstone removes a reward that slipped in between.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from service.rewards.core import Feedback, RewardSpec, RolloutInfo, finalize_at
 from service.rewards.store import reward_from_db, rollout_info
 from service.stream.consumer import Record
-from service.stream.topics import FEEDBACK, ROLLOUTS
+from service.stream.topics import FEEDBACK, ROLLOUTS, is_user_purged
 from service.tables import rewards, rollouts, utcnow
-from trainer.metrics import LATE_EVENTS, REWARDS_FINALIZED
+from trainer.metrics import LATE_EVENTS, PURGED_ROLLOUTS, REWARDS_FINALIZED
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class JoinStats:
     finalized: int = 0
     late_events: int = 0
     orphan_events: int = 0  # feedback about a suggestion never seen (yet)
+    purged: int = 0  # pending rollouts dropped because their user was purged
 
 
 class Join:
@@ -83,7 +88,9 @@ class Join:
 
     def add(self, records: Iterable[Record]) -> None:
         for rec in records:
-            if rec.topic == ROLLOUTS:
+            if is_user_purged(rec.value):
+                self.purge_user(str(rec.value.get("user_id") or rec.key))
+            elif rec.topic == ROLLOUTS:
                 self._add(rollout_info(rec.value), int(rec.value["policy_version"]))
             elif rec.topic == FEEDBACK:
                 self._feedback(Feedback.from_event(rec.value))
@@ -94,6 +101,26 @@ class Join:
         p = Pending(info, version, self.early.pop(info.suggestion_id, []))
         p.due = finalize_at(p.rollout, p.events, self.spec)
         self.pending[info.suggestion_id] = p
+
+    def purge_user(self, user_id: str) -> int:
+        """Forget the user's pending rollouts and early feedback, and delete any reward of theirs
+        whose rollout the purge removed; returns the pending rollouts dropped."""
+        dropped = [sid for sid, p in self.pending.items() if p.rollout.user_id == user_id]
+        for sid in dropped:
+            del self.pending[sid]
+        for sid, fbs in list(self.early.items()):
+            kept = [f for f in fbs if f.user_id != user_id]
+            if kept:
+                self.early[sid] = kept
+            else:
+                del self.early[sid]
+        with self.engine.begin() as conn:
+            gone = ~sa.exists().where(rollouts.c.suggestion_id == rewards.c.suggestion_id)
+            conn.execute(rewards.delete().where(rewards.c.user_id == user_id, gone))
+        self.stats.purged += len(dropped)
+        PURGED_ROLLOUTS.inc(len(dropped))
+        log.info("user purged: dropped %d pending rollouts of theirs", len(dropped))
+        return len(dropped)
 
     def _feedback(self, fb: Feedback) -> None:
         if fb.type not in SUGGESTION_EVENTS or fb.suggestion_id is None:
@@ -111,20 +138,34 @@ class Join:
         """Compute and store the rewards that are final by `now`; returns how many."""
         now = now or utcnow()
         due = [p for p in self.pending.values() if p.due is not None and p.due <= now][:limit]
+        rows: list[dict[str, Any]] = []
         if due:
             with self.engine.begin() as conn:
-                rows = [self._reward_row(conn, p, now) for p in due]
-                insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-                conn.execute(
-                    insert(rewards).on_conflict_do_nothing(index_elements=["suggestion_id"]), rows
+                # a rollout purged before its tombstone reached us gets no reward
+                ids = [p.rollout.suggestion_id for p in due]
+                present = set(
+                    conn.execute(
+                        sa.select(rollouts.c.suggestion_id).where(rollouts.c.suggestion_id.in_(ids))
+                    ).scalars()
                 )
+                rows = [
+                    self._reward_row(conn, p, now)
+                    for p in due
+                    if p.rollout.suggestion_id in present
+                ]
+                insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+                if rows:
+                    conn.execute(
+                        insert(rewards).on_conflict_do_nothing(index_elements=["suggestion_id"]),
+                        rows,
+                    )
             for p in due:
                 del self.pending[p.rollout.suggestion_id]
             for row in rows:
                 REWARDS_FINALIZED.labels(outcome=row["outcome"]).inc()
-            self.stats.finalized += len(due)
+            self.stats.finalized += len(rows)
         self._settle_early(now)
-        return len(due)
+        return len(rows)
 
     def _reward_row(self, conn: sa.Connection, p: Pending, now: datetime) -> dict[str, Any]:
         r = p.rollout

@@ -3,7 +3,9 @@ TABLOOP_METRICS_PORT by `tabloop train`). Documented in docs/METRICS.md."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, disable_created_metrics
+
+disable_created_metrics()  # as in service/metrics.py, for `tabloop train` on its own
 
 REWARDS_FINALIZED = Counter(
     "tabloop_trainer_rewards_finalized_total",
@@ -26,3 +28,13 @@ PENDING = Gauge(
     "tabloop_trainer_pending_rollouts", "Rollouts waiting for their reward to be final."
 )
 JOIN_LAG = Gauge("tabloop_trainer_join_lag_seconds", "Age of the oldest pending rollout.")
+PURGED_ROLLOUTS = Counter(
+    "tabloop_trainer_purged_rollouts_total",
+    "Pending rollouts dropped without a reward because their user was purged.",
+)
+
+# Known label values start at 0, so a dashboard sees the series before the first event.
+for _result in ("passed", "failed"):
+    GATE_RESULTS.labels(result=_result)
+for _verdict in ("promote", "rollback"):
+    CANARY_VERDICTS.labels(verdict=_verdict)

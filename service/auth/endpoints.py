@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.auth.keys import SCOPES, ApiKey, create_key, list_keys, parse_scopes, revoke_key
 from service.deps import AdminKey, CtxDep
@@ -14,12 +14,27 @@ from service.errors import NotFound, Unprocessable
 router = APIRouter(prefix="/admin/keys", tags=["admin: keys"])
 
 
+_KEY = {
+    "id": "9f2c4e1a0b3d5c7e",
+    "name": "vscode-plugin",
+    "scopes": ["ingest"],
+    "created_at": "2026-11-29T12:00:00Z",
+    "revoked_at": None,
+}
+
+
 class KeyCreate(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"name": "vscode-plugin", "scopes": ["ingest"]}]}
+    )
+
     name: str = Field(min_length=1, max_length=200, examples=["vscode-plugin"])
     scopes: list[str] = Field(min_length=1, examples=[["ingest"]], description=f"Any of {SCOPES}")
 
 
 class KeyOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [_KEY]})
+
     id: str
     name: str
     scopes: list[str]
@@ -33,11 +48,17 @@ class KeyOut(BaseModel):
 
 
 class KeyCreated(KeyOut):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{**_KEY, "token": "tlk_9f2c4e1a0b3d5c7e_<secret>"}]}
+    )
+
     token: str = Field(description="Shown once; only its hash is stored")
 
 
 @router.post("", status_code=201, response_model=KeyCreated)
 def post_key(body: KeyCreate, _admin: AdminKey, ctx: CtxDep) -> KeyCreated:
+    """Make a key with the given scopes (`ingest`, `deploy`, `admin`). The token is in this
+    answer only: the database keeps its hash."""
     try:
         scopes = parse_scopes(body.scopes)
     except ValueError as e:
@@ -49,6 +70,7 @@ def post_key(body: KeyCreate, _admin: AdminKey, ctx: CtxDep) -> KeyCreated:
 
 @router.get("", response_model=list[KeyOut])
 def get_keys(_admin: AdminKey, ctx: CtxDep) -> list[KeyOut]:
+    """Every key, revoked ones included, oldest first; never a token or its hash."""
     with ctx.engine.connect() as conn:
         return [KeyOut.of(k) for k in list_keys(conn)]
 

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, UploadFile
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.deps import AdminKey, CtxDep, DeployKey
 from service.errors import NotFound, PayloadTooLarge, Unprocessable
@@ -17,7 +17,29 @@ from service.registry import store
 router = APIRouter(prefix="/admin", tags=["admin: policies"])
 
 
+_POLICY = {
+    "version": 7,
+    "parent": 6,
+    "sha256": "3f5a0c9e" * 8,
+    "status": "canary",
+    "created_at": "2026-11-29T12:00:00Z",
+    "summary": {"parent": 6, "rollouts": 3276, "mean_reward": 0.112},
+    "manifest": None,
+}
+_DEPLOYMENT = {
+    "id": 12,
+    "created_at": "2026-11-29T12:00:05Z",
+    "action": "deploy",
+    "live_version": 6,
+    "canary_version": 7,
+    "canary_fraction": 0.1,
+    "reason": "trainer: gate passed; canary",
+}
+
+
 class PolicyOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [_POLICY]})
+
     version: int
     parent: int | None
     sha256: str
@@ -28,6 +50,8 @@ class PolicyOut(BaseModel):
 
 
 class DeploymentOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [_DEPLOYMENT]})
+
     id: int
     created_at: datetime
     action: str
@@ -38,16 +62,26 @@ class DeploymentOut(BaseModel):
 
 
 class PolicyList(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"deployment": _DEPLOYMENT, "policies": [_POLICY]}]}
+    )
+
     deployment: DeploymentOut | None
     policies: list[PolicyOut]
 
 
 class DeployIn(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"canary_fraction": 0.1, "reason": "manual canary"}]}
+    )
+
     canary_fraction: float = Field(0.1, gt=0, le=1, description="Share of users; 1 makes it live")
     reason: str | None = Field(None, max_length=2000)
 
 
 class ReasonIn(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"reason": "accept rate held"}]})
+
     reason: str | None = Field(None, max_length=2000)
 
 
@@ -69,6 +103,8 @@ def _deployment_out(d: store.Deployment | None) -> DeploymentOut | None:
 
 @router.get("/policies", response_model=PolicyList)
 def list_policies(_key: DeployKey, ctx: CtxDep) -> PolicyList:
+    """Every registered version, newest first, with the current deployment (live version,
+    canary version and its share of users). Scope `deploy` or `admin`."""
     with ctx.engine.connect() as conn:
         return PolicyList(
             deployment=_deployment_out(store.current_deployment(conn)),
@@ -78,6 +114,7 @@ def list_policies(_key: DeployKey, ctx: CtxDep) -> PolicyList:
 
 @router.get("/policies/{version}", response_model=PolicyOut)
 def get_policy(version: int, _key: DeployKey, ctx: CtxDep) -> PolicyOut:
+    """One version with its manifest (config, tokenizer, file hashes). 404 if unknown."""
     with ctx.engine.connect() as conn:
         row = store.get_policy_row(conn, version)
     if row is None:
@@ -92,7 +129,23 @@ def _read(upload: UploadFile, limit: int) -> bytes:
     return data
 
 
-@router.post("/policies", status_code=201, response_model=PolicyOut)
+_REGISTER_EXAMPLE = {
+    "manifest": "(manifest.json)",
+    "weights": "(model.safetensors)",
+    "tokenizer": "(tokenizer.json)",
+    "parent": 6,
+    "summary": '{"rollouts": 3276, "mean_reward": 0.112}',
+}
+
+
+@router.post(
+    "/policies",
+    status_code=201,
+    response_model=PolicyOut,
+    openapi_extra={
+        "requestBody": {"content": {"multipart/form-data": {"example": _REGISTER_EXAMPLE}}}
+    },
+)
 def register_policy(
     _key: DeployKey,
     ctx: CtxDep,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Body
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.deps import AdminKey, CtxDep
 from service.errors import NotFound, Unprocessable
@@ -16,12 +16,31 @@ from service.rewards.core import RewardSpec
 router = APIRouter(prefix="/admin", tags=["admin: rewards"])
 
 
+_SPEC = {
+    "accept_reward": 0.75, "reject_penalty": 0.25, "abstain_reward": 0.0, "chars_norm": 20,
+    "chars_exponent": 0.5, "decision_window_s": 30, "retention_checks_s": [30, 120, 300, 600],
+    "horizon_s": 600, "provisional_accept_weight": 0.5, "switch_penalty": 0.5,
+    "switch_window_s": 300, "churn_penalty": 1.0,
+}
+
+
 class SpecOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"version": 2, "spec": _SPEC}]})
+
     version: int
     spec: dict[str, Any]
 
 
 class ReplayIn(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"from": "2026-11-29T00:00:00Z", "to": "2026-11-30T00:00:00Z",
+                 "reward_spec_version": 2}
+            ]
+        }
+    )
+
     from_: datetime = Field(alias="from", description="RFC 3339; rollouts created at or after")
     to: datetime = Field(description="RFC 3339; rollouts created before")
     reward_spec_version: int | None = Field(None, description="default: the current spec")
@@ -29,12 +48,21 @@ class ReplayIn(BaseModel):
 
 @router.get("/reward-spec", response_model=SpecOut)
 def get_spec(_key: AdminKey, ctx: CtxDep) -> SpecOut:
+    """The current reward spec and its version number (the profile's defaults as version 1
+    until one is stored)."""
     version, spec = store.current_spec(ctx.engine, ctx.settings.profile)
     return SpecOut(version=version, spec=spec.to_dict())
 
 
 @router.put("/reward-spec", response_model=SpecOut, status_code=201)
-def put_spec(body: dict[str, Any], key: AdminKey, ctx: CtxDep) -> SpecOut:
+def put_spec(
+    body: Annotated[
+        dict[str, Any],
+        Body(examples=[{"reject_penalty": 0.3, "retention_checks_s": [30, 120, 300, 600]}]),
+    ],
+    key: AdminKey,
+    ctx: CtxDep,
+) -> SpecOut:
     """Store a new numbered version (fields and defaults as in DESIGN.md; omitted fields keep
     the current version's values). New rollouts are rewarded with it."""
     with ctx.engine.begin() as conn:
@@ -47,7 +75,20 @@ def put_spec(body: dict[str, Any], key: AdminKey, ctx: CtxDep) -> SpecOut:
     return SpecOut(version=version, spec=spec.to_dict())
 
 
-@router.post("/replay")
+_REPLAY_EXAMPLE = {
+    "reward_spec_version": 2,
+    "rollouts": 5120,
+    "mean_reward": 0.074,
+    "outcomes": {"abstained": 2870, "accepted": 610, "rejected": 1240, "ignored": 400},
+    "finalized_before": 5012,
+    "differ_from_stored": 312,
+}
+
+
+@router.post(
+    "/replay",
+    responses={200: {"content": {"application/json": {"example": _REPLAY_EXAMPLE}}}},
+)
 def post_replay(body: ReplayIn, _key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
     """Recompute the rewards of rollouts in a time range under a spec version, from the
     database. Stored rewards are left as they are; the answer compares the two."""

@@ -14,6 +14,24 @@ from service.tables import rewards, trainer_state, utcnow
 
 router = APIRouter(prefix="/admin/training", tags=["admin: training"])
 
+_STATUS_EXAMPLE = {
+    "paused": False,
+    "alive": True,
+    "heartbeat_at": "2026-11-29T12:00:00Z",
+    "rewards_finalized": 48210,
+    "rewards_untrained": 1904,
+    "late_events": 3,
+    "trainer": {
+        "state": "collecting",
+        "batch_fill": 1904,
+        "batch_size": 4096,
+        "pending": 611,
+        "join_lag_s": 598.2,
+        "history": [],
+    },
+}
+_STATUS = {200: {"content": {"application/json": {"example": _STATUS_EXAMPLE}}}}
+
 
 def _status(conn: sa.Connection) -> dict[str, Any]:
     row = conn.execute(sa.select(trainer_state).where(trainer_state.c.name == STATE_NAME)).first()
@@ -36,7 +54,7 @@ def _status(conn: sa.Connection) -> dict[str, Any]:
     }
 
 
-@router.get("")
+@router.get("", responses=_STATUS)
 def get_training(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
     """State (collecting, updating, gating, canary, paused), batch fill, last update and gate
     result, canary progress, join lag and pending rollouts."""
@@ -61,12 +79,13 @@ def _set_paused(ctx: Any, paused: bool) -> dict[str, Any]:
         return _status(conn)
 
 
-@router.post("/pause")
+@router.post("/pause", responses=_STATUS)
 def pause(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
     """Stop taking updates and deploying (the join keeps finalizing rewards)."""
     return _set_paused(ctx, True)
 
 
-@router.post("/resume")
+@router.post("/resume", responses=_STATUS)
 def resume(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
+    """Take updates and deploy candidates again."""
     return _set_paused(ctx, False)

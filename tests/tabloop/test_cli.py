@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,15 @@ from tests.factories import event
 from tests.services import free_port, wait_http_ready
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
+TRAINER_METRICS = (
+    "tabloop_trainer_batch_fill",
+    "tabloop_trainer_updates_total",
+    "tabloop_trainer_gate_results_total",
+    "tabloop_trainer_join_lag_seconds",
+    "tabloop_trainer_late_events_total",
+    "tabloop_trainer_canary_verdicts_total",
+    "tabloop_trainer_purged_rollouts_total",
+)
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -85,6 +95,11 @@ def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
             headers={"Authorization": f"Bearer {token}"},
         )
         assert r.status_code == 202 and r.json()["accepted"] == 2
+        # embedded: the trainer runs in this process, so its metrics are on the API's /metrics
+        metrics = httpx.get(url + "/metrics").text
+        assert 'tabloop_ingest_events_total{outcome="accepted",type="accept"} 1.0' in metrics
+        for name in TRAINER_METRICS:
+            assert f"\n{name}" in metrics, name
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -101,3 +116,46 @@ def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
         again.send_signal(signal.SIGTERM)
         out, _ = again.communicate(timeout=30)
     assert "tlk_" not in out
+
+
+def test_log_lines_are_json_objects_when_asked(tmp_path: Path) -> None:
+    out = run(["db", "upgrade"], env_for(tmp_path, TABLOOP_LOG_FORMAT="json"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[-1] == "tabloop: database at head"  # the command's own output stays text
+    logged = [json.loads(line) for line in lines[:-1]]
+    assert logged and {"time", "level", "logger", "message"} <= set(logged[-1])
+    assert logged[-1]["message"] == "database at revision head"
+
+
+def test_log_format_flag_on_the_long_running_commands() -> None:
+    from tabloop.cli import build_parser
+
+    for command in ("up", "serve", "relay", "train"):
+        args = build_parser().parse_args([command, "--log-format", "text"])
+        assert args.log_format == "text"
+
+
+def test_train_serves_its_metrics_on_the_metrics_port(tmp_path: Path) -> None:
+    port = free_port()
+    env = env_for(tmp_path, TABLOOP_METRICS_PORT=str(port), TABLOOP_TRAINER_API_KEY="tlk_x_y",
+                  TABLOOP_LOG_FORMAT="json")
+    assert run(["db", "upgrade"], env).returncode == 0
+    proc = subprocess.Popen([TABLOOP, "train"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, "tabloop train exited"
+                assert time.monotonic() < deadline, "no metrics endpoint within 60 s"
+                time.sleep(0.2)
+        for name in TRAINER_METRICS:
+            assert f"\n{name}" in metrics, name
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert all(json.loads(line)["level"] for line in err.splitlines())  # JSON lines only

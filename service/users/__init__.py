@@ -1,0 +1,1 @@
+"""Per-person data: purging a user's rollouts, events, rewards and log messages."""

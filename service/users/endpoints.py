@@ -1,0 +1,33 @@
+"""Admin API for people: purge everything stored about one user."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path
+
+from service.deps import AdminKey, CtxDep
+from service.users.schemas import PurgeOut, Removed
+from service.users.service import purge_user
+
+router = APIRouter(prefix="/admin/users", tags=["admin: users"])
+
+UserIdPath = Annotated[
+    str, Path(min_length=1, max_length=256, description="The person's user_id", examples=["u-42"])
+]
+
+
+@router.delete("/{user_id:path}", response_model=PurgeOut, summary="Purge a user's data")
+def delete_user(user_id: UserIdPath, _admin: AdminKey, ctx: CtxDep) -> PurgeOut:
+    """Delete the person's rollouts, feedback events, rewards, their messages in the outbox
+    (never published afterwards) and the rejected events that name them, and send a
+    `user_purged` tombstone on `tabloop.rollouts` and `tabloop.feedback` (key: the user id) so
+    the trainer drops the rollouts it still holds of them and writes no reward for them.
+
+    The answer counts the rows removed per table. Idempotent: a repeat, or a user never seen,
+    answers 200 with zeros (and sends another tombstone, which changes nothing). Messages the
+    relay already published stay in Kafka until its retention removes them."""
+    result = purge_user(ctx.engine, user_id, embedded=ctx.settings.embedded)
+    return PurgeOut(
+        user_id=result.user_id, purged_at=result.purged_at, removed=Removed(**result.removed)
+    )

@@ -1,0 +1,104 @@
+"""Logs: one JSON object per line, the request id from X-Request-ID (or made) in the response
+header and on every line of the request, one access line each, and no secrets or code in them."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from service.logs import RequestLog, _current, request_id_from, setup_logging
+
+SECRET_PREFIX = "def leak_me_not(password):\n    return 'hunter2-"
+SECRET_SUFFIX = "-do-not-log-this-suffix')\n"
+
+
+@pytest.fixture
+def log_lines() -> Iterator[io.StringIO]:
+    """Logging as `tabloop serve` sets it up (JSON), into a buffer; restored afterwards."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    buf = io.StringIO()
+    setup_logging("INFO", "json", stream=buf)
+    yield buf
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in saved[0]:
+        root.addHandler(h)
+    root.setLevel(saved[1])
+
+
+def parsed(buf: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
+
+
+def test_a_line_is_one_json_object_with_request_id_and_extras(log_lines: io.StringIO) -> None:
+    log = logging.getLogger("tabloop.test")
+    log.info("outside")
+    token = _current.set(RequestLog("req-1"))
+    try:
+        log.warning("inside %s", "a request", extra={"rows": 3})
+    finally:
+        _current.reset(token)
+    outside, inside = parsed(log_lines)
+    assert set(outside) == {"time", "level", "logger", "message"}
+    assert outside["logger"] == "tabloop.test" and outside["level"] == "INFO"
+    assert inside["message"] == "inside a request" and inside["level"] == "WARNING"
+    assert inside["request_id"] == "req-1" and inside["rows"] == 3
+    assert inside["time"].startswith("20")  # ISO 8601
+
+
+@pytest.mark.parametrize(
+    ("sent", "kept"),
+    [
+        ("abc-123", True),
+        ("0b6f1c1e-8a4e-4c3b-9d8e-2f1a3b4c5d6e", True),
+        ("has space", False),
+        ("line\nbreak", False),
+        ("x" * 129, False),  # too long to echo and log
+        ("", False),
+        (None, False),
+    ],
+)
+def test_request_id_is_the_clients_only_when_sane(sent: str | None, kept: bool) -> None:
+    got = request_id_from(sent)
+    assert (got == sent) is kept
+    assert 1 <= len(got) <= 128
+
+
+@pytest.mark.parametrize("mode", ["embedded"])
+def test_requests_are_logged_with_their_id_and_never_the_token_or_code(
+    served: Any, key_factory: Any, log_lines: io.StringIO
+) -> None:
+    token = key_factory("ingest")
+    key_id = token.split("_")[1]
+    auth = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        r = c.post("/v1/complete?debug=1", headers={**auth, "X-Request-ID": "req-abc-123"},
+                   json={"user_id": "u-1", "prefix": SECRET_PREFIX, "suffix": SECRET_SUFFIX})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "req-abc-123"
+        made = c.post("/v1/complete", headers={**auth, "X-Request-ID": "bad id <x>"},
+                      json={"user_id": "u-1", "prefix": SECRET_PREFIX})
+        made_id = made.headers["x-request-id"]
+        assert made_id and made_id != "bad id <x>"
+        unauth = c.get("/admin/keys", headers={"Authorization": "Bearer tlk_nope_wrong-secret"})
+        assert unauth.status_code == 401 and unauth.headers["x-request-id"]
+
+    lines = parsed(log_lines)  # every line parses as JSON
+    access = {ln["request_id"]: ln for ln in lines if ln["logger"] == "tabloop.access"}
+    first = access["req-abc-123"]
+    assert first["method"] == "POST" and first["path"] == "/v1/complete"  # no query string
+    assert first["status"] == 200 and first["duration_ms"] > 0 and first["key_id"] == key_id
+    assert access[made_id]["status"] == 200
+    failed = access[unauth.headers["x-request-id"]]
+    assert failed["status"] == 401 and "key_id" not in failed
+
+    text = log_lines.getvalue()
+    secret = token.split("_", 2)[2]
+    for leak in (token, secret, "wrong-secret", "leak_me_not", "hunter2", "do-not-log-this"):
+        assert leak not in text, f"{leak!r} appeared in the logs"

@@ -1,0 +1,115 @@
+"""The reward join and purged users: a `user_purged` tombstone drops that user's pending
+rollouts and early feedback, no reward is ever written for a purged rollout, and another
+user's rewards are untouched."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from service.db import make_engine, upgrade
+from service.rewards.core import RewardSpec
+from service.stream.consumer import Record
+from service.stream.topics import FEEDBACK, ROLLOUTS, encode, user_purged
+from service.tables import rewards, rollouts, utcnow
+from service.users.service import purge_user
+from tests.factories import event
+from tests.service.conftest import make_settings
+from trainer.join import Join
+
+LATER = timedelta(hours=1)  # past every window of the default spec
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[sa.Engine]:
+    settings = make_settings(tmp_path)
+    upgrade(settings)
+    e = make_engine(settings)
+    yield e
+    e.dispose()
+
+
+def _rollout(engine: sa.Engine, user: str) -> dict[str, Any]:
+    """A shown rollout row in the database, and its message as the trainer reads it."""
+    row = {
+        "suggestion_id": str(uuid.uuid4()), "user_id": user, "policy_version": 1,
+        "created_at": utcnow(), "context_token_ids": [1], "heal_text": "", "token_ids": [2],
+        "token_logprobs": [-0.1], "text": "return x", "shown": True, "gate_prob_show": 0.9,
+        "decision_logprob": -0.1, "logprob_total": -0.2, "temperature": 0.7, "top_p": 0.95,
+        "stop_reason": "eol", "latency_ms": 1.0,
+    }
+    with engine.begin() as conn:
+        conn.execute(rollouts.insert().values(**row))
+    return {**row, "created_at": row["created_at"].isoformat()}
+
+
+_offsets = iter(range(1, 1_000_000))
+
+
+def rec(topic: str, key: str, value: dict[str, Any]) -> Record:
+    import orjson
+
+    return Record(topic, 0, next(_offsets), key, orjson.loads(encode(value)))
+
+
+def _rewarded(engine: sa.Engine) -> dict[str, str]:
+    with engine.connect() as conn:
+        return dict(conn.execute(sa.select(rewards.c.suggestion_id, rewards.c.user_id)).all())
+
+
+def test_tombstone_drops_pending_rollouts_and_early_feedback_of_that_user_only(
+    engine: sa.Engine,
+) -> None:
+    join = Join(engine, RewardSpec(), 1)
+    gone = [_rollout(engine, "u-gone") for _ in range(2)]
+    kept = [_rollout(engine, "u-kept") for _ in range(2)]
+    early = event("reject", user_id="u-gone", suggestion_id=str(uuid.uuid4()))
+    join.add([rec(ROLLOUTS, r["user_id"], r) for r in gone + kept])
+    join.add([rec(FEEDBACK, "u-gone", early)])
+    assert len(join.pending) == 4 and early["suggestion_id"] in join.early
+
+    purge = purge_user(engine, "u-gone", embedded=True)
+    stone = user_purged("u-gone", purge.purged_at)
+    # on both topics, as the purge sends it; the second finds nothing left and must not crash
+    join.add([rec(ROLLOUTS, "u-gone", stone), rec(FEEDBACK, "u-gone", stone)])
+
+    assert {p.rollout.user_id for p in join.pending.values()} == {"u-kept"}
+    assert join.early == {} and join.stats.purged == 2
+    assert join.finalize_due(now=utcnow() + LATER) == 2
+    assert _rewarded(engine) == {r["suggestion_id"]: "u-kept" for r in kept}
+
+
+def test_no_reward_for_a_rollout_purged_before_its_tombstone_arrives(engine: sa.Engine) -> None:
+    """The purge commits, the join still holds the rollout (tombstone not read yet): the
+    rollout's row is gone, so finalize writes nothing for it."""
+    join = Join(engine, RewardSpec(), 1)
+    gone, kept = _rollout(engine, "u-gone"), _rollout(engine, "u-kept")
+    join.add([rec(ROLLOUTS, r["user_id"], r) for r in (gone, kept)])
+    purge_user(engine, "u-gone", embedded=True)
+    assert join.finalize_due(now=utcnow() + LATER) == 1
+    assert _rewarded(engine) == {kept["suggestion_id"]: "u-kept"}
+    assert join.pending == {}
+
+
+def test_tombstone_removes_a_reward_written_while_the_purge_committed(engine: sa.Engine) -> None:
+    """PostgreSQL read committed: the join may see the rollout, then insert its reward just
+    after the purge deleted the user's rewards. The tombstone, read later, removes it (and
+    leaves the rewards of rollouts the user made after the purge)."""
+    join = Join(engine, RewardSpec(), 1)
+    gone = _rollout(engine, "u-gone")
+    join.add([rec(ROLLOUTS, "u-gone", gone)])
+    join.finalize_due(now=utcnow() + LATER)  # rewarded before the purge ...
+    with engine.begin() as conn:  # ... and the purge's rollout delete only, as if interleaved
+        conn.execute(rollouts.delete().where(rollouts.c.user_id == "u-gone"))
+    after = _rollout(engine, "u-gone")  # the person uses the product again after the purge
+    join.add([rec(ROLLOUTS, "u-gone", user_purged("u-gone", "2026-01-01T00:00:00Z"))])
+    join.add([rec(ROLLOUTS, "u-gone", after)])
+    assert _rewarded(engine) == {}
+    assert join.finalize_due(now=utcnow() + LATER) == 1
+    assert _rewarded(engine) == {after["suggestion_id"]: "u-gone"}
