@@ -41,7 +41,8 @@ LOG_RATIO_CLAMP = 10.0  # |log pi_ref/pi| above this is clamped in the k3 KL (ke
 @dataclass
 class UpdateConfig:
     learning_rate: float = 1e-4  # AdamW's (make_optimizer); about the end of pretraining's cosine
-    gate_lr_mult: float = 10.0  # the gate head's learning rate / learning_rate (a small fresh head)
+    gate_lr_mult: float = 100.0  # the gate's bias and confidence weights: lr x this
+    gate_hidden_lr_mult: float = 10.0  # the gate's hidden-state projection (192 inputs): lr x this
     clip_eps: float = 0.2  # PPO clip: ratios outside [1 - eps, 1 + eps] stop pushing
     kl_coef: float = 0.05  # weight of the KL toward the reference (pretrained) policy
     entropy_coef: float = 0.0  # weight of the entropy bonus (0: off; try <= 0.01)
@@ -167,14 +168,24 @@ def pg_loss(
 
 
 def make_optimizer(model: GPT, cfg: UpdateConfig) -> torch.optim.AdamW:
-    """AdamW, no weight decay (the KL term is the regulariser): the language model at
-    cfg.learning_rate, the gate at gate_lr_mult times that (with train_gate_only, the gate
-    alone). Keep its state across batches (`carry_state`): a fresh Adam's first step moves
-    every parameter by the full learning rate whatever its gradient, i.e. sign-SGD."""
-    gate = [p for n, p in model.named_parameters() if n.startswith("gate.")]
-    groups = [{"params": gate, "lr": cfg.learning_rate * cfg.gate_lr_mult}]
+    """AdamW, no weight decay (the KL term is the regulariser), three groups: the language model
+    at cfg.learning_rate; the gate's hidden-state projection at gate_hidden_lr_mult times that;
+    its bias and confidence-feature weights at gate_lr_mult times that (with train_gate_only,
+    the gate alone). Why: the gate is a logistic head whose threshold has to move by whole
+    logits (p(show) 0.5 -> 0.9 is a bias shift of 2.2: 20,000 Adam steps at 1e-4), while one
+    step on the 192-wide projection moves the logit by up to ~192 x its rate, so that part gets
+    less. The PPO clip still bounds how far one batch moves each decision. Keep the state
+    across batches (`carry_state`): a fresh Adam's first step moves every parameter by the full
+    learning rate whatever its gradient, i.e. sign-SGD."""
+    named = list(model.named_parameters())
+    hidden = [p for n, p in named if n.startswith("gate.hidden")]
+    threshold = [p for n, p in named if n.startswith("gate.") and not n.startswith("gate.hidden")]
+    groups = [
+        {"params": hidden, "lr": cfg.learning_rate * cfg.gate_hidden_lr_mult},
+        {"params": threshold, "lr": cfg.learning_rate * cfg.gate_lr_mult},
+    ]
     if not cfg.train_gate_only:
-        lm = [p for n, p in model.named_parameters() if not n.startswith("gate.")]
+        lm = [p for n, p in named if not n.startswith("gate.")]
         groups.insert(0, {"params": lm, "lr": cfg.learning_rate})
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
 

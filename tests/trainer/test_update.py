@@ -432,17 +432,19 @@ def test_train_gate_only_leaves_the_language_model_alone(
 
 
 def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) -> None:
-    cfg = UpdateConfig(learning_rate=1e-4, gate_lr_mult=10.0)
-    lm, gate = make_optimizer(tiny_model, cfg).param_groups
-    assert lm["lr"] == pytest.approx(1e-4) and gate["lr"] == pytest.approx(1e-3)
-    gate_ids = {id(p) for p in tiny_model.gate.parameters()}
-    assert {id(p) for p in gate["params"]} == gate_ids
+    cfg = UpdateConfig(learning_rate=1e-4, gate_lr_mult=100.0, gate_hidden_lr_mult=10.0)
+    lm, hidden, threshold = make_optimizer(tiny_model, cfg).param_groups
+    assert [g["lr"] for g in (lm, hidden, threshold)] == pytest.approx([1e-4, 1e-3, 1e-2])
+    g = tiny_model.gate
+    assert [id(p) for p in hidden["params"]] == [id(g.hidden.weight)]
+    assert {id(p) for p in threshold["params"]} == {id(g.features.weight), id(g.features.bias)}
+    gate_ids = {id(p) for p in g.parameters()}
     assert not gate_ids & {id(p) for p in lm["params"]}
     n = sum(1 for _ in tiny_model.parameters())
-    assert len(lm["params"]) + len(gate["params"]) == n
+    assert len(lm["params"]) + 3 == n
     gate_cfg = dataclasses.replace(cfg, train_gate_only=True)
-    (only,) = make_optimizer(tiny_model, gate_cfg).param_groups
-    assert {id(p) for p in only["params"]} == gate_ids
+    groups = make_optimizer(tiny_model, gate_cfg).param_groups
+    assert len(groups) == 2 and {id(p) for gr in groups for p in gr["params"]} == gate_ids
 
 
 def test_carry_state_continues_adam_on_a_copy(
@@ -462,7 +464,7 @@ def test_carry_state_continues_adam_on_a_copy(
     slower = dataclasses.replace(cfg, learning_rate=1e-5)
     second = make_optimizer(nxt, slower)
     carry_state(second, state)
-    assert [g["lr"] for g in second.param_groups] == pytest.approx([1e-5, 1e-4])
+    assert [g["lr"] for g in second.param_groups] == pytest.approx([1e-5, 1e-4, 1e-3])
     p = next(nxt.parameters())
     moved = second.state[p]
     assert float(moved["step"]) == 1.0
@@ -474,7 +476,7 @@ def test_carry_state_continues_adam_on_a_copy(
     carry_state(fresh, None)
     assert not fresh.state
     gate_only = make_optimizer(nxt, dataclasses.replace(cfg, train_gate_only=True))
-    carry_state(gate_only, state)  # 1 group against 2: not loaded
+    carry_state(gate_only, state)  # 2 groups against 3: not loaded
     assert not gate_only.state
 
 
@@ -505,7 +507,8 @@ def test_synthetic_learning_gate_follows_the_reward(
     ref = copy.deepcopy(tiny_model)
     # lr 3e-3 (pretraining's peak): the random-init tiny model's hidden states barely separate
     # the families, so the gate has to learn features; 1e-3 needs far more than 60 updates
-    cfg = UpdateConfig(learning_rate=3e-3)
+    # one rate for all (the gate's multipliers are for the pretrained policy's sharp features)
+    cfg = UpdateConfig(learning_rate=3e-3, gate_lr_mult=1.0, gate_hidden_lr_mult=1.0)
     optimizer = make_optimizer(tiny_model, cfg)
     gen = torch.Generator().manual_seed(0)
 
