@@ -84,6 +84,8 @@ def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
             )
         return key
 
+    # Read by the route x scope test (tests/service/auth/test_route_matrix.py) to classify routes.
+    dependency.scopes = frozenset(scopes)  # type: ignore[attr-defined]
     return dependency
 
 
