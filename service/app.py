@@ -24,6 +24,7 @@ from service.errors import install_handlers
 from service.events import endpoints as event_endpoints
 from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
+from service.openapi import install_openapi
 from service.registry import endpoints as policy_endpoints
 from service.rewards import endpoints as reward_endpoints
 from service.training import endpoints as training_endpoints
@@ -100,6 +101,7 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(reward_endpoints.router)
     app.include_router(key_endpoints.router)
     app.include_router(health.router)
+    install_openapi(app, settings)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})
     app.add_middleware(RequestMetrics)
