@@ -47,7 +47,11 @@ def _rfc3339(value: str) -> str:
         raise ValueError("must be an RFC 3339 date-time, e.g. 2026-11-29T12:00:00Z") from None
     if parsed.tzinfo is None:
         raise ValueError("must carry a time zone (Z or +hh:mm)")
-    return parsed.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    try:
+        utc = parsed.astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00:00+01:00 is in year 0 in UTC
+        raise ValueError("is out of range once converted to UTC") from None
+    return utc.isoformat().replace("+00:00", "Z")
 
 
 def _no_nul(value: str) -> str:
