@@ -27,6 +27,7 @@ from service.events import endpoints as event_endpoints
 from service.logs import RequestLogMiddleware, setup_logging
 from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
+from service.openapi import install_openapi
 from service.registry import endpoints as policy_endpoints
 from service.rewards import endpoints as reward_endpoints
 from service.training import endpoints as training_endpoints
@@ -107,6 +108,7 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(analytics_endpoints.router)
     dashboard.install(app)
     app.include_router(health.router)
+    install_openapi(app, settings)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})
     app.add_middleware(RequestMetrics)

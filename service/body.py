@@ -20,26 +20,34 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def inflate_bounded(data: bytes, limit: int) -> bytes:
-    """Gunzip `data`, refusing (OverflowError) as soon as the output would pass `limit` bytes."""
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    """Gunzip `data`, refusing (OverflowError) as soon as the output would pass `limit` bytes.
+
+    Several gzip members one after the other (RFC 1952; what `cat a.gz b.gz` makes) inflate to
+    their concatenation; anything else after a member, a truncated member or a bad checksum is a
+    ValueError. Nothing is silently dropped."""
     out: list[bytes] = []
     produced = 0
     pending = data
-    while True:
-        try:
-            chunk = inflater.decompress(pending, limit + 1 - produced)
-        except zlib.error as e:
-            raise ValueError(f"invalid gzip body: {e}") from None
-        produced += len(chunk)
-        if produced > limit:
-            raise OverflowError
-        out.append(chunk)
-        pending = inflater.unconsumed_tail
+    while True:  # one gzip member per turn
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        while True:
+            try:
+                # at least 1: a max_length of 0 would mean "no limit" to zlib
+                chunk = inflater.decompress(pending, limit + 1 - produced)
+            except zlib.error as e:
+                raise ValueError(f"invalid gzip body: {e}") from None
+            produced += len(chunk)
+            if produced > limit:
+                raise OverflowError
+            out.append(chunk)
+            pending = inflater.unconsumed_tail
+            if not pending:
+                break
+        if not inflater.eof:
+            raise ValueError("invalid gzip body: truncated")
+        pending = inflater.unused_data
         if not pending:
-            break
-    if not inflater.eof:
-        raise ValueError("invalid gzip body: truncated")
-    return b"".join(out)
+            return b"".join(out)
 
 
 class BodyLimitMiddleware:

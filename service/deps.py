@@ -10,6 +10,7 @@ from typing import Annotated
 
 import sqlalchemy as sa
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from service.auth.keys import ApiKey, KeyCache, RateLimiter, authenticate
@@ -59,10 +60,17 @@ def _lookup(ctx: AppContext, token: str) -> ApiKey | None:
     return key
 
 
+# Declares the bearer scheme in the OpenAPI schema (the docs' Authorize button, and what a
+# client generator or schemathesis reads); the header is checked below, not by it.
+_bearer = HTTPBearer(auto_error=False, scheme_name="ApiKey",
+                     description="An API key: `Authorization: Bearer tlk_<id>_<secret>`")
+BearerDoc = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
 def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
     """A dependency admitting a live key holding any of `scopes`, within its rate limit."""
 
-    async def dependency(request: Request, ctx: CtxDep) -> ApiKey:
+    async def dependency(request: Request, ctx: CtxDep, _documented: BearerDoc) -> ApiKey:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         challenge = {"WWW-Authenticate": "Bearer"}
@@ -88,6 +96,8 @@ def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
             )
         return key
 
+    # Read by the route x scope test (tests/service/auth/test_route_matrix.py) to classify routes.
+    dependency.scopes = frozenset(scopes)  # type: ignore[attr-defined]
     return dependency
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from service.deps import CtxDep
 
@@ -17,7 +18,16 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "A dependency is not answering"}})
+class Readiness(BaseModel):
+    status: str  # "ready" or "not_ready"
+    checks: dict[str, bool]
+    outbox_backlog: int
+
+
+@router.get("/readyz", response_model=None, responses={
+    200: {"model": Readiness, "description": "Ready"},
+    503: {"model": Readiness, "description": "A dependency is not answering"},
+})
 def readyz(ctx: CtxDep) -> Response:
     """Ready when the database answers and, in full mode, the broker does too."""
     h = ctx.health

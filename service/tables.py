@@ -44,6 +44,9 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
 
 
 JSONType = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+# Version numbers (policies, reward specs) are INTEGER columns: 32 bits in PostgreSQL, and a
+# larger Python int does not even reach SQLite. The API refuses bigger ones (422).
+MAX_VERSION = 2**31 - 1
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants a bigint identity.
 BigIntPK = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 

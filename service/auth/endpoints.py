@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.auth.keys import SCOPES, ApiKey, create_key, list_keys, parse_scopes, revoke_key
 from service.deps import AdminKey, CtxDep
 from service.errors import NotFound, Unprocessable
+from service.openapi import error_responses
 
 router = APIRouter(prefix="/admin/keys", tags=["admin: keys"])
 
@@ -29,7 +31,8 @@ class KeyCreate(BaseModel):
     )
 
     name: str = Field(min_length=1, max_length=200, examples=["vscode-plugin"])
-    scopes: list[str] = Field(min_length=1, examples=[["ingest"]], description=f"Any of {SCOPES}")
+    scopes: list[Literal["ingest", "deploy", "admin"]] = Field(
+        min_length=1, examples=[["ingest"]], description=f"Any of {SCOPES}")
 
 
 class KeyOut(BaseModel):
@@ -75,7 +78,7 @@ def get_keys(_admin: AdminKey, ctx: CtxDep) -> list[KeyOut]:
         return [KeyOut.of(k) for k in list_keys(conn)]
 
 
-@router.delete("/{key_id}", response_model=KeyOut)
+@router.delete("/{key_id}", response_model=KeyOut, responses=error_responses(404))
 def delete_key(key_id: str, _admin: AdminKey, ctx: CtxDep) -> KeyOut:
     """Revoke a key: refused from the next request here, and by every other API process
     within `TABLOOP_AUTH_CACHE_TTL_S` (1 s by default)."""

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr
 
 from service.events.schemas import NoNul, UserId
 
 Tag = Annotated[StrictStr, Field(max_length=256), NoNul]
+
+
+def _integral(value: object) -> object:
+    # JSON has one number type: 8.0 is the integer 8 (as JSON Schema's "integer" says); "8" and
+    # 8.5 are still refused.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 class CompleteRequest(BaseModel):
@@ -38,7 +44,7 @@ class CompleteRequest(BaseModel):
     # Editors send what they have; the service keeps the last TABLOOP_MAX_PREFIX_CHARS.
     prefix: Annotated[StrictStr, Field(max_length=1_000_000), NoNul]
     suffix: Annotated[StrictStr, Field(max_length=1_000_000), NoNul] = ""
-    max_new_tokens: StrictInt = Field(32, ge=1)
+    max_new_tokens: Annotated[StrictInt, BeforeValidator(_integral)] = Field(32, ge=1)
 
 
 class CompleteResponse(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from datetime import UTC, datetime
@@ -47,7 +48,11 @@ def _rfc3339(value: str) -> str:
         raise ValueError("must be an RFC 3339 date-time, e.g. 2026-11-29T12:00:00Z") from None
     if parsed.tzinfo is None:
         raise ValueError("must carry a time zone (Z or +hh:mm)")
-    return parsed.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    try:
+        utc = parsed.astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00:00+01:00 is in year 0 in UTC
+        raise ValueError("is out of range once converted to UTC") from None
+    return utc.isoformat().replace("+00:00", "Z")
 
 
 def _no_nul(value: str) -> str:
@@ -111,6 +116,8 @@ _event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
 class EventBatch(BaseModel):
     """POST /v1/events body. Events are validated one by one, so one bad event is reported alone."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt or unknown top-level field is a 422
+
     events: list[Any] = Field(
         description="Feedback events (accept, reject, code_retained, model_switch, churn); "
         "each is validated on its own and a bad one is reported by index.",
@@ -151,7 +158,10 @@ def _describe(err: ValidationError) -> str:
         elif e["type"] == "union_tag_not_found":
             parts.append("type: missing (one of " + ", ".join(EVENT_TYPES) + ")")
         elif e["type"] == "extra_forbidden":
-            parts.append(f"{e['loc'][-1]}: unknown field")
+            # the client's own key, escaped unless printable: NUL or a lone surrogate in the
+            # error text would make the dead-letter row unstorable (and sink the whole batch)
+            name = str(e["loc"][-1])
+            parts.append(f"{name if name.isprintable() else json.dumps(name)}: unknown field")
         else:
             msg = e["msg"].removeprefix("Value error, ")
             parts.append(f"{loc}: {msg}")

@@ -6,15 +6,19 @@ import json
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, UploadFile
+from fastapi import APIRouter, File, Form, Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.deps import AdminKey, CtxDep, DeployKey
 from service.errors import NotFound, PayloadTooLarge, Unprocessable
+from service.openapi import error_responses
 from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 from service.registry import store
+from service.tables import MAX_VERSION
 
 router = APIRouter(prefix="/admin", tags=["admin: policies"])
+
+Version = Annotated[int, Path(ge=1, le=MAX_VERSION)]
 
 
 _POLICY = {
@@ -112,8 +116,8 @@ def list_policies(_key: DeployKey, ctx: CtxDep) -> PolicyList:
         )
 
 
-@router.get("/policies/{version}", response_model=PolicyOut)
-def get_policy(version: int, _key: DeployKey, ctx: CtxDep) -> PolicyOut:
+@router.get("/policies/{version}", response_model=PolicyOut, responses=error_responses(404))
+def get_policy(version: Version, _key: DeployKey, ctx: CtxDep) -> PolicyOut:
     """One version with its manifest (config, tokenizer, file hashes). 404 if unknown."""
     with ctx.engine.connect() as conn:
         row = store.get_policy_row(conn, version)
@@ -152,7 +156,7 @@ def register_policy(
     manifest: Annotated[UploadFile, File(description="manifest.json")],
     weights: Annotated[UploadFile, File(description="model.safetensors (safetensors only)")],
     tokenizer: Annotated[UploadFile, File(description="tokenizer.json")],
-    parent: Annotated[int | None, Form()] = None,
+    parent: Annotated[int | None, Form(ge=1, le=MAX_VERSION)] = None,
     summary: Annotated[str | None, Form(description="training summary, a JSON object")] = None,
 ) -> PolicyOut:
     """Register a checkpoint as the next version. The files' SHA-256 sums must match the
@@ -179,17 +183,19 @@ def register_policy(
     return _policy_out(row)
 
 
-@router.post("/policies/{version}/deploy", response_model=DeploymentOut)
-def deploy_policy(version: int, body: DeployIn, key: DeployKey, ctx: CtxDep) -> DeploymentOut:
+@router.post("/policies/{version}/deploy", response_model=DeploymentOut,
+             responses=error_responses(404, 409))
+def deploy_policy(version: Version, body: DeployIn, key: DeployKey, ctx: CtxDep) -> DeploymentOut:
     """Send `canary_fraction` of users (chosen by a stable hash of user_id) to this version."""
     with ctx.engine.begin() as conn:
         d = store.deploy(conn, version, body.canary_fraction, reason=body.reason, api_key_id=key.id)
     return _deployment_out(d)  # type: ignore[return-value]
 
 
-@router.post("/policies/{version}/promote", response_model=DeploymentOut)
+@router.post("/policies/{version}/promote", response_model=DeploymentOut,
+             responses=error_responses(409))
 def promote_policy(
-    version: int, key: DeployKey, ctx: CtxDep, body: ReasonIn | None = None
+    version: Version, key: DeployKey, ctx: CtxDep, body: ReasonIn | None = None
 ) -> DeploymentOut:
     """Make the current canary the live version."""
     with ctx.engine.begin() as conn:
@@ -197,7 +203,7 @@ def promote_policy(
     return _deployment_out(d)  # type: ignore[return-value]
 
 
-@router.post("/rollback", response_model=DeploymentOut)
+@router.post("/rollback", response_model=DeploymentOut, responses=error_responses(409))
 def rollback(key: DeployKey, ctx: CtxDep, body: ReasonIn | None = None) -> DeploymentOut:
     """Withdraw the canary if there is one; otherwise put the previous live version back."""
     with ctx.engine.begin() as conn:

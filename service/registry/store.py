@@ -131,6 +131,15 @@ def artifact_files(conn: sa.Connection, version: int) -> dict[str, bytes]:
     for r in rows:
         if _sha256(files[r.name]) != r.sha256:
             raise CheckpointError(f"stored {r.name} of version {version} is corrupt")
+    # The weights' identity is also kept apart from the artifacts, in `policies`: rewriting the
+    # weights, their row's hash and the manifest together still does not get them loaded.
+    registered = conn.execute(
+        sa.select(policies.c.sha256).where(policies.c.version == version)
+    ).scalar()
+    if registered is None or _sha256(files.get(WEIGHTS_FILE, b"")) != registered:
+        raise CheckpointError(
+            f"stored weights of version {version} are not the ones registered (sha256 {registered})"
+        )
     return files
 
 

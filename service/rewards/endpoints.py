@@ -10,8 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.deps import AdminKey, CtxDep
 from service.errors import NotFound, Unprocessable
+from service.openapi import error_responses
 from service.rewards import store
 from service.rewards.core import RewardSpec
+from service.tables import MAX_VERSION
 
 router = APIRouter(prefix="/admin", tags=["admin: rewards"])
 
@@ -43,7 +45,8 @@ class ReplayIn(BaseModel):
 
     from_: datetime = Field(alias="from", description="RFC 3339; rollouts created at or after")
     to: datetime = Field(description="RFC 3339; rollouts created before")
-    reward_spec_version: int | None = Field(None, description="default: the current spec")
+    reward_spec_version: int | None = Field(None, ge=1, le=MAX_VERSION,
+                                            description="default: the current spec")
 
 
 @router.get("/reward-spec", response_model=SpecOut)
@@ -87,7 +90,10 @@ _REPLAY_EXAMPLE = {
 
 @router.post(
     "/replay",
-    responses={200: {"content": {"application/json": {"example": _REPLAY_EXAMPLE}}}},
+    responses={
+        200: {"content": {"application/json": {"example": _REPLAY_EXAMPLE}}},
+        **error_responses(404),
+    },
 )
 def post_replay(body: ReplayIn, _key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
     """Recompute the rewards of rollouts in a time range under a spec version, from the
