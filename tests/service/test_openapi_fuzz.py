@@ -34,7 +34,8 @@ SEED = 20261129
 # replay's `to` must be after its `from`, a reward spec's windows must fit in its horizon.
 # Every other check (no 5xx, documented status codes, bodies, headers, invalid input refused)
 # runs on them as on every operation.
-CROSS_FIELD = {"POST /admin/policies", "POST /admin/replay", "PUT /admin/reward-spec"}
+CROSS_FIELD = {"POST /admin/policies", "POST /admin/replay", "PUT /admin/reward-spec",
+               "GET /admin/metrics"}  # at most 500 buckets per window, at most 30 days
 
 TALLY: Counter[tuple[str, str, int]] = Counter()  # (mode, operation, status) -> cases
 

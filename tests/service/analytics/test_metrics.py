@@ -151,6 +151,8 @@ def test_defaults_and_an_empty_window(client: httpx.Client) -> None:
         ({"window": "9" * 400 + "d"}, "at most 2592000 s"),
         ({"window": "1h", "bucket": "1s"}, "3600 buckets; at most 500"),
         ({"window": "1h", "bucket": "2h"}, "bucket must be at most 3600 s"),
+        ({"to": "0.0"}, "to must be an RFC 3339 date-time"),  # not a Unix time
+        ({"to": "2026-11-29"}, "to must be an RFC 3339 date-time"),
         ({"to": "yesterday"}, "to"),
     ],
 )
