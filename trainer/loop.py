@@ -132,7 +132,7 @@ class Trainer:
                     backoff,
                 )
                 stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+                backoff = min(backoff * 2, 10.0)
 
     def _run(self, stop: threading.Event) -> None:
         spec_version, spec = current_spec(self.engine, self.settings.profile)
