@@ -90,6 +90,9 @@ class Faults:
         return any(a.route == "events" and a.status == 202 and a.t0 >= t
                    for a in reversed(self.p.answers[-2000:]))
 
+    def trained(self) -> bool:
+        return int(self.query("SELECT count(*) FROM rewards WHERE trained_at IS NOT NULL")) > 0
+
     def heartbeat_after(self, wall: float) -> bool:
         return float(self.query("SELECT extract(epoch FROM heartbeat_at) FROM trainer_state "
                                 "WHERE name = 'trainer'")) > wall
@@ -341,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap", type=float, default=10, help="seconds of plain load between faults")
     p.add_argument("--trainer-batch", type=int, default=160,
                    help="TABLOOP_TRAINER_BATCH_SIZE (the sim profile's is 160)")
+    p.add_argument("--until-trained", type=float, default=90, metavar="S",
+                   help="after the faults, keep the load on up to S seconds until the trainer "
+                   "has used some rewards")
     p.add_argument("--json", type=Path, help="write the figures and checks here")
     p.add_argument("--keep", type=Path, help="keep the logs in this directory")
     args = p.parse_args(argv)
@@ -408,8 +414,12 @@ async def _load(cluster: Cluster, plugins: plugin.Plugins, faults: Faults, names
             asyncio.create_task(plugin.complete_loop(client, plugins, rate=args.complete_rate,
                                                      concurrency=2, stop=stop)),
         ]
-        await asyncio.get_running_loop().run_in_executor(None, faults.run, names)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, faults.run, names)
         await asyncio.sleep(args.gap)
+        # keep the load on until the trainer has used some rewards, so that "trained at most
+        # once" is checked on real candidates
+        await loop.run_in_executor(None, wait_for, faults.trained, args.until_trained, 1.0)
         stop.set()
         await asyncio.gather(*load)
 
