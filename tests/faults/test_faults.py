@@ -37,7 +37,9 @@ def test_short_fault_run_loses_nothing(tmp_path: Path) -> None:
     assert checks["rollouts_missing_in_topic"] == 0, log
     assert checks["rollouts_duplicated_in_topic"] == 0, log
     assert checks["reward_rows_per_suggestion_max"] <= 1, log
-    assert checks["candidates_short"] == [], log
+    assert checks["candidates_partial"] == [], log
+    assert checks["candidate_rollouts"] <= checks["rewards_trained"], log
+    assert checks["heartbeat_fresh"], log
     assert checks["rewards_into_untrained"] == 0, log
     assert result["no_retry_after"] == 0, log
     assert checks["trainer_running"], log
