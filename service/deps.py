@@ -88,9 +88,11 @@ def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
         # from the pool, off the event loop
         key = ctx.keys.get(token)
         if key is None:
-            if ctx.health.db_stalled():  # the lookup would hang with the database
+            # Not while the database is away: every request would wait for the lookup to fail
+            # (the pool's checkout timeout, or a hang on a stalled server), none would be cached.
+            if not ctx.health.db_usable():
                 raise Unavailable(
-                    "the database is not answering",
+                    "the database is unavailable",
                     headers={"Retry-After": str(ctx.settings.retry_after_s)},
                 )
             key = await run_in_threadpool(_lookup, ctx, token)
