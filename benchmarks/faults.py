@@ -63,6 +63,7 @@ class Fault:
     recovered_s: float | None  # from cleared until the service had recovered (see `recovery`)
     recovery: str  # what recovered means for this fault
     crashed: list[str]  # apps that exited by themselves meanwhile (restarted, as by a supervisor)
+    readyz: str  # what /readyz answered at the end of the fault
 
 
 class Faults:
@@ -70,6 +71,7 @@ class Faults:
         self.c, self.p, self.args = cluster, plugins, args
         self.done: list[Fault] = []
         self.rss: list[tuple[float, dict[str, float]]] = []
+        self.readyz = ""
 
     # -- probes ----------------------------------------------------------------------------
 
@@ -99,38 +101,48 @@ class Faults:
 
     # -- the schedule ----------------------------------------------------------------------
 
+    def hold(self, seconds: float) -> None:
+        """Keep the fault on; at its end, note what /readyz says (a load balancer's view)."""
+        import httpx
+
+        time.sleep(seconds)
+        try:
+            self.readyz = str(httpx.get(f"{self.c.url}/readyz", timeout=5).status_code)
+        except httpx.HTTPError as e:
+            self.readyz = type(e).__name__
+
     def inject(self, name: str) -> tuple[str, Any]:
         """Break something, wait, repair it; returns (what recovery means, its check)."""
         c, a = self.c, self.args
         if name == "broker-kill":
             c.broker.kill()
-            time.sleep(a.down)
+            self.hold(a.down)
             c.broker.start()
         elif name == "broker-stop":
             c.pause("broker", True)
-            time.sleep(a.slow)
+            self.hold(a.slow)
             c.pause("broker", False)
         elif name == "pg-restart":
             c.pg.stop()
-            time.sleep(a.down)
+            self.hold(a.down)
             c.pg.start()
         elif name == "pg-kill":
             c.pg.kill()
-            time.sleep(a.down)
+            self.hold(a.down)
             c.pg.start()
         elif name == "pg-stop":
             c.pause("postgres", True)
-            time.sleep(a.slow)
+            self.hold(a.slow)
             c.pause("postgres", False)
         elif name == "pg-full":
             held = c.hold_connections()
-            time.sleep(a.slow)
+            self.hold(a.slow)
             for conn in held:
                 conn.close()
         elif name in ("relay-kill", "trainer-kill"):
             app = name.split("-")[0].replace("trainer", "train")
             c.kill(app)
-            time.sleep(a.down)
+            self.hold(a.down)
             c.spawn(app)
             if app == "train":
                 wall = time.time()
@@ -155,7 +167,7 @@ class Faults:
             for app in crashed:  # a supervisor (docker compose, systemd) would restart it
                 print(f"    {app} exited by itself:\n{self.c.procs[app].tail()}", flush=True)
                 self.c.spawn(app)
-            self.done.append(Fault(name, start, cleared, recovered, what, crashed))
+            self.done.append(Fault(name, start, cleared, recovered, what, crashed, self.readyz))
             took = "never" if recovered is None else f"{recovered:.2f} s after it cleared"
             print(f"    recovered ({what}): {took}", flush=True)
 
@@ -272,6 +284,7 @@ def fault_rows(faults: list[Fault], answers: list[plugin.Answer], rss: list[Any]
         rows.append(_window_row(f.name, [a for a in answers if f.start <= a.t0 <= end],
                                 [r for t, r in rss if f.start <= t <= end],
                                 f.cleared - f.start, f.recovered_s, f.crashed))
+        rows[-1]["readyz"] = f.readyz
     calm = [a for a in answers if not any(s <= a.t0 <= e for s, e in windows)]
     rows.insert(0, _window_row("(no fault)", calm, [r for _, r in rss], 0.0, None, []))
     return rows
@@ -291,6 +304,9 @@ def _window_row(name: str, answers: list[plugin.Answer], rss: list[dict[str, flo
         "errors": {k: n for k, n in statuses.items() if k not in ("200", "202", "503", "429")},
         "max_answer_s": round(max((a.seconds for a in answers), default=0.0), 2),
         "max_503_s": round(max((a.seconds for a in answers if a.status == 503), default=0.0), 3),
+        "p50_503_s": round(plugin.percentile([a.seconds for a in answers if a.status == 503],
+                                             0.5), 3),
+        "timeouts": statuses.get("timeout", 0),
         "p99_s": round(plugin.percentile([a.seconds for a in answers], 0.99), 3),
         "serve_rss_max_mib": round(max((r["serve"] for r in rss), default=0.0)),
         "crashed": crashed,
@@ -304,17 +320,18 @@ def report(rows: list[dict[str, Any]], v: dict[str, Any], args: argparse.Namespa
           f"<= {args.concurrency} in flight, {args.complete_rate:.0f} completions/s; "
           f"client timeout {plugin.CLIENT_TIMEOUT_S:.0f} s; {elapsed:.0f} s under load")
     head = (f"{'fault':<14}{'down s':>7}{'recov s':>8}{'posts':>7}{'202':>6}{'503':>6}"
-            f"{'429':>5}{'max s':>7}{'max503 s':>9}{'p99 s':>7}{'cmpl':>6}{'200':>5}"
-            f"{'RSS MiB':>8}  errors / crashed")
+            f"{'429':>5}{'max s':>7}{'503 p50':>8}{'503 max':>8}{'p99 s':>7}{'cmpl':>6}{'200':>5}"
+            f"{'RSS MiB':>8}  readyz / errors / crashed")
     print(head)
     print("-" * len(head))
     for r in rows:
         rec = "-" if r["recovered_s"] is None else f"{r['recovered_s']:.1f}"
-        extra = ", ".join([f"{k} x{n}" for k, n in r["errors"].items()]
+        extra = ", ".join(([f"readyz {r['readyz']}"] if r.get("readyz") else [])
+                          + [f"{k} x{n}" for k, n in r["errors"].items()]
                           + [f"{app} exited" for app in r["crashed"]]) or "-"
         print(f"{r['fault']:<14}{r['down_s']:>7.1f}{rec:>8}{r['event_posts']:>7}"
               f"{r['event_202']:>6}{r['n503']:>6}{r['n429']:>5}{r['max_answer_s']:>7.2f}"
-              f"{r['max_503_s']:>9.3f}{r['p99_s']:>7.3f}{r['complete_posts']:>6}"
+              f"{r['p50_503_s']:>8.3f}{r['max_503_s']:>8.3f}{r['p99_s']:>7.3f}{r['complete_posts']:>6}"
               f"{r['complete_200']:>5}{r['serve_rss_max_mib']:>8}  {extra}")
     print()
     print(f"events: sent {v['events_sent']}, acknowledged {v['events_acked']}, in PostgreSQL "
