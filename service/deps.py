@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,8 +17,12 @@ from starlette.concurrency import run_in_threadpool
 from service.auth.keys import ApiKey, KeyCache, RateLimiter, authenticate
 from service.completions.serving import PolicyServer
 from service.config import Settings
-from service.errors import Forbidden, RateLimited, Unauthorized
+from service.errors import Forbidden, RateLimited, Unauthorized, Unavailable
 from service.logs import current_request
+
+# Longer than the pool's checkout wait (db_pool_timeout_s, 2 s by default), so a busy pool is
+# never taken for a stalled database; a healthy check takes milliseconds.
+DB_STALL_S = 3.0
 
 
 @dataclass
@@ -29,6 +34,17 @@ class Health:
     backlog_rows: int = 0
     backlog_age_s: float = 0.0
     detail: dict[str, str] = field(default_factory=dict)
+    db_check_started: float | None = None  # monotonic start of the database check in progress
+
+    def db_stalled(self, now: float | None = None) -> bool:
+        """The monitor's database check has hung for DB_STALL_S: the database takes connections
+        but answers nothing (stopped, I/O stall). A request would hang with it, so shed it."""
+        started = self.db_check_started
+        now = time.monotonic() if now is None else now
+        return started is not None and now - started > DB_STALL_S
+
+    def db_usable(self) -> bool:
+        return self.db_ok and not self.db_stalled()
 
 
 @dataclass
@@ -81,6 +97,13 @@ def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
         # from the pool, off the event loop
         key = ctx.keys.get(token)
         if key is None:
+            # Not while the database is away: every request would wait for the lookup to fail
+            # (the pool's checkout timeout, or a hang on a stalled server), none would be cached.
+            if not ctx.health.db_usable():
+                raise Unavailable(
+                    "the database is unavailable",
+                    headers={"Retry-After": str(ctx.settings.retry_after_s)},
+                )
             key = await run_in_threadpool(_lookup, ctx, token)
         if key is None:
             raise Unauthorized("unknown or revoked API key", headers=challenge)

@@ -31,7 +31,7 @@ class Readiness(BaseModel):
 def readyz(ctx: CtxDep) -> Response:
     """Ready when the database answers and, in full mode, the broker does too."""
     h = ctx.health
-    checks = {"database": h.db_ok}
+    checks = {"database": h.db_usable()}
     if not ctx.settings.embedded:
         checks["broker"] = bool(h.broker_ok)
     ready = all(checks.values())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def check_database(engine: sa.Engine, health: Health, *, full_mode: bool) -> None:
+    health.db_check_started = time.monotonic()  # a check that never returns is a stall
     try:
         with engine.connect() as conn:
             conn.execute(sa.text("SELECT 1"))
@@ -37,6 +39,8 @@ def check_database(engine: sa.Engine, health: Health, *, full_mode: bool) -> Non
             log.warning("database unreachable: %s", str(e).split("\n")[0])
         health.db_ok = False
         health.detail["database"] = type(e).__name__
+    finally:
+        health.db_check_started = None
 
 
 class BrokerProbe:

@@ -2,8 +2,9 @@
 
 Each round takes the oldest unpublished rows, sends them with an idempotent acks=all producer,
 waits until every send is settled, and stamps `published_at` on those the broker acknowledged.
-A send is never abandoned and re-sent blindly: if the broker fails a send, or the relay starts
-after a crash (rows may have reached the topic without being stamped), it first *reconciles*:
+A send is never abandoned and re-sent blindly: if the broker fails a send, acknowledges one as a
+duplicate without its offset, or the relay starts after a crash (rows may have reached the topic
+without being stamped), it first *reconciles*:
 reads the tail of each partition and stamps every row whose `outbox_id` header is already there.
 Run one relay per database: on PostgreSQL an advisory lock makes extra replicas wait as standbys.
 """
@@ -175,7 +176,11 @@ class Relay:
             if stop.is_set() and not all(f.is_done for _, _, f in sends):
                 self.needs_reconcile = True  # whatever landed is found at the next start
                 return 0
-        acked = [(i, t) for i, t, f in sends if f.succeeded()]
+        # An ack without an offset is the client turning the broker's DUPLICATE_SEQUENCE_NUMBER
+        # into success. Tansu answers that, after a SIGKILL, for a batch it never stored (its
+        # producer state outlived the data): such rows are checked against the topic, not stamped.
+        acked = [(i, t) for i, t, f in sends if f.succeeded() and f.value.offset >= 0]
+        unconfirmed = sum(1 for _, _, f in sends if f.succeeded() and f.value.offset < 0)
         failed = [f.exception for _, _, f in sends if f.failed()]
         if acked:
             with self.engine.begin() as conn:
@@ -188,6 +193,13 @@ class Relay:
                     )
             for _, topic in acked:
                 RELAY_PUBLISHED.labels(topic=topic).inc()
+        if unconfirmed:
+            log.warning(
+                "%d sends acknowledged as duplicates without an offset; looking for "
+                "them in the topics before resending",
+                unconfirmed,
+            )
+            self.needs_reconcile = True
         if failed:
             # An expired send may or may not be in the topic: look before resending.
             self.needs_reconcile = True

@@ -493,6 +493,17 @@ class PostgresServer:
                 os.kill(pid, signal.SIGKILL)
         _wait_pids_gone(kids, 5)
 
+    def pause(self, paused: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) the postmaster and every backend: a server that still accepts
+        TCP connections but answers nothing. Each backend is a session of its own (PostgreSQL
+        calls setsid() in every child), so the postmaster's process group holds it alone."""
+        if self._proc is None:
+            return
+        sig = signal.SIGSTOP if paused else signal.SIGCONT
+        for pid in [self._proc.pid, *_children_of(self._proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
     def restart(self, timeout_s: float = 60.0) -> PostgresServer:
         """stop() then start() on the same port with the same data."""
         self.stop()

@@ -13,6 +13,14 @@ import httpx
 from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 
 
+class ApiError(RuntimeError):
+    """The service answered with an error status (a 503 while its database is away, a 409...)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ServiceClient:
     def __init__(self, base_url: str, token: str, timeout_s: float = 60.0) -> None:
         self._http = httpx.Client(
@@ -21,7 +29,9 @@ class ServiceClient:
 
     def _ok(self, r: httpx.Response) -> Any:
         if r.status_code >= 400:
-            raise RuntimeError(f"{r.request.method} {r.request.url.path}: {r.status_code} {r.text}")
+            raise ApiError(
+                f"{r.request.method} {r.request.url.path}: {r.status_code} {r.text}", r.status_code
+            )
         return r.json()
 
     def register(self, ckpt: Path, parent: int | None, summary: dict[str, Any]) -> int:

@@ -19,8 +19,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import sqlalchemy as sa
 import torch
+from kafka.errors import KafkaError
 
 from service.config import Settings
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
@@ -40,7 +42,7 @@ from service.tables import (
     trainer_state,
     utcnow,
 )
-from trainer.deploy import ArmStats, CanaryConfig, ServiceClient, canary_verdict
+from trainer.deploy import ApiError, ArmStats, CanaryConfig, ServiceClient, canary_verdict
 from trainer.gate import GateConfig, check, heldout_sample
 from trainer.join import Join
 from trainer.metrics import (
@@ -121,7 +123,29 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
+        """Run until `stop`. A database, broker or API outage restarts the loop from what is
+        durable (rewards in the database, committed offsets), as a restarted process would,
+        instead of ending the process."""
         torch.set_num_threads(self.settings.torch_threads)
+        backoff = 1.0
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self._run(stop)
+            except (sa.exc.SQLAlchemyError, KafkaError, OSError, httpx.HTTPError, ApiError) as e:
+                if time.monotonic() - started > 60:
+                    backoff = 1.0
+                self.state["state"] = "retrying"
+                log.warning(
+                    "trainer: %s: %s; restarting from the committed offsets in %.0f s",
+                    type(e).__name__,
+                    str(e).split("\n")[0],
+                    backoff,
+                )
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _run(self, stop: threading.Event) -> None:
         spec_version, spec = current_spec(self.engine, self.settings.profile)
         join = Join(self.engine, spec, spec_version)
         self.horizon = timedelta(seconds=spec.horizon_s)
@@ -152,9 +176,9 @@ class Trainer:
                     self._maybe_train(dep)
         finally:
             consumer.close()
-            self.state["state"] = "stopped"
-            self._heartbeat(join, force=True)
-            log.info("trainer stopped")
+        self.state["state"] = "stopped"
+        self._heartbeat(join, force=True)
+        log.info("trainer stopped")
 
     # -- training --------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ async def post_complete(req: CompleteRequest, _key: IngestKey, ctx: CtxDep) -> C
     settings = ctx.settings
     if req.max_new_tokens > settings.max_new_tokens_limit:
         raise Unprocessable(f"max_new_tokens: at most {settings.max_new_tokens_limit}")
-    if not ctx.health.db_ok:
+    if not ctx.health.db_usable():
         raise Unavailable(
             "the database is unavailable", headers={"Retry-After": str(settings.retry_after_s)}
         )

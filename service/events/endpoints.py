@@ -66,7 +66,7 @@ def post_events(batch: EventBatch, key: IngestKey, ctx: CtxDep) -> IngestResult:
             f"{len(batch.events)} events in one batch; the limit is {settings.max_events_per_batch}"
         )
     retry = {"Retry-After": str(settings.retry_after_s)}
-    if not ctx.health.db_ok:
+    if not ctx.health.db_usable():
         raise Unavailable("the database is unavailable", headers=retry)
     if not settings.embedded and ctx.health.backlog_rows >= settings.outbox_backlog_limit:
         raise Unavailable(
