@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from service.events.schemas import parse_event
-from tests.factories import event as event_json
 from service.rewards.core import (
     CLOCK_SKEW_S,
     COMPONENTS,
@@ -27,6 +26,7 @@ from service.rewards.core import (
     settle,
     size_scale,
 )
+from tests.factories import event as event_json
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 DEFAULT = RewardSpec()
