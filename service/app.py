@@ -25,6 +25,7 @@ from service.deps import AppContext, Health
 from service.errors import install_handlers
 from service.events import endpoints as event_endpoints
 from service.logs import RequestLogMiddleware, setup_logging
+from service.memory import fix_mmap_threshold
 from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
 from service.openapi import install_openapi
@@ -120,4 +121,5 @@ def app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory service.app:app_from_env` (one per worker process)."""
     settings = load_settings()
     setup_logging(settings.log_level, settings.log_format or "json")  # a fresh process
+    fix_mmap_threshold()  # a fresh process: service/memory.py
     return create_app(settings)

@@ -395,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
+    from service.memory import fix_mmap_threshold
+
+    fix_mmap_threshold()  # before any policy is loaded (service/memory.py)
     return int(args.fn(args) or 0)
 
 
