@@ -5,8 +5,8 @@ it *raises* that threshold (up to 32 MiB) each time such a block is freed. After
 is dropped, the next policy's tensors land in the heap, where the API's many small, longer-lived
 allocations pin the pages around them: in a 10-minute soak `serve`'s RSS stepped up at every
 canary swap (347 -> 520 MiB). With the threshold fixed at 128 KiB (setting it turns the dynamic
-adjustment off) the same soak stayed at 371-382 MiB after the first canary, and the trainer's
-RSS fell by a quarter (docs/RELIABILITY.md).
+adjustment off) the steps are smaller (+102 instead of +173 MiB in 10 minutes) and the trainer's
+RSS fell by a quarter; serve's is not flat yet (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
