@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.services import wait_http_ready  # noqa: E402
+from tests.services import stop_process, wait_http_ready  # noqa: E402
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
 
@@ -50,8 +49,4 @@ def tabloop_up(**env_overrides: str) -> Iterator[Server]:
         wait_http_ready(url, proc, timeout_s=120)
         yield Server(url, token, data_dir, proc)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)

@@ -955,3 +955,13 @@ def wait_http_ready(url: str, proc: subprocess.Popen[Any], timeout_s: float = 12
         if time.monotonic() > deadline:
             raise ServiceError(f"{url} was not ready after {timeout_s:.0f} s")
         time.sleep(0.2)
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 30.0) -> None:
+    """SIGTERM (a clean shutdown), then SIGKILL if it has not exited within `timeout_s`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

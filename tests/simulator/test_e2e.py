@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 from service.policy.checkpoint import load_checkpoint
 from service.policy.sampling import Completion, complete, score_actions
 from simulator.population import CursorSource, in_reject_family, request_context
-from tests.services import free_port, wait_http_ready
+from tests.services import free_port, stop_process, wait_http_ready
 from trainer.corpus import heldout_lines
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
@@ -74,12 +73,7 @@ def up(tmp_path: Path) -> Iterator[Up]:
         wait_http_ready(url, proc, timeout_s=120)
         yield Up(url, token, tmp_path / "data")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def admin(up: Up, path: str, **params: Any) -> Any:

@@ -27,6 +27,7 @@ from service.db import make_engine, upgrade
 from service.registry.store import bootstrap
 from service.tables import deployments, policies, rewards, rollouts
 from tests.service.conftest import RunningService, make_settings
+from tests.services import stop_process
 from trainer.deploy import CanaryConfig, ServiceClient
 from trainer.gate import GateConfig
 from trainer.loop import Trainer, TrainerConfig
@@ -216,11 +217,7 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
         wait_for(lambda: count(engine, rewards) == len(sent), 120, "every rollout's reward")
         assert killed_at < len(sent)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         stop.set()
         relay.join(timeout=30)
         svc.stop()
