@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,26 @@ def make_engine(settings: Settings) -> sa.Engine:
         pool_pre_ping=True,
         connect_args={"connect_timeout": settings.db_connect_timeout_s},
     )
+
+
+@contextmanager
+def blob_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
+    """A transaction for moving a checkpoint (megabytes), on a connection closed afterwards
+    instead of going back to the pool.
+
+    libpq keeps its input and output buffers at the largest message the connection has carried,
+    for the connection's life: one 4.3 MB bytea read leaves ~8 MiB behind. Pooled, every
+    connection that once carried a checkpoint would hold that much, and the process's RSS
+    would step up at each new policy version until the whole pool had (docs/RELIABILITY.md).
+    SQLite connections keep no such buffers and are pooled as usual.
+    """
+    with engine.connect() as conn:
+        try:
+            with conn.begin():
+                yield conn
+        finally:
+            if conn.dialect.name == "postgresql":
+                conn.invalidate()  # closes the DBAPI connection; the pool opens a fresh one
 
 
 def alembic_config(url: str) -> Config:

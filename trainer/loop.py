@@ -25,6 +25,7 @@ import torch
 from kafka.errors import KafkaError
 
 from service.config import Settings
+from service.db import blob_transaction
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
 from service.policy.model import GPT
 from service.policy.tokenizer import CodeTokenizer
@@ -383,7 +384,7 @@ class Trainer:
         if version not in self._policies:
             directory = self.settings.data_dir / "trainer" / f"v{version}"
             if not (directory / "manifest.json").exists():
-                with self.engine.connect() as conn:
+                with blob_transaction(self.engine) as conn:
                     write_files(directory, artifact_files(conn, version))
             model, tokenizer, _ = load_checkpoint(directory)
             model.requires_grad_(False)

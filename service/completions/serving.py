@@ -18,6 +18,7 @@ import sqlalchemy as sa
 import torch
 
 from service.config import Settings
+from service.db import blob_transaction
 from service.errors import Unavailable
 from service.policy.checkpoint import CheckpointError, load_checkpoint
 from service.policy.model import GPT
@@ -112,7 +113,7 @@ class PolicyServer:
             try:
                 model, tokenizer, _ = load_checkpoint(directory)
             except CheckpointError:  # not cached yet (or a damaged cache): fetch from the registry
-                with self.engine.connect() as conn:
+                with blob_transaction(self.engine) as conn:
                     files = artifact_files(conn, version)
                 tmp = directory.with_name(directory.name + ".tmp")
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, File, Form, Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.db import blob_transaction
 from service.deps import AdminKey, CtxDep, DeployKey
 from service.errors import NotFound, PayloadTooLarge, Unprocessable
 from service.openapi import error_responses
@@ -175,7 +176,7 @@ def register_policy(
             raise Unprocessable("summary must be a JSON object") from None
         if not isinstance(summary_obj, dict):
             raise Unprocessable("summary must be a JSON object")
-    with ctx.engine.begin() as conn:
+    with blob_transaction(ctx.engine) as conn:
         version = store.register_policy(
             conn, files, parent=parent, summary=summary_obj, api_key_id=_key.id
         )

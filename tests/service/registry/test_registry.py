@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from service.completions.serving import user_bucket
 from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
@@ -78,6 +79,9 @@ def test_register_canary_promote_rollback(
     served: Any, clients: Any, tiny_checkpoint_factory: Any
 ) -> None:
     deploy, ingest = clients
+    engine = served.app.state.ctx.engine
+    closed: list[object] = []
+    sa.event.listen(engine, "invalidate", lambda dbapi_conn, *_: closed.append(dbapi_conn))
     r = upload(deploy, tiny_checkpoint_factory(1))
     assert r.status_code == 201, r.text
     assert (
@@ -91,6 +95,9 @@ def test_register_canary_promote_rollback(
     d = deploy.post("/admin/policies/2/deploy", json={"canary_fraction": 0.5}).json()
     assert d["canary_version"] == 2 and d["canary_fraction"] == 0.5
     wait_for_routing(served, d["id"])
+    # PostgreSQL: the connections that carried the checkpoint in (register) and out (the
+    # server's load) were closed, not pooled with megabytes of libpq buffer (service.db)
+    assert len(closed) == (2 if engine.dialect.name == "postgresql" else 0)
     users = [f"user-{i}" for i in range(40)]
     got = versions_served(ingest, users)
     expected = {u: 2 if user_bucket(u, 2) < 0.5 else 1 for u in users}
