@@ -4,6 +4,7 @@ with a deploy-scoped key, and the pure canary verdict."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -76,6 +77,7 @@ class ArmStats:
     shown: int
     accepted: int
     mean_reward: float
+    reward_var: float = 0.0  # variance of the per-rollout rewards
 
     @property
     def accept_rate(self) -> float:
@@ -89,11 +91,27 @@ class CanaryConfig:
     min_shown: int = 10  # ... of which shown: abstentions finalize at once and say little
     reward_tolerance: float = 0.02  # the canary's mean reward may trail live by this much
     accept_tolerance: float = 0.05  # and its accept rate (of shown) by this much
+    # ... and past the tolerance it is rolled back only when the drop is this many standard
+    # errors (one-sided; 1.64: an equally good canary is rolled back 5% of the time). 0: on any
+    # observed drop, however few suggestions it rests on.
+    z: float = 1.64
+
+
+def significantly_below(diff: float, se: float, z: float) -> bool:
+    """A drop (diff < 0) of more than z standard errors; with z 0, any drop."""
+    return diff < 0 and diff < -z * se
 
 
 def canary_verdict(
     canary: ArmStats, live: ArmStats, age_s: float, cfg: CanaryConfig
 ) -> tuple[Literal["wait", "promote", "rollback"], str]:
+    """Wait for enough data, then roll back on collapse or on a significant drop in mean reward
+    or accept rate (Welch's and the two-proportion z, one-sided); otherwise promote.
+
+    The candidate already passed the off-policy gate; the canary guards against what that
+    estimate cannot see. A canary of a few dozen shown suggestions cannot show a small gain:
+    demanding one (or rolling back on any drop) throws away good candidates half the time.
+    """
     if canary.n < cfg.min_rollouts or canary.shown < cfg.min_shown:
         if age_s < cfg.timeout_s:
             return "wait", (
@@ -105,10 +123,19 @@ def canary_verdict(
         )
     if canary.shown == 0:
         return "rollback", "the canary showed nothing (collapse)"
-    if canary.mean_reward < live.mean_reward - cfg.reward_tolerance:
-        return "rollback", f"mean reward {canary.mean_reward:.3f} < live {live.mean_reward:.3f}"
-    if live.shown and canary.accept_rate < live.accept_rate - cfg.accept_tolerance:
-        return "rollback", f"accept rate {canary.accept_rate:.2f} < live {live.accept_rate:.2f}"
+    d_reward = canary.mean_reward - live.mean_reward + cfg.reward_tolerance
+    se_reward = math.sqrt(canary.reward_var / canary.n + live.reward_var / max(live.n, 1))
+    if significantly_below(d_reward, se_reward, cfg.z):
+        return "rollback", (
+            f"mean reward {canary.mean_reward:.3f} < live {live.mean_reward:.3f} "
+            f"(s.e. {se_reward:.3f})"
+        )
+    if live.shown:
+        p_c, p_l = canary.accept_rate, live.accept_rate
+        d_accept = p_c - p_l + cfg.accept_tolerance
+        se_accept = math.sqrt(p_c * (1 - p_c) / canary.shown + p_l * (1 - p_l) / live.shown)
+        if significantly_below(d_accept, se_accept, cfg.z):
+            return "rollback", f"accept rate {p_c:.2f} < live {p_l:.2f} (s.e. {se_accept:.2f})"
     return "promote", (
         f"mean reward {canary.mean_reward:.3f} vs live {live.mean_reward:.3f}, "
         f"accept rate {canary.accept_rate:.2f} vs {live.accept_rate:.2f}"

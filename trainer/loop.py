@@ -86,8 +86,8 @@ class TrainerConfig:
                     min_rollouts=60,
                     timeout_s=150.0,
                     min_shown=20,
-                    # ~20 shown a side: a tolerance would promote worse candidates as often as
-                    # not; with none, what is promoted is at least better on the canary's data
+                    # ~20 shown a side: a canary catches a collapse or a large drop, not a
+                    # small gain; no tolerance on top of the significance test
                     reward_tolerance=0.0,
                     accept_tolerance=0.0,
                 ),
@@ -329,9 +329,14 @@ class Trainer:
                 sa.func.sum(sa.case((rewards.c.outcome != "abstained", 1), else_=0)),
                 sa.func.sum(sa.case((rewards.c.outcome == "accepted", 1), else_=0)),
                 sa.func.avg(rewards.c.value),
+                sa.func.avg(rewards.c.value * rewards.c.value),
             ).where(rewards.c.policy_version == version, rewards.c.rollout_created_at >= since)
         ).one()
-        return ArmStats(int(row[0] or 0), int(row[1] or 0), int(row[2] or 0), float(row[3] or 0.0))
+        mean = float(row[3] or 0.0)
+        return ArmStats(
+            int(row[0] or 0), int(row[1] or 0), int(row[2] or 0), mean,
+            max(0.0, float(row[4] or 0.0) - mean * mean),
+        )
 
     def _watch_canary(self, dep: Deployment) -> None:
         assert dep.canary_version is not None

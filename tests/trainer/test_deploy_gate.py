@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from trainer.deploy import ArmStats, CanaryConfig, canary_verdict
 from trainer.gate import snis
 
 CFG = CanaryConfig(min_rollouts=100, timeout_s=600, min_shown=20, reward_tolerance=0.02,
-                   accept_tolerance=0.05)
+                   accept_tolerance=0.05, z=0.0)  # z 0: roll back on any drop past tolerance
 LIVE = ArmStats(n=1000, shown=200, accepted=100, mean_reward=0.05)
 
 
@@ -33,6 +34,32 @@ def test_canary_verdict(name: str, canary: ArmStats, age_s: float, verdict: str)
     got, why = canary_verdict(canary, LIVE, age_s, CFG)
     assert got == verdict, f"{name}: {why}"
     assert why
+
+
+SIG = CanaryConfig(min_rollouts=60, timeout_s=150, min_shown=20, reward_tolerance=0.0,
+                   accept_tolerance=0.0, z=1.64)
+# the sim profile's scale: a few hundred live rollouts, per-rollout reward s.d. ~0.15
+LIVE_SIM = ArmStats(n=400, shown=70, accepted=38, mean_reward=0.005, reward_var=0.0225)
+
+
+@pytest.mark.parametrize(
+    ("name", "canary", "verdict"),
+    [
+        ("a small drop on 25 shown is noise", ArmStats(120, 25, 12, -0.01, 0.0225), "promote"),
+        ("a gain", ArmStats(120, 25, 16, 0.02, 0.0225), "promote"),
+        ("reward drops by 3 s.e.", ArmStats(120, 25, 13, -0.045, 0.0225), "rollback"),
+        ("accept rate drops by 3 s.e.", ArmStats(120, 30, 5, 0.0, 0.0225), "rollback"),
+        ("collapse", ArmStats(120, 0, 0, 0.0, 0.0), "wait"),
+    ],
+)
+def test_canary_verdict_rolls_back_on_significant_drops_only(
+    name: str, canary: ArmStats, verdict: str
+) -> None:
+    got, why = canary_verdict(canary, LIVE_SIM, 10, SIG)
+    assert got == verdict, f"{name}: {why}"
+    # the same small drop, judged on any drop (z 0), is a rollback: the test decides it
+    if name.startswith("a small drop"):
+        assert canary_verdict(canary, LIVE_SIM, 10, replace(SIG, z=0.0))[0] == "rollback"
 
 
 def test_snis_on_policy_is_the_mean_and_ess_is_n() -> None:
