@@ -8,7 +8,7 @@ from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
-from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 
 from service.config import Settings
 from service.stream.topics import ALL_TOPICS
@@ -82,18 +82,51 @@ def make_reader(settings: Settings, **overrides: Any) -> KafkaConsumer:
     return KafkaConsumer(**config)
 
 
-def read_to_end(consumer: KafkaConsumer, tps: list[Any], timeout_s: float) -> list[Any]:
+def read_to_end(
+    consumer: KafkaConsumer, tps: list[Any], timeout_s: float, hole_s: float = 5.0
+) -> list[Any]:
     """Poll assigned partitions until each position reaches the high watermark that the fetch
-    responses report. (ListOffsets' "latest" is not trusted: some brokers answer it per batch.)"""
+    responses report. (ListOffsets' "latest" is not trusted: some brokers answer it per batch.)
+
+    A partition whose position has not moved for `hole_s` while still below the watermark, on
+    a broker that answers, is taken as read: a broker killed mid-write can count offsets it never
+    stored (seen with Tansu: watermark 307, records up to 303, fetches at 304-306 answer
+    nothing until a later record exists, then skip to it). Without this, a reader waiting for
+    the end, such as the relay's reconciliation, would wait for records only it can send."""
     deadline = time.monotonic() + timeout_s
     records: list[Any] = []
+    moved = {tp: (consumer.position(tp), time.monotonic()) for tp in tps}
+    holes: set[Any] = set()
     while True:
         for batch in consumer.poll(timeout_ms=200, max_records=5000).values():
             records.extend(batch)
-        behind = [
-            tp for tp in tps if (hw := consumer.highwater(tp)) is None or consumer.position(tp) < hw
-        ]
+        now = time.monotonic()
+        behind = []
+        for tp in tps:
+            hw, pos = consumer.highwater(tp), consumer.position(tp)
+            if tp in holes or (hw is not None and pos >= hw):
+                continue
+            if pos != moved[tp][0]:
+                moved[tp] = (pos, now)
+            elif hw is not None and now - moved[tp][1] >= hole_s and _answers(consumer, tp):
+                log.warning(
+                    "%s: the broker reports offsets %d-%d but serves none of them (a hole "
+                    "left by a crash); taking the partition as read to its end",
+                    tp, pos, hw - 1,
+                )
+                holes.add(tp)
+                continue
+            behind.append(tp)
         if not behind:
             return records
         if time.monotonic() > deadline:
             raise KafkaTimeoutError(f"could not read to the end of {[str(tp) for tp in behind]}")
+
+
+def _answers(consumer: KafkaConsumer, tp: Any) -> bool:
+    """Whether the broker answers a request about `tp` now (a stopped one times out)."""
+    try:
+        consumer.end_offsets([tp])
+    except KafkaError:
+        return False
+    return True
