@@ -28,7 +28,7 @@ from service.rewards.store import reward_from_db, rollout_info
 from service.stream.consumer import Record
 from service.stream.topics import FEEDBACK, ROLLOUTS, is_user_purged
 from service.tables import rewards, rollouts, utcnow
-from trainer.metrics import LATE_EVENTS, PURGED_ROLLOUTS, REWARDS_FINALIZED
+from trainer.metrics import BAD_RECORDS, LATE_EVENTS, PURGED_ROLLOUTS, REWARDS_FINALIZED
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class JoinStats:
     late_events: int = 0
     orphan_events: int = 0  # feedback about a suggestion never seen (yet)
     purged: int = 0  # pending rollouts dropped because their user was purged
+    bad_records: int = 0  # records skipped because they could not be read
 
 
 class Join:
@@ -88,12 +89,26 @@ class Join:
 
     def add(self, records: Iterable[Record]) -> None:
         for rec in records:
-            if is_user_purged(rec.value):
-                self.purge_user(str(rec.value.get("user_id") or rec.key))
-            elif rec.topic == ROLLOUTS:
-                self._add(rollout_info(rec.value), int(rec.value["policy_version"]))
-            elif rec.topic == FEEDBACK:
-                self._feedback(Feedback.from_event(rec.value))
+            try:
+                self._add_record(rec)
+            except (ValueError, KeyError, TypeError) as e:
+                # Not ours or not readable (another producer on the topic, a schema this trainer
+                # does not know): skipped and counted. Raising would stop the join for good:
+                # the restarted loop would read the same record again.
+                self.stats.bad_records += 1
+                BAD_RECORDS.inc()
+                log.warning(
+                    "skipping an unreadable record at %s[%d] offset %d: %r",
+                    rec.topic, rec.partition, rec.offset, e,
+                )
+
+    def _add_record(self, rec: Record) -> None:
+        if is_user_purged(rec.value):
+            self.purge_user(str(rec.value.get("user_id") or rec.key))
+        elif rec.topic == ROLLOUTS:
+            self._add(rollout_info(rec.value), int(rec.value["policy_version"]))
+        elif rec.topic == FEEDBACK:
+            self._feedback(Feedback.from_event(rec.value))
 
     def _add(self, info: RolloutInfo, version: int) -> None:
         if info.suggestion_id in self.pending:

@@ -437,6 +437,7 @@ class Trainer:
             pending=len(join.pending),
             finalized=join.stats.finalized,
             late_events=join.stats.late_events,
+            bad_records=join.stats.bad_records,
             join_lag_s=(utcnow() - oldest).total_seconds() if oldest else 0.0,
         )
         PENDING.set(len(join.pending))

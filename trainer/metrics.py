@@ -32,6 +32,10 @@ PURGED_ROLLOUTS = Counter(
     "tabloop_trainer_purged_rollouts_total",
     "Pending rollouts dropped without a reward because their user was purged.",
 )
+BAD_RECORDS = Counter(
+    "tabloop_trainer_bad_records_total",
+    "Topic records the join could not read (not JSON, not an object, missing fields): skipped.",
+)
 
 # Known label values start at 0, so a dashboard sees the series before the first event.
 for _result in ("passed", "failed"):

@@ -91,6 +91,16 @@ def commit_offset(conn: sa.Connection, group: str, offset: int) -> None:
     )
 
 
+def _decode(value: bytes | None) -> dict[str, Any]:
+    """A record's JSON object; {} for anything else (not JSON, not an object, a tombstone's
+    None), which the reader rejects as a record it cannot use and counts."""
+    try:
+        decoded = orjson.loads(value) if value is not None else None
+    except orjson.JSONDecodeError:
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
+
+
 class KafkaLogConsumer:
     """A consumer-group member with manual commits (auto-commit off)."""
 
@@ -117,8 +127,8 @@ class KafkaLogConsumer:
         out = []
         for tp, records in batches.items():
             for r in records:
-                key = r.key.decode() if r.key is not None else ""
-                out.append(Record(tp.topic, tp.partition, r.offset, key, orjson.loads(r.value)))
+                key = r.key.decode(errors="replace") if r.key is not None else ""
+                out.append(Record(tp.topic, tp.partition, r.offset, key, _decode(r.value)))
         return out
 
     def commit(self, records: Sequence[Record]) -> None:

@@ -113,3 +113,30 @@ def test_tombstone_removes_a_reward_written_while_the_purge_committed(engine: sa
     assert _rewarded(engine) == {}
     assert join.finalize_due(now=utcnow() + LATER) == 1
     assert _rewarded(engine) == {after["suggestion_id"]: "u-gone"}
+
+
+def test_unreadable_records_are_skipped_and_counted_not_fatal(
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another producer's record on our topics (seen in a fault run: `{"probe": 1}` killed the
+    trainer, and its restart read the same record again) is skipped; the rest is joined."""
+    from service.stream.consumer import _decode
+
+    join = Join(engine, RewardSpec(), 1)
+    good = _rollout(engine, "u-1")
+    feedback = event("reject", user_id="u-1", suggestion_id=good["suggestion_id"])
+    bad = [
+        rec(FEEDBACK, "x", {"probe": 1}),  # no type
+        rec(FEEDBACK, "x", {**feedback, "type": "shrug"}),  # unknown type
+        rec(ROLLOUTS, "x", {"suggestion_id": "s"}),  # a rollout missing its fields
+        Record(FEEDBACK, 0, 9, "x", _decode(b"not json")),
+        Record(FEEDBACK, 0, 10, "x", _decode(b"[1, 2]")),
+        Record(FEEDBACK, 0, 11, "x", _decode(None)),
+    ]
+    with caplog.at_level("WARNING", logger="trainer.join"):
+        join.add([bad[0], rec(ROLLOUTS, "u-1", good), *bad[1:], rec(FEEDBACK, "u-1", feedback)])
+    assert join.stats.bad_records == len(bad)
+    assert "skipping an unreadable record at tabloop.feedback[0]" in caplog.text
+    assert list(join.pending) == [good["suggestion_id"]]
+    assert join.finalize_due(now=utcnow() + LATER) == 1
+    assert _rewarded(engine) == {good["suggestion_id"]: "u-1"}
