@@ -10,7 +10,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    """Everything a tabloop process can be told. Invalid values fail at start with a clear message."""
+    """Everything a tabloop process can be told.
+
+    Invalid values fail at start with a clear message.
+    """
 
     model_config = SettingsConfigDict(env_prefix="TABLOOP_", extra="ignore", frozen=True)
 
@@ -121,7 +124,9 @@ class Settings(BaseSettings):
                 "or unset TABLOOP_DATABASE_URL for the embedded SQLite mode"
             )
         if self.kafka_heartbeat_interval_ms * 3 > self.kafka_session_timeout_ms:
-            raise ValueError("kafka_heartbeat_interval_ms must be at most a third of the session timeout")
+            raise ValueError(
+                "kafka_heartbeat_interval_ms must be at most a third of the session timeout"
+            )
         return self
 
     @property

@@ -92,7 +92,9 @@ def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
         challenge = {"WWW-Authenticate": "Bearer"}
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise Unauthorized("send an API key as 'Authorization: Bearer <token>'", headers=challenge)
+            raise Unauthorized(
+                "send an API key as 'Authorization: Bearer <token>'", headers=challenge
+            )
         # async, so a cache hit costs no trip through the thread pool; a miss asks the database
         # from the pool, off the event loop
         key = ctx.keys.get(token)

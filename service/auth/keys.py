@@ -37,11 +37,16 @@ def _sha256(text: str) -> str:
 
 def parse_scopes(values: list[str] | str) -> frozenset[str]:
     """Accepts ["ingest", "admin"] or "ingest,admin"; raises ValueError on unknown scopes."""
-    items = values.split(",") if isinstance(values, str) else [p for v in values for p in v.split(",")]
+    if isinstance(values, str):
+        items = values.split(",")
+    else:
+        items = [p for v in values for p in v.split(",")]
     scopes = frozenset(s.strip() for s in items if s.strip())
     unknown = scopes - set(SCOPES)
     if unknown or not scopes:
-        raise ValueError(f"scopes must be among {', '.join(SCOPES)}; got {sorted(unknown) or 'none'}")
+        raise ValueError(
+            f"scopes must be among {', '.join(SCOPES)}; got {sorted(unknown) or 'none'}"
+        )
     return scopes
 
 
@@ -79,7 +84,9 @@ def authenticate(conn: sa.Connection, token: str) -> ApiKey | None:
 
 
 def _to_key(row: sa.Row) -> ApiKey:
-    return ApiKey(row.id, row.name, frozenset(row.scopes.split(",")), row.created_at, row.revoked_at)
+    return ApiKey(
+        row.id, row.name, frozenset(row.scopes.split(",")), row.created_at, row.revoked_at
+    )
 
 
 def list_keys(conn: sa.Connection) -> list[ApiKey]:

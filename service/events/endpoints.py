@@ -70,7 +70,8 @@ def post_events(batch: EventBatch, key: IngestKey, ctx: CtxDep) -> IngestResult:
         raise Unavailable("the database is unavailable", headers=retry)
     if not settings.embedded and ctx.health.backlog_rows >= settings.outbox_backlog_limit:
         raise Unavailable(
-            f"{ctx.health.backlog_rows} events wait for the broker; try again shortly", headers=retry
+            f"{ctx.health.backlog_rows} events wait for the broker; try again shortly",
+            headers=retry,
         )
     return ingest_events(
         ctx.engine,

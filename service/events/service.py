@@ -25,7 +25,9 @@ _sqlite_writer = threading.Lock()
 def insert_ignoring_conflicts(conn: sa.Connection, table: sa.Table, key: str) -> Any:
     """`INSERT ... ON CONFLICT (key) DO NOTHING RETURNING key` for either database."""
     dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-    return dialect_insert(table).on_conflict_do_nothing(index_elements=[key]).returning(table.c[key])
+    return (
+        dialect_insert(table).on_conflict_do_nothing(index_elements=[key]).returning(table.c[key])
+    )
 
 
 # PostgreSQL: the whole batch in one statement and one round trip. The columns travel as arrays

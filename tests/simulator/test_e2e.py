@@ -9,8 +9,8 @@ minutes with 16 people, then
 On the last point: the *live* shown rate on that family, first fifth against last, is too noisy
 to assert in two minutes: about 100 family requests a fifth, shown ~25% of the time, and for
 most of the run 70% of users still get the live policy, so a real drop of a third is under two
-standard errors. Runs of this set-up measured -47%, -34%, -22% and -20% — and a run in which the base
-policy stayed live throughout also "dropped" by 27%. It is printed, not asserted. What is
+standard errors. Runs of this set-up measured -47%, -34%, -22% and -20% — and a run in which
+the base policy stayed live throughout also "dropped" by 27%. It is printed, not asserted. What is
 asserted is the cause of such a drop, measured without sampling noise: the last deployed
 candidates' gate, scoring the base policy's own greedy completions on fixed held-out cursors,
 lowered its logit on the family, and by more than elsewhere. A trainer that learned nothing

@@ -31,10 +31,13 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dic
 
 def count(engine: sa.Engine, table: sa.Table, *where: Any) -> int:
     with engine.connect() as conn:
-        return conn.execute(sa.select(sa.func.count()).select_from(table).where(*where)).scalar_one()
+        query = sa.select(sa.func.count()).select_from(table).where(*where)
+        return conn.execute(query).scalar_one()
 
 
-def test_every_type_is_recorded_with_its_outbox_row(client: httpx.Client, engine: sa.Engine) -> None:
+def test_every_type_is_recorded_with_its_outbox_row(
+    client: httpx.Client, engine: sa.Engine
+) -> None:
     evs = [event(t) for t in EVENT_TYPES]
     r = post(client, evs)
     assert r.status_code == 202, r.text
@@ -114,7 +117,8 @@ def test_size_limits(settings_factory: Any, service_factory: Any, key_factory: A
     with httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {token}"}) as c:
         assert_error(post(c, [event() for _ in range(11)]), 413, "too_large")
         assert_error(post(c, [event(pad="z" * 15000) for _ in range(5)]), 413, "too_large")
-        r = post(c, [event(), event("churn", reason="x" * 400, user_id="y" * 256) | {"pad": "z" * 900}])
+        oversized = event("churn", reason="x" * 400, user_id="y" * 256) | {"pad": "z" * 900}
+        r = post(c, [event(), oversized])
         assert r.status_code == 202 and r.json()["rejected"][0]["index"] == 1
         assert "limit is 1024" in r.json()["rejected"][0]["error"]
 
@@ -144,7 +148,8 @@ def test_auth_and_scopes(service: Any, key_factory: Any) -> None:
     assert_error(call("POST", "/v1/events", "tlk_nope_nope", body), 401)
     assert_error(call("POST", "/v1/events", "garbage", body), 401)
     assert_error(call("POST", "/v1/events", ingest[:-2] + "xx", body), 401)
-    r = httpx.post(service.url + "/v1/events", json=body, headers={"Authorization": "Basic " + ingest})
+    basic = {"Authorization": "Basic " + ingest}
+    r = httpx.post(service.url + "/v1/events", json=body, headers=basic)
     assert_error(r, 401)
     assert_error(call("POST", "/v1/events", deploy, body), 403, "forbidden")
     assert_error(call("POST", "/v1/events", admin, body), 403)
