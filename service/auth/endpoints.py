@@ -7,6 +7,7 @@ from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.config import JsonDict
 
 from service.auth.keys import SCOPES, ApiKey, create_key, list_keys, parse_scopes, revoke_key
 from service.deps import AdminKey, CtxDep
@@ -16,7 +17,7 @@ from service.openapi import error_responses
 router = APIRouter(prefix="/admin/keys", tags=["admin: keys"])
 
 
-_KEY = {
+_KEY: JsonDict = {
     "id": "9f2c4e1a0b3d5c7e",
     "name": "vscode-plugin",
     "scopes": ["ingest"],

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.config import JsonDict
 
 from service.db import blob_transaction
 from service.deps import AdminKey, CtxDep, DeployKey
@@ -22,7 +23,7 @@ router = APIRouter(prefix="/admin", tags=["admin: policies"])
 Version = Annotated[int, Path(ge=1, le=MAX_VERSION)]
 
 
-_POLICY = {
+_POLICY: JsonDict = {
     "version": 7,
     "parent": 6,
     "sha256": "3f5a0c9e" * 8,
@@ -31,7 +32,7 @@ _POLICY = {
     "summary": {"parent": 6, "rollouts": 3276, "mean_reward": 0.112},
     "manifest": None,
 }
-_DEPLOYMENT = {
+_DEPLOYMENT: JsonDict = {
     "id": 12,
     "created_at": "2026-11-29T12:00:05Z",
     "action": "deploy",

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.config import JsonDict
 
 from service.deps import AdminKey, CtxDep
 from service.errors import NotFound, Unprocessable
@@ -18,7 +19,7 @@ from service.tables import MAX_VERSION
 router = APIRouter(prefix="/admin", tags=["admin: rewards"])
 
 
-_SPEC = {
+_SPEC: JsonDict = {
     "accept_reward": 0.75, "reject_penalty": 0.25, "abstain_reward": 0.0, "chars_norm": 20,
     "chars_exponent": 0.5, "decision_window_s": 30, "retention_checks_s": [30, 120, 300, 600],
     "horizon_s": 600, "provisional_accept_weight": 0.5, "switch_penalty": 0.5,

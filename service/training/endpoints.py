@@ -30,7 +30,9 @@ _STATUS_EXAMPLE = {
         "history": [],
     },
 }
-_STATUS = {200: {"content": {"application/json": {"example": _STATUS_EXAMPLE}}}}
+_STATUS: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/json": {"example": _STATUS_EXAMPLE}}}
+}
 
 
 def _status(conn: sa.Connection) -> dict[str, Any]:
