@@ -11,6 +11,7 @@ import hmac
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -35,7 +36,7 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def parse_scopes(values: list[str] | str) -> frozenset[str]:
+def parse_scopes(values: Sequence[str] | str) -> frozenset[str]:
     """Accepts ["ingest", "admin"] or "ingest,admin"; raises ValueError on unknown scopes."""
     if isinstance(values, str):
         items = values.split(",")
