@@ -103,8 +103,8 @@ def _policy_out(row: Any, with_manifest: bool = False) -> PolicyOut:
     )
 
 
-def _deployment_out(d: store.Deployment | None) -> DeploymentOut | None:
-    return DeploymentOut(**d.__dict__) if d is not None else None
+def _deployment_out(d: store.Deployment) -> DeploymentOut:
+    return DeploymentOut(**d.__dict__)
 
 
 @router.get("/policies", response_model=PolicyList)
@@ -112,8 +112,9 @@ def list_policies(_key: DeployKey, ctx: CtxDep) -> PolicyList:
     """Every registered version, newest first, with the current deployment (live version,
     canary version and its share of users). Scope `deploy` or `admin`."""
     with ctx.engine.connect() as conn:
+        current = store.current_deployment(conn)
         return PolicyList(
-            deployment=_deployment_out(store.current_deployment(conn)),
+            deployment=_deployment_out(current) if current is not None else None,
             policies=[_policy_out(r) for r in store.list_policy_rows(conn)],
         )
 
@@ -191,7 +192,7 @@ def deploy_policy(version: Version, body: DeployIn, key: DeployKey, ctx: CtxDep)
     """Send `canary_fraction` of users (chosen by a stable hash of user_id) to this version."""
     with ctx.engine.begin() as conn:
         d = store.deploy(conn, version, body.canary_fraction, reason=body.reason, api_key_id=key.id)
-    return _deployment_out(d)  # type: ignore[return-value]
+    return _deployment_out(d)
 
 
 @router.post("/policies/{version}/promote", response_model=DeploymentOut,
@@ -202,7 +203,7 @@ def promote_policy(
     """Make the current canary the live version."""
     with ctx.engine.begin() as conn:
         d = store.promote(conn, version, reason=body.reason if body else None, api_key_id=key.id)
-    return _deployment_out(d)  # type: ignore[return-value]
+    return _deployment_out(d)
 
 
 @router.post("/rollback", response_model=DeploymentOut, responses=error_responses(409))
@@ -210,7 +211,7 @@ def rollback(key: DeployKey, ctx: CtxDep, body: ReasonIn | None = None) -> Deplo
     """Withdraw the canary if there is one; otherwise put the previous live version back."""
     with ctx.engine.begin() as conn:
         d = store.rollback(conn, reason=body.reason if body else None, api_key_id=key.id)
-    return _deployment_out(d)  # type: ignore[return-value]
+    return _deployment_out(d)
 
 
 @router.get("/deployments", response_model=list[DeploymentOut])
@@ -219,4 +220,4 @@ def deployments(_key: AdminKey, ctx: CtxDep, limit: int = 100) -> list[Deploymen
     with ctx.engine.connect() as conn:
         return [
             _deployment_out(d) for d in store.deployment_history(conn, min(max(limit, 1), 1000))
-        ]  # type: ignore[misc]
+        ]
