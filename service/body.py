@@ -7,16 +7,10 @@ Pure ASGI middleware: the body is read (at most `limit` bytes), inflated in boun
 from __future__ import annotations
 
 import zlib
-from collections.abc import Awaitable, Callable
-from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import error_response
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def inflate_bounded(data: bytes, limit: int) -> bytes:
