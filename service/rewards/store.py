@@ -6,6 +6,7 @@ function of (rollout, events, spec) serves both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -59,7 +60,7 @@ def put_spec(conn: sa.Connection, spec: RewardSpec, api_key_id: str | None) -> i
 
 def rollout_info(row: Any) -> RolloutInfo:
     """From a rollouts row, or a rollout message (dict) of the `tabloop.rollouts` topic."""
-    get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
+    get: Callable[[str], Any] = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
     created = get("created_at")
     if isinstance(created, str):
         created = datetime.fromisoformat(created.replace("Z", "+00:00"))
