@@ -88,22 +88,27 @@ def check(
     reward_live = float(rewards.mean()) if rewards.numel() else float("nan")
     logp_new = score_actions(candidate, tokenizer, actions).total if actions else torch.empty(0)
     est, ess = snis(logp_new, behaviour_logp, rewards, cfg.weight_clip)
-    common = dict(
-        heldout_loss_live=loss_live,
-        heldout_loss_candidate=loss_cand,
-        reward_live=reward_live,
-        reward_candidate_est=est,
-        ess=ess,
-        n=len(actions),
-    )
+
+    def result(passed: bool, reason: str) -> GateResult:
+        return GateResult(
+            passed,
+            reason,
+            heldout_loss_live=loss_live,
+            heldout_loss_candidate=loss_cand,
+            reward_live=reward_live,
+            reward_candidate_est=est,
+            ess=ess,
+            n=len(actions),
+        )
+
     if loss_cand > loss_live + cfg.max_heldout_regression:
-        return GateResult(False, f"held-out loss {loss_cand:.3f} vs live {loss_live:.3f}", **common)
+        return result(False, f"held-out loss {loss_cand:.3f} vs live {loss_live:.3f}")
     need = max(cfg.min_ess, cfg.min_ess_fraction * len(actions))
     if ess < need:
-        return GateResult(False, f"effective sample size {ess:.1f} < {need:.1f}", **common)
+        return result(False, f"effective sample size {ess:.1f} < {need:.1f}")
     if est < reward_live - cfg.max_reward_drop:
-        return GateResult(False, f"estimated reward {est:.3f} vs live {reward_live:.3f}", **common)
-    return GateResult(True, "passed", **common)
+        return result(False, f"estimated reward {est:.3f} vs live {reward_live:.3f}")
+    return result(True, "passed")
 
 
 def heldout_sample(
