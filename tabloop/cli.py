@@ -9,11 +9,18 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 from service.config import Settings, load_settings
 from service.logs import LogFormat, setup_logging
 
+if TYPE_CHECKING:  # for annotations only; the commands import these where they use them
+    import sqlalchemy as sa
+    from fastapi import FastAPI
+
 log = logging.getLogger("tabloop")
+
+T = TypeVar("T")
 
 
 def _settings(args: argparse.Namespace, log_format: LogFormat = "text") -> Settings:
@@ -48,7 +55,7 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _serve(app: object, settings: Settings) -> None:
+def _serve(app: FastAPI, settings: Settings) -> None:
     """Run uvicorn in this process; SIGTERM/SIGINT stop it gracefully and return here (uvicorn
     itself would re-raise the signal and skip our own clean-up)."""
     import uvicorn
@@ -68,7 +75,7 @@ def _serve(app: object, settings: Settings) -> None:
     config = uvicorn.Config(
         app,
         host=settings.host,
-        port=settings.port,  # type: ignore[arg-type]
+        port=settings.port,
         log_level=settings.log_level.lower(),
         access_log=False,  # service.logs writes the access line, with the request id
         log_config=None,  # uvicorn's loggers go through our handler and format
@@ -272,7 +279,7 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_engine(settings: Settings, fn: Callable) -> object:
+def _with_engine(settings: Settings, fn: Callable[[sa.Connection], T]) -> T:
     from service.db import make_engine
 
     engine = make_engine(settings)
@@ -292,7 +299,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tabloop keys create: {e}", file=sys.stderr)
         return 2
-    _key, token = _with_engine(settings, lambda c: create_key(c, name=args.name, scopes=scopes))  # type: ignore[misc]
+    _key, token = _with_engine(settings, lambda c: create_key(c, name=args.name, scopes=scopes))
     print(token, flush=True)  # alone on stdout, so scripts can capture it
     return 0
 
@@ -302,7 +309,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     keys = _with_engine(settings, list_keys)
-    for k in keys:  # type: ignore[attr-defined]
+    for k in keys:
         state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
         print(f"{k.id}\t{k.name}\t{','.join(sorted(k.scopes))}\t{state}")
     return 0
