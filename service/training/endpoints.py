@@ -27,6 +27,7 @@ _STATUS_EXAMPLE = {
         "batch_size": 4096,
         "pending": 611,
         "join_lag_s": 598.2,
+        "bad_records": 0,
         "history": [],
     },
 }
