@@ -110,7 +110,9 @@ def by_version(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
 
 
 def relative_change(first: float | None, last: float | None) -> float | None:
-    if first is None or last is None or first == 0:
+    """(last - first) / first; None unless first > 0 (a reward can start at or below zero,
+    where a ratio says nothing: -0.0007 -> 0.0091 is not "-1453%")."""
+    if first is None or last is None or first <= 0:
         return None
     return (last - first) / first
 

@@ -334,9 +334,14 @@ def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
                              ("retained_chars_per_100", "retained chars / 100 req", ".1f"),
                              ("reward_per_request", "reward per request", ".4f"),
                              ("family_shown_rate", "def/class shown rate", ".3f")):
-        ch = f["change"].get(key)
-        table.add_row(label, fmt(f["first"][key], form), fmt(f["last"][key], form),
-                      "-" if ch is None else f"{ch:+.0%}", fmt(base.get(key), form))
+        ch, first, last = f["change"].get(key), f["first"][key], f["last"][key]
+        if ch is not None:
+            change = f"{ch:+.0%}"
+        elif first is not None and last is not None:  # no ratio from <= 0: the difference
+            change = f"{last - first:+{form}}"
+        else:
+            change = "-"
+        table.add_row(label, fmt(first, form), fmt(last, form), change, fmt(base.get(key), form))
     console.print(table)
     for t in report["targets"]:
         mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]n/a[/]"}[t["met"]]

@@ -16,6 +16,7 @@ from simulator.report import (
     gated_deploys,
     metrics,
     plot,
+    relative_change,
     split_by_time,
     targets,
     timeline,
@@ -30,6 +31,17 @@ def rec(t: float, action: str = "abstained", *, family: bool = False, chars: int
                          shown_chars=chars if shown else 0, verdict="correct" if shown else None,
                          action=action, accepted_chars=accepted, retained_chars=retained,
                          reward=reward, latency_ms=10.0)
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "change"),
+    [(0.5, 0.6, 0.2), (0.2, 0.15, -0.25), (0.0, 0.1, None), (-0.0007, 0.0091, None),
+     (None, 0.1, None)],
+)
+def test_relative_change_only_from_a_positive_start(
+    first: float | None, last: float | None, change: float | None
+) -> None:
+    assert relative_change(first, last) == (None if change is None else pytest.approx(change))
 
 
 def test_split_by_time_edges() -> None:
