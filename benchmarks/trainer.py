@@ -44,9 +44,8 @@ def update_throughput(batch_size: int) -> None:
     g = torch.Generator().manual_seed(0)
     cursors = sample_cursors("heldout", batch_size, seed=0)
     actions = [complete(model, tok, c.prefix, "", 16, 0.7, 0.95, g) for c in cursors]
-    rewards = torch.tensor([random.Random(i).choice([0.0, -0.25, 0.75]) for i in range(batch_size)])
-    batch = Batch(actions=actions, behaviour_logp=torch.tensor([a.logprob_total for a in actions]),
-                  rewards=rewards)
+    rewards = [random.Random(i).choice([0.0, -0.25, 0.75]) for i in range(batch_size)]
+    batch = Batch.of(actions, rewards)
     model.requires_grad_(True)
     cfg = UpdateConfig()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)

@@ -202,6 +202,8 @@ class Trainer:
                         rollouts.c.top_p,
                         rollouts.c.shown,
                         rollouts.c.logprob_total,
+                        rollouts.c.token_logprobs,
+                        rollouts.c.decision_logprob,
                         rollouts.c.policy_version,
                         rewards.c.value,
                     )
@@ -241,11 +243,7 @@ class Trainer:
         model.requires_grad_(True)
         optimizer = make_optimizer(model, self.cfg.update)
         carry_state(optimizer, self._optimizer_state)
-        batch = Batch(
-            actions=train_rows,
-            behaviour_logp=torch.tensor([r.logprob_total for r in train_rows]),
-            rewards=torch.tensor([r.value for r in train_rows]),
-        )
+        batch = Batch.of(train_rows, [r.value for r in train_rows])
         metrics = update(model, ref_model, tokenizer, batch, optimizer, self.cfg.update)
         self._optimizer_state = copy.deepcopy(optimizer.state_dict())
         UPDATES.inc()

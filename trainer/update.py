@@ -3,8 +3,9 @@
 CleanRL's PPO, for one batch of finalized rollouts:
 
     advantage   A_i = r_i - baseline (batch mean, or the mean of the *other* rewards)
-    ratio       rho_i = pi_theta(a_i) / mu(a_i), mu = the serving policy's logged log-prob
-    policy      -mean(min(rho_i A_i, clip(rho_i, 1 - eps, 1 + eps) A_i))
+    ratio       rho_it = pi_theta(a_it) / mu(a_it) per part t of action i: each sampled token
+                and the decision (mu = the serving policy's logged log-probs)
+    policy      -mean_i sum_t min(rho_it A_i, clip(rho_it, 1 - eps, 1 + eps) A_i)
     KL          mean(k3(pi_theta, pi_ref)) on the sampled actions, toward the pretrained policy
     entropy     mean(H), H = summed token entropies + the decision's Bernoulli entropy
     loss        policy + kl_coef * KL - entropy_coef * entropy
@@ -13,6 +14,14 @@ log pi(a) is `score_actions(...).total`: the token log-probs under the distribut
 sampled from (the logged temperature, top-p and healing mask) plus log p(decision), so for the
 parameters that served the batch the ratio is 1 up to float error. Rollouts from an older
 deployed version get rho != 1 and the clip bounds how far one batch can push on them.
+
+The ratio is clipped per part, as PPO for language models clips per token, not once for the
+whole action: unclipped, the gradient is the same (A_i times the gradient of the summed
+log-probs), but a change in one part no longer silences the others. With one ratio for the
+action, drift in the tokens' probabilities (the language model moves a little at every update
+without learning much from a few hundred suggestions) pushed 42% of a late batch's actions
+outside the clip range, and those rollouts taught the show/abstain decision nothing either.
+A Batch without per-part behaviour log-probs falls back to one ratio per action.
 
 Advantages are computed once over the whole batch (the baseline must not change with the
 minibatch split), then `epochs` passes of shuffled minibatches, each a gradient step with
@@ -59,11 +68,45 @@ class Batch:
     actions: Sequence[Action]  # logged rollouts (service.policy.sampling.Completion or rows)
     behaviour_logp: torch.Tensor  # (B,) logged logprob_total of each action (the serving policy)
     rewards: torch.Tensor  # (B,) finalized rewards
+    # the same per part, for per-part ratios: each action's token log-probs and its decision's
+    behaviour_token_logp: Sequence[Sequence[float]] | None = None
+    behaviour_decision_logp: torch.Tensor | None = None  # (B,)
 
     def __post_init__(self) -> None:
         n = len(self.actions)
         assert self.behaviour_logp.shape == (n,), f"behaviour_logp shape != ({n},)"
         assert self.rewards.shape == (n,), f"rewards shape != ({n},)"
+        assert (self.behaviour_token_logp is None) == (self.behaviour_decision_logp is None), (
+            "per-part behaviour log-probs come in pairs"
+        )
+        if self.behaviour_token_logp is not None:
+            assert len(self.behaviour_token_logp) == n, "one token list per action"
+            assert self.behaviour_decision_logp is not None
+            assert self.behaviour_decision_logp.shape == (n,), "one decision log-prob per action"
+
+    @classmethod
+    def of(cls, actions: Sequence[Any], rewards: Sequence[float]) -> Batch:
+        """From logged rollouts (Completions or rollout rows): totals and per-part log-probs."""
+        return cls(
+            actions=actions,
+            behaviour_logp=torch.tensor([float(a.logprob_total) for a in actions]),
+            rewards=torch.tensor([float(r) for r in rewards]),
+            behaviour_token_logp=[list(a.token_logprobs) for a in actions],
+            behaviour_decision_logp=torch.tensor([float(a.decision_logprob) for a in actions]),
+        )
+
+    def select(self, idx: list[int]) -> Batch:
+        """The actions at `idx` (a minibatch)."""
+        parts = self.behaviour_token_logp
+        return Batch(
+            actions=[self.actions[i] for i in idx],
+            behaviour_logp=self.behaviour_logp[idx],
+            rewards=self.rewards[idx],
+            behaviour_token_logp=None if parts is None else [parts[i] for i in idx],
+            behaviour_decision_logp=(
+                None if self.behaviour_decision_logp is None else self.behaviour_decision_logp[idx]
+            ),
+        )
 
 
 # --- pure helpers ------------------------------------------------------------------------
@@ -101,6 +144,29 @@ def clipped_surrogate(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     return -torch.min(unclipped, clipped).mean()
+
+
+def per_part_surrogate(
+    token_new: torch.Tensor,
+    token_old: torch.Tensor,
+    lengths: Sequence[int],
+    decision_new: torch.Tensor,
+    decision_old: torch.Tensor,
+    adv: torch.Tensor,
+    clip_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped loss with a ratio per token and per decision (rollouts' tokens concatenated
+    in token_new/token_old, `lengths` tokens each): -mean_i sum_t min(rho A_i, clip(rho) A_i).
+    Also returns the share of parts whose ratio is outside the clip range."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    ratios = torch.cat([torch.exp(token_new - token_old), torch.exp(decision_new - decision_old)])
+    a = torch.cat([adv[seg], adv])
+    terms = torch.min(ratios * a, torch.clamp(ratios, 1.0 - clip_eps, 1.0 + clip_eps) * a)
+    owner = torch.cat([seg, torch.arange(len(lengths))])
+    per_action = torch.zeros(len(lengths), dtype=terms.dtype).index_add(0, owner, terms)
+    with torch.no_grad():
+        clipped = ((ratios - 1.0).abs() > clip_eps).float().mean()
+    return -per_action.mean(), clipped
 
 
 def kl_to_reference(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
@@ -141,7 +207,20 @@ def pg_loss(
     sampled = new.decision != 0
     entropy = new.entropy + torch.where(sampled, bernoulli_entropy(new.gate_logit), 0.0)
 
-    policy_loss = clipped_surrogate(new.total, batch.behaviour_logp, adv, cfg.clip_eps)
+    if batch.behaviour_token_logp is not None and batch.behaviour_decision_logp is not None:
+        old_tokens = torch.tensor(
+            [x for lps in batch.behaviour_token_logp for x in lps], dtype=new.token_logprobs.dtype
+        )
+        assert old_tokens.shape == new.token_logprobs.shape, "logged token log-probs per token"
+        policy_loss, clipfrac = per_part_surrogate(
+            new.token_logprobs, old_tokens, new.lengths, new.decision,
+            batch.behaviour_decision_logp, adv, cfg.clip_eps,
+        )
+    else:
+        policy_loss = clipped_surrogate(new.total, batch.behaviour_logp, adv, cfg.clip_eps)
+        with torch.no_grad():
+            clipfrac = ((torch.exp(new.total - batch.behaviour_logp) - 1.0).abs()
+                        > cfg.clip_eps).float().mean()
     kl = kl_to_reference(new.total, ref)
     loss = policy_loss + cfg.kl_coef * kl - cfg.entropy_coef * entropy.mean()
 
@@ -154,7 +233,7 @@ def pg_loss(
             "losses/policy": policy_loss.item(),
             "losses/kl": kl.item(),
             "losses/entropy": entropy.mean().item(),
-            "charts/clipfrac": ((ratio - 1.0).abs() > cfg.clip_eps).float().mean().item(),
+            "charts/clipfrac": clipfrac.item(),  # per part, or per action without parts
             "charts/approx_kl": ((ratio - 1.0) - log_ratio).mean().item(),  # vs behaviour
             "charts/ratio_mean": ratio.mean().item(),
             "charts/ratio_max": ratio.max().item(),
@@ -248,11 +327,7 @@ def update(
             order = torch.randperm(n)
             for start in range(0, n, cfg.minibatch_size):
                 idx = order[start : start + cfg.minibatch_size]
-                mb = Batch(
-                    actions=[batch.actions[i] for i in idx.tolist()],
-                    behaviour_logp=batch.behaviour_logp[idx],
-                    rewards=batch.rewards[idx],
-                )
+                mb = batch.select(idx.tolist())
                 loss, metrics = pg_loss(model, ref_model, tokenizer, mb, cfg, adv=adv[idx])
                 model.zero_grad(set_to_none=True)  # also parameters the optimizer lacks
                 loss.backward()

@@ -56,11 +56,12 @@ def _rollouts(
 
 
 def _batch(comps: list[Completion], rewards: list[float]) -> Batch:
-    return Batch(
-        actions=comps,
-        behaviour_logp=torch.tensor([c.logprob_total for c in comps]),
-        rewards=torch.tensor(rewards),
-    )
+    """Per-part behaviour log-probs, as the trainer builds its batches."""
+    return Batch.of(comps, rewards)
+
+
+def _grads(model: GPT) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _params(model: GPT) -> dict[str, torch.Tensor]:
@@ -351,6 +352,56 @@ def test_clipping_engages_where_it_should(
     assert m["charts/ratio_mean"] == pytest.approx(ratio, rel=1e-3)
     assert m["charts/clipfrac"] == (1.0 if abs(ratio - 1) > 0.2 else 0.0)
     assert (grad_sq == 0.0) == clipped, f"squared gradient norm {grad_sq}"
+
+
+def test_per_part_and_whole_action_ratios_give_the_same_gradient_when_nothing_is_clipped(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    _set_gate(tiny_model, 0.0)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2)
+    adv = torch.linspace(-1.0, 1.0, len(comps))
+    cfg = UpdateConfig(kl_coef=0.0, entropy_coef=0.0)
+    grads = []
+    for batch in (_batch(comps, [0.0] * len(comps)),
+                  Batch(comps, torch.tensor([c.logprob_total for c in comps]),
+                        torch.zeros(len(comps)))):
+        tiny_model.zero_grad(set_to_none=True)
+        loss, m = pg_loss(tiny_model, tiny_model, tiny_tokenizer, batch, cfg, adv=adv)
+        loss.backward()
+        assert m["charts/clipfrac"] == 0.0
+        grads.append(_grads(tiny_model))
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("per_part", [True, False], ids=["per-part", "whole-action"])
+def test_token_drift_silences_the_decision_only_with_a_whole_action_ratio(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, per_part: bool
+) -> None:
+    """The serving policy's tokens were half as likely as they are now (the language model
+    drifted); its decisions as likely. A positive advantage: every token ratio (2) is past the
+    clip. Per part, the decision still learns; with one ratio for the action nothing does."""
+    _set_gate(tiny_model, 0.0)
+    comps = [c for c in _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2) if c.text]
+    drifted = [[lp - math.log(2.0) for lp in c.token_logprobs] for c in comps]
+    batch = Batch(
+        actions=comps,
+        behaviour_logp=torch.tensor([sum(d) + c.decision_logprob for d, c in zip(drifted, comps)]),
+        rewards=torch.zeros(len(comps)),
+        behaviour_token_logp=drifted if per_part else None,
+        behaviour_decision_logp=(
+            torch.tensor([c.decision_logprob for c in comps]) if per_part else None
+        ),
+    )
+    cfg = UpdateConfig(kl_coef=0.0, entropy_coef=0.0, clip_eps=0.2)
+    loss, m = pg_loss(tiny_model, tiny_model, tiny_tokenizer, batch, cfg,
+                      adv=torch.ones(len(comps)))
+    loss.backward()
+    gate = {n: g for n, g in _grads(tiny_model).items() if n.startswith("gate.")}
+    gate_moves = any(float(g.abs().sum()) > 0 for g in gate.values())
+    assert gate_moves == per_part
+    assert 0.0 < m["charts/clipfrac"] < 1.0 if per_part else m["charts/clipfrac"] == 1.0
 
 
 @pytest.mark.parametrize(
