@@ -140,10 +140,17 @@ def clipped_surrogate(
     logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, clip_eps: float
 ) -> torch.Tensor:
     """PPO's clipped policy loss: -mean(min(rho A, clip(rho, 1 - eps, 1 + eps) A))."""
-    ratio = torch.exp(logp_new - logp_old)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    return -torch.min(unclipped, clipped).mean()
+    return -_clipped_terms(torch.exp(logp_new - logp_old), adv, clip_eps).mean()
+
+
+def _clipped_terms(ratio: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> torch.Tensor:
+    """min(rho A, clip(rho, 1 - eps, 1 + eps) A), elementwise."""
+    return torch.min(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
+
+
+def _clip_fraction(ratio: torch.Tensor, clip_eps: float) -> torch.Tensor:
+    """The share of ratios outside [1 - eps, 1 + eps] (no gradient)."""
+    return ((ratio.detach() - 1.0).abs() > clip_eps).float().mean()
 
 
 def per_part_surrogate(
@@ -161,12 +168,10 @@ def per_part_surrogate(
     seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     ratios = torch.cat([torch.exp(token_new - token_old), torch.exp(decision_new - decision_old)])
     a = torch.cat([adv[seg], adv])
-    terms = torch.min(ratios * a, torch.clamp(ratios, 1.0 - clip_eps, 1.0 + clip_eps) * a)
+    terms = _clipped_terms(ratios, a, clip_eps)
     owner = torch.cat([seg, torch.arange(len(lengths))])
     per_action = torch.zeros(len(lengths), dtype=terms.dtype).index_add(0, owner, terms)
-    with torch.no_grad():
-        clipped = ((ratios - 1.0).abs() > clip_eps).float().mean()
-    return -per_action.mean(), clipped
+    return -per_action.mean(), _clip_fraction(ratios, clip_eps)
 
 
 def kl_to_reference(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
@@ -218,9 +223,7 @@ def pg_loss(
         )
     else:
         policy_loss = clipped_surrogate(new.total, batch.behaviour_logp, adv, cfg.clip_eps)
-        with torch.no_grad():
-            clipfrac = ((torch.exp(new.total - batch.behaviour_logp) - 1.0).abs()
-                        > cfg.clip_eps).float().mean()
+        clipfrac = _clip_fraction(torch.exp(new.total - batch.behaviour_logp), cfg.clip_eps)
     kl = kl_to_reference(new.total, ref)
     loss = policy_loss + cfg.kl_coef * kl - cfg.entropy_coef * entropy.mean()
 
