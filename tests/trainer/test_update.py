@@ -387,7 +387,9 @@ def test_token_drift_silences_the_decision_only_with_a_whole_action_ratio(
     drifted = [[lp - math.log(2.0) for lp in c.token_logprobs] for c in comps]
     batch = Batch(
         actions=comps,
-        behaviour_logp=torch.tensor([sum(d) + c.decision_logprob for d, c in zip(drifted, comps)]),
+        behaviour_logp=torch.tensor(
+            [sum(d) + c.decision_logprob for d, c in zip(drifted, comps, strict=True)]
+        ),
         rewards=torch.zeros(len(comps)),
         behaviour_token_logp=drifted if per_part else None,
         behaviour_decision_logp=(

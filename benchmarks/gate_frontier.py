@@ -1,0 +1,158 @@
+"""What a show/abstain gate could reach on the base policy's completions, at best.
+
+    python benchmarks/gate_frontier.py [--cursors 3000] [--seed 0] [--out FILE.json]
+
+Samples the shipped base policy on held-out cursors drawn as `tabloop simulate` draws them
+(serving temperature and nucleus), and scores each completion with a panel of 32 simulated
+people (simulator.baseline.score: expected accept rate, retained characters, reward). Then, on
+the second half of the cursors, it reports the shown rate, accept rate of shown, retained
+characters per 100 requests and reward per request of
+
+- the base policy's own stochastic gate (what it serves before any learning);
+- the best *logistic* gate on the gate's confidence inputs (mean and summed token log-prob,
+  tokens, bytes), fit on the first half to predict acceptance, at several thresholds;
+- the same with a def/class-line flag added (what the hidden-state half of the gate can learn
+  from the prefix: the simulated people reject every suggestion there);
+- an oracle that knows each completion's expected reward and hides the ones below a bar.
+
+The learned gate is a logistic head of the same confidence inputs plus a projection of the
+last hidden state, so the second line is about what it can learn without better completions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from service.policy.checkpoint import load_checkpoint  # noqa: E402
+from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete  # noqa: E402
+from service.rewards.core import RewardSpec  # noqa: E402
+from simulator.baseline import score  # noqa: E402
+from simulator.population import (  # noqa: E402
+    CursorSource,
+    PopulationConfig,
+    draw_person,
+    in_reject_family,
+    request_context,
+)
+from trainer.corpus import heldout_lines  # noqa: E402
+
+BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
+
+
+def sample(n: int, seed: int) -> list[dict[str, Any]]:
+    model, tokenizer, _ = load_checkpoint(BASE)
+    model.eval()
+    spec = RewardSpec.sim().to_dict()
+    population = PopulationConfig()
+    source = CursorSource(list(heldout_lines()))
+    rng = random.Random(f"frontier:{seed}")
+    g = torch.Generator().manual_seed(seed)
+    people = [draw_person(population, rng) for _ in range(32)]
+    items = []
+    with torch.no_grad():
+        for i in range(n):
+            cursor = source.draw(rng, population.reject_family_share)
+            prefix, suffix = request_context(cursor)
+            c = complete(model, tokenizer, prefix, suffix, 32, DEFAULT_TEMPERATURE,
+                         DEFAULT_TOP_P, g)
+            family = in_reject_family(prefix)
+            s = score(c.text, cursor.rest_of_line, family, c.gate_prob_show, people, spec, rng)
+            lps = c.model_logprobs
+            items.append({"p_show": c.gate_prob_show, "chars": s.chars, "family": family,
+                          "accept": s.accept, "retained": s.retained_chars, "reward": s.reward,
+                          "tokens": len(lps), "sum_logprob": sum(lps)})
+            if (i + 1) % 500 == 0:
+                print(f"{i + 1}/{n} completions scored", file=sys.stderr, flush=True)
+    return items
+
+
+def features(it: dict[str, Any], family: bool) -> list[float]:
+    row = [it["sum_logprob"] / max(it["tokens"], 1), it["sum_logprob"],
+           math.log1p(it["tokens"]), math.log1p(it["chars"])]
+    return row + [float(it["family"])] if family else row
+
+
+def fit_logistic(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Weights (with a bias last) of a logistic regression of y (soft labels) on x."""
+    x1 = torch.cat([x, torch.ones(len(x), 1)], 1)
+    w = torch.zeros(x1.shape[1], requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=200)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x1 @ w, y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach()
+
+
+def rates(items: list[dict[str, Any]], show: list[float]) -> dict[str, float]:
+    n = len(items)
+    shown = sum(show)
+    accepted = sum(s * it["accept"] for s, it in zip(show, items, strict=True))
+    return {
+        "shown_per_request": shown / n,
+        "accept_rate_of_shown": accepted / shown if shown else float("nan"),
+        "retained_chars_per_100": 100 * sum(s * it["retained"]
+                                            for s, it in zip(show, items, strict=True)) / n,
+        "reward_per_request": sum(s * it["reward"] for s, it in zip(show, items, strict=True)) / n,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cursors", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    items = sample(args.cursors, args.seed)
+    half = len(items) // 2
+    fit_on = [it for it in items[:half] if it["chars"]]
+    test = items[half:]
+    rows: list[tuple[str, dict[str, float]]] = []
+    base = rates(test, [it["p_show"] if it["chars"] else 0.0 for it in test])
+    rows.append(("base policy, its stochastic gate", base))
+    for family in (False, True):
+        x = torch.tensor([features(it, family) for it in fit_on])
+        mu, sd = x.mean(0), x.std(0) + 1e-6
+        w = fit_logistic((x - mu) / sd, torch.tensor([it["accept"] for it in fit_on]))
+        xt = (torch.tensor([features(it, family) for it in test]) - mu) / sd
+        p_accept = torch.sigmoid(torch.cat([xt, torch.ones(len(xt), 1)], 1) @ w).tolist()
+        name = "logistic gate, confidence" + (" + def/class flag" if family else "")
+        for t in (0.3, 0.4, 0.5, 0.6):
+            show = [float(bool(it["chars"]) and pa >= t) for it, pa in zip(test, p_accept,
+                                                                            strict=True)]
+            rows.append((f"{name}, p(accept) >= {t}", rates(test, show)))
+    for bar in (-0.2, -0.1, 0.0):
+        show = [0.0 if (not it["chars"] or it["family"] or it["reward"] < bar) else it["p_show"]
+                for it in test]
+        rows.append((f"oracle: base gate, hide def/class and expected reward < {bar}",
+                     rates(test, show)))
+
+    def rel(r: dict[str, float], k: str) -> str:
+        return f"{100 * (r[k] / base[k] - 1):+.0f}%"
+    print(f"{len(test)} evaluation cursors (a gate fit on the other {half})")
+    for name, r in rows:
+        print(f"{name:72s} shown {r['shown_per_request']:.3f} ({rel(r, 'shown_per_request')})  "
+              f"accept {r['accept_rate_of_shown']:.3f} ({rel(r, 'accept_rate_of_shown')})  "
+              f"retained {r['retained_chars_per_100']:.1f} ({rel(r, 'retained_chars_per_100')})  "
+              f"reward {r['reward_per_request']:.4f}")
+    if args.out:
+        args.out.write_text(json.dumps({"rows": rows, "items": items}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

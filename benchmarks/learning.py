@@ -1,0 +1,174 @@
+"""The update rule against the simulated people, offline: how far K updates move the policy.
+
+    python benchmarks/learning.py [--rounds 10] [--rollouts 640] [--eval 600] [--seed 0]
+        [--set gate_hidden_lr_mult=30 --set epochs=2 ...]
+
+No service, no clock: each round samples `--rollouts` completions from the current policy on
+held-out cursors drawn as `tabloop simulate` draws them (serving temperature and nucleus,
+stochastic gate), lets a person from the simulated population decide on every shown one,
+computes the reward's decision part as the service does, and takes one trainer update
+(`trainer.update`, the sim profile's UpdateConfig with `--set` overrides, Adam's moments
+carried, 80% of the rollouts as the live trainer trains on) — the live loop's round without
+the canary. After every round the policy is scored on a fixed evaluation set: one sampled
+completion per cursor, each judged by a panel of 16 people, weighted by the gate's p(show)
+(simulator.baseline.at_threshold with the stochastic gate), so the figures are expectations,
+not one noisy draw. A 15-minute simulation makes about 10 such updates.
+
+What it leaves out: the canary (every candidate is kept), rollouts from older versions
+(staleness), model switches and churn. Use it to compare update rules in minutes, with the
+same seed; the simulation (benchmarks/simulation.py) stays the measure of the whole loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import sys
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from service.policy.checkpoint import load_checkpoint  # noqa: E402
+from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete  # noqa: E402
+from service.rewards.core import RewardSpec  # noqa: E402
+from simulator.baseline import at_threshold, score  # noqa: E402
+from simulator.population import (  # noqa: E402
+    CursorSource,
+    PopulationConfig,
+    decide,
+    decision_reward,
+    draw_person,
+    in_reject_family,
+    request_context,
+)
+from trainer.corpus import heldout_lines  # noqa: E402
+from trainer.loop import TrainerConfig  # noqa: E402
+from trainer.update import Batch, carry_state, make_optimizer, update  # noqa: E402
+
+BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
+MAX_NEW_TOKENS = 32  # the API's default
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """`name=value` pairs for UpdateConfig, values parsed as JSON where they parse."""
+    names = {f.name for f in fields(TrainerConfig.for_profile("sim").update)}
+    out: dict[str, Any] = {}
+    for item in items:
+        name, _, raw = item.partition("=")
+        if name not in names:
+            raise SystemExit(f"--set {item}: UpdateConfig has no field {name!r}")
+        try:
+            out[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[name] = raw
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rollouts", type=int, default=640, help="rollouts sampled per round")
+    p.add_argument("--eval", type=int, default=600, help="evaluation cursors")
+    p.add_argument("--panel", type=int, default=16, help="people judging each evaluation item")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--out", type=Path, help="write the per-round figures as JSON")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    cfg = replace(TrainerConfig.for_profile("sim").update, **parse_set(args.set))
+    spec = RewardSpec.sim().to_dict()
+    population = PopulationConfig()
+    source = CursorSource(list(heldout_lines()))
+    model, tokenizer, _ = load_checkpoint(BASE)
+    ref, _, _ = load_checkpoint(BASE)
+    model.eval()
+    ref.eval()
+
+    rng = random.Random(f"learning:{args.seed}")
+    people = [draw_person(population, rng) for _ in range(16)]
+    panel = [draw_person(population, rng) for _ in range(args.panel)]
+    eval_cursors = [source.draw(rng, population.reject_family_share) for _ in range(args.eval)]
+    sample_gen = torch.Generator().manual_seed(args.seed)
+
+    def evaluate() -> dict[str, Any]:
+        g = torch.Generator().manual_seed(10_000 + args.seed)  # the same draws every round
+        judge_rng = random.Random(f"judge:{args.seed}")
+        items = []
+        with torch.no_grad():
+            for c in eval_cursors:
+                prefix, suffix = request_context(c)
+                comp = complete(model, tokenizer, prefix, suffix, MAX_NEW_TOKENS,
+                                DEFAULT_TEMPERATURE, DEFAULT_TOP_P, g)
+                items.append(score(comp.text, c.rest_of_line, in_reject_family(prefix),
+                                   comp.gate_prob_show, panel, spec, judge_rng))
+        m = at_threshold(items, None)
+        # the language model alone: what showing every completion would keep
+        m["retained_all_per_100"] = at_threshold(items, 0.0)["retained_chars_per_100"]
+        weight = sum(s.p_show for s in items if s.chars)
+        m["mean_shown_chars"] = sum(s.p_show * s.chars for s in items) / weight if weight else 0.0
+        return m
+
+    print(f"update config: {cfg}", flush=True)
+    state = None
+    history = []
+    first = evaluate()
+    history.append({"round": 0, **first})
+    print(_line(0, first, first, {}), flush=True)
+    for r in range(1, args.rounds + 1):
+        t0 = time.perf_counter()
+        actions, rewards = [], []
+        with torch.no_grad():
+            for _ in range(args.rollouts):
+                c = source.draw(rng, population.reject_family_share)
+                prefix, suffix = request_context(c)
+                comp = complete(model, tokenizer, prefix, suffix, MAX_NEW_TOKENS,
+                                DEFAULT_TEMPERATURE, DEFAULT_TOP_P, sample_gen)
+                d = None
+                if comp.shown and comp.text:
+                    d = decide(rng.choice(people), comp.text, c.rest_of_line,
+                               in_reject_family(prefix), float(spec["decision_window_s"]), rng)
+                actions.append(comp)
+                rewards.append(decision_reward(spec, len(comp.text), d))
+        n_train = int(len(actions) * 0.8)
+        candidate = copy.deepcopy(model)
+        candidate.requires_grad_(True)
+        opt = make_optimizer(candidate, cfg)
+        carry_state(opt, state)
+        metrics = update(candidate, ref, tokenizer, Batch.of(actions[:n_train], rewards[:n_train]),
+                         opt, cfg)
+        state = copy.deepcopy(opt.state_dict())
+        candidate.requires_grad_(False)
+        candidate.eval()
+        model = candidate
+        m = evaluate()
+        history.append({"round": r, "update": metrics, "seconds": time.perf_counter() - t0, **m})
+        print(_line(r, m, first, metrics), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out)},
+                                        "update": str(cfg), "history": history}, indent=1))
+    return 0
+
+
+def _line(r: int, m: dict[str, Any], first: dict[str, Any], metrics: dict[str, float]) -> str:
+    def rel(k: str) -> str:
+        return f"{100 * (m[k] / first[k] - 1):+.0f}%" if first[k] else "n/a"
+    extra = (f"  clipfrac {metrics['charts/clipfrac']:.2f} p_show {metrics['charts/p_show']:.2f}"
+             if metrics else "")
+    return (f"round {r:2d}: shown {m['shown_per_request']:.3f} ({rel('shown_per_request')}) "
+            f"accept {m['accept_rate_of_shown']:.3f} ({rel('accept_rate_of_shown')}) "
+            f"retained {m['retained_chars_per_100']:.1f} ({rel('retained_chars_per_100')}) "
+            f"reward {m['reward_per_request']:.4f} family {m['family_shown_rate']:.3f} "
+            f"chars {m['mean_shown_chars']:.2f} "
+            f"all-shown retained {m['retained_all_per_100']:.1f}{extra}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
