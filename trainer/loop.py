@@ -80,7 +80,9 @@ class TrainerConfig:
         if profile == "sim":  # a whole learn-and-redeploy loop in about a minute
             return cls(
                 batch_size=160,
-                canary_fraction=0.3,
+                # half the users: twice the canary's evidence per second, and after a
+                # promotion half of the next batch is the new live policy's own rollouts
+                canary_fraction=0.5,
                 update=UpdateConfig(minibatch_size=64),
                 canary=CanaryConfig(
                     min_rollouts=60,
