@@ -55,6 +55,7 @@ def main() -> int:
                     TABLOOP_RATE_LIMIT_PER_S="100000", TABLOOP_RATE_LIMIT_BURST="100000")
     procs: list[Proc] = []
     pg = broker = None
+    pg_dir: Path | None = None
     try:
         if args.mode == "embedded":
             tabloop("db", "upgrade", env=env)
@@ -105,6 +106,8 @@ def main() -> int:
             broker.close()
         if pg is not None:
             pg.close()
+        if pg_dir is not None:  # PostgreSQL's data directory (~300 MB after 15 minutes)
+            shutil.rmtree(pg_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     if rc == 0 and args.baseline:
         rc = subprocess.run([sys.executable, "-m", "simulator.report", str(out / "report.json"),
