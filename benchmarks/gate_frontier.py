@@ -33,16 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
-from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete  # noqa: E402
 from service.rewards.core import RewardSpec  # noqa: E402
-from simulator.baseline import score  # noqa: E402
-from simulator.population import (  # noqa: E402
-    CursorSource,
-    PopulationConfig,
-    draw_person,
-    in_reject_family,
-    request_context,
-)
+from simulator.baseline import complete_and_score  # noqa: E402
+from simulator.population import CursorSource, PopulationConfig, draw_person  # noqa: E402
 from trainer.corpus import heldout_lines  # noqa: E402
 
 BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
@@ -61,13 +54,9 @@ def sample(n: int, seed: int) -> list[dict[str, Any]]:
     with torch.no_grad():
         for i in range(n):
             cursor = source.draw(rng, population.reject_family_share)
-            prefix, suffix = request_context(cursor)
-            c = complete(model, tokenizer, prefix, suffix, 32, DEFAULT_TEMPERATURE,
-                         DEFAULT_TOP_P, g)
-            family = in_reject_family(prefix)
-            s = score(c.text, cursor.rest_of_line, family, c.gate_prob_show, people, spec, rng)
+            c, s = complete_and_score(model, tokenizer, cursor, people, spec, rng, g)
             lps = c.model_logprobs
-            items.append({"p_show": c.gate_prob_show, "chars": s.chars, "family": family,
+            items.append({"p_show": c.gate_prob_show, "chars": s.chars, "family": s.family,
                           "accept": s.accept, "retained": s.retained_chars, "reward": s.reward,
                           "tokens": len(lps), "sum_logprob": sum(lps)})
             if (i + 1) % 500 == 0:

@@ -35,24 +35,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
-from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete  # noqa: E402
 from service.rewards.core import RewardSpec  # noqa: E402
-from simulator.baseline import at_threshold, score  # noqa: E402
+from simulator.baseline import at_threshold, complete_and_score, complete_cursor  # noqa: E402
 from simulator.population import (  # noqa: E402
     CursorSource,
     PopulationConfig,
     decide,
     decision_reward,
     draw_person,
-    in_reject_family,
-    request_context,
 )
 from trainer.corpus import heldout_lines  # noqa: E402
 from trainer.loop import TrainerConfig  # noqa: E402
 from trainer.update import Batch, carry_state, make_optimizer, update  # noqa: E402
 
 BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
-MAX_NEW_TOKENS = 32  # the API's default
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -104,11 +100,7 @@ def main() -> int:
         items = []
         with torch.no_grad():
             for c in eval_cursors:
-                prefix, suffix = request_context(c)
-                comp = complete(model, tokenizer, prefix, suffix, MAX_NEW_TOKENS,
-                                DEFAULT_TEMPERATURE, DEFAULT_TOP_P, g)
-                items.append(score(comp.text, c.rest_of_line, in_reject_family(prefix),
-                                   comp.gate_prob_show, panel, spec, judge_rng))
+                items.append(complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g)[1])
         m = at_threshold(items, None)
         # the language model alone: what showing every completion would keep
         m["retained_all_per_100"] = at_threshold(items, 0.0)["retained_chars_per_100"]
@@ -128,13 +120,11 @@ def main() -> int:
         with torch.no_grad():
             for _ in range(args.rollouts):
                 c = source.draw(rng, population.reject_family_share)
-                prefix, suffix = request_context(c)
-                comp = complete(model, tokenizer, prefix, suffix, MAX_NEW_TOKENS,
-                                DEFAULT_TEMPERATURE, DEFAULT_TOP_P, sample_gen)
+                comp, family = complete_cursor(model, tokenizer, c, sample_gen)
                 d = None
                 if comp.shown and comp.text:
-                    d = decide(rng.choice(people), comp.text, c.rest_of_line,
-                               in_reject_family(prefix), float(spec["decision_window_s"]), rng)
+                    d = decide(rng.choice(people), comp.text, c.rest_of_line, family,
+                               float(spec["decision_window_s"]), rng)
                 actions.append(comp)
                 rewards.append(decision_reward(spec, len(comp.text), d))
         n_train = int(len(actions) * 0.8)

@@ -30,6 +30,7 @@ from simulator.population import (
     in_reject_family,
     request_context,
 )
+from trainer.corpus import Cursor
 
 THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(20)) + (0.975, 0.99)
 
@@ -63,6 +64,26 @@ def score(text: str, truth: str, family: bool, p_show: float, people: Sequence[P
             kept += d.accepted_chars * d.retained_fraction
     n = len(people)
     return Scored(p_show, len(text), family, acc / n, chars / n, kept / n, reward / n)
+
+
+def complete_cursor(model: Any, tokenizer: Any, cursor: Cursor, generator: Any,
+                    max_new_tokens: int = 32) -> tuple[Any, bool]:
+    """Complete `cursor` as the service would for the simulator's request (serving temperature
+    and nucleus): the Completion, and whether the cursor is in the reject family."""
+    from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete
+
+    prefix, suffix = request_context(cursor)
+    c = complete(model, tokenizer, prefix, suffix, max_new_tokens, DEFAULT_TEMPERATURE,
+                 DEFAULT_TOP_P, generator)
+    return c, in_reject_family(prefix)
+
+
+def complete_and_score(model: Any, tokenizer: Any, cursor: Cursor, people: Sequence[PersonParams],
+                       spec: Mapping[str, Any], rng: random.Random, generator: Any,
+                       max_new_tokens: int = 32) -> tuple[Any, Scored]:
+    """complete_cursor, then the completion's expected outcome over `people` (score)."""
+    c, family = complete_cursor(model, tokenizer, cursor, generator, max_new_tokens)
+    return c, score(c.text, cursor.rest_of_line, family, c.gate_prob_show, people, spec, rng)
 
 
 def show_weight(s: Scored, threshold: float | None) -> float:
@@ -111,7 +132,7 @@ def run(checkpoint: Path, source: CursorSource, population: PopulationConfig,
     import torch
 
     from service.policy.checkpoint import load_checkpoint
-    from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete
+    from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
     assert n_cursors >= 2, "need at least two cursors (one per half)"
     model, tokenizer, manifest = load_checkpoint(checkpoint)
@@ -122,11 +143,8 @@ def run(checkpoint: Path, source: CursorSource, population: PopulationConfig,
     items: list[Scored] = []
     for i in range(n_cursors):
         cursor = source.draw(rng, population.reject_family_share)
-        prefix, suffix = request_context(cursor)
-        c = complete(model, tokenizer, prefix, suffix, max_new_tokens, DEFAULT_TEMPERATURE,
-                     DEFAULT_TOP_P, generator)
-        items.append(score(c.text, cursor.rest_of_line, in_reject_family(prefix),
-                           c.gate_prob_show, people, spec, rng))
+        items.append(complete_and_score(model, tokenizer, cursor, people, spec, rng, generator,
+                                        max_new_tokens)[1])
         if progress is not None:
             progress(i + 1, n_cursors)
     half = n_cursors // 2
