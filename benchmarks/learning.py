@@ -1,7 +1,7 @@
 """The update rule against the simulated people, offline: how far K updates move the policy.
 
     python benchmarks/learning.py [--rounds 10] [--rollouts 640] [--eval 600] [--seed 0]
-        [--set gate_hidden_lr_mult=30 --set epochs=2 ...]
+        [--set gate_hidden_lr_mult=30 --set epochs=2 ...] [--reward chars_exponent=1.0 ...]
 
 No service, no clock: each round samples `--rollouts` completions from the current policy on
 held-out cursors drawn as `tabloop simulate` draws them (serving temperature and nucleus,
@@ -54,11 +54,17 @@ BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
 def parse_set(items: list[str]) -> dict[str, Any]:
     """`name=value` pairs for UpdateConfig, values parsed as JSON where they parse."""
     names = {f.name for f in fields(TrainerConfig.for_profile("sim").update)}
+    for item in items:
+        if item.partition("=")[0] not in names:
+            raise SystemExit(f"--set {item}: UpdateConfig has no field {item.partition('=')[0]!r}")
+    return parse_pairs(items)
+
+
+def parse_pairs(items: list[str]) -> dict[str, Any]:
+    """`name=value` pairs, values parsed as JSON where they parse."""
     out: dict[str, Any] = {}
     for item in items:
         name, _, raw = item.partition("=")
-        if name not in names:
-            raise SystemExit(f"--set {item}: UpdateConfig has no field {name!r}")
         try:
             out[name] = json.loads(raw)
         except json.JSONDecodeError:
@@ -74,13 +80,16 @@ def main() -> int:
     p.add_argument("--panel", type=int, default=16, help="people judging each evaluation item")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a field of the sim reward spec (training and scoring)")
     p.add_argument("--out", type=Path, help="write the per-round figures as JSON")
     args = p.parse_args()
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     cfg = replace(TrainerConfig.for_profile("sim").update, **parse_set(args.set))
-    spec = RewardSpec.sim().to_dict()
+    spec = {**RewardSpec.sim().to_dict(), **parse_pairs(args.reward)}
+    spec = RewardSpec.from_dict(spec).to_dict()  # validated
     population = PopulationConfig()
     source = CursorSource(list(heldout_lines()))
     model, tokenizer, _ = load_checkpoint(BASE)
@@ -109,6 +118,7 @@ def main() -> int:
         return m
 
     print(f"update config: {cfg}", flush=True)
+    print(f"reward spec: {spec}", flush=True)
     state = None
     history = []
     first = evaluate()

@@ -2,7 +2,7 @@
 
     python benchmarks/simulation.py --mode embedded --minutes 15 --users 16 --seed 0 --out DIR
     python benchmarks/simulation.py --mode full --minutes 15 --users 16 --seed 0 --out DIR \
-        [--baseline DIR/baseline.json]
+        [--baseline DIR/baseline.json] [--reward chars_norm=8 ...]
 
 Everything runs on this machine, on 127.0.0.1 only, with TABLOOP_PROFILE=sim (seconds-long
 reward windows, the sim trainer profile) and otherwise default settings, except the per-key
@@ -16,12 +16,15 @@ rate limit, which is lifted (16 people send ~10 requests/s with one key).
 Then `tabloop simulate --no-live` writes DIR/report.json, records.jsonl and
 learning_curve.png (with --baseline, the offline baseline from that file instead of computing
 one: it depends only on the base policy and the seed, so one file serves every run).
-The service logs are in DIR/logs/.
+The service logs are in DIR/logs/. Before the service stops, the learning-related rows of its
+database go to DIR/db/*.jsonl (rollouts without their tokens, rewards, policies, deployments),
+so two runs can be compared after their databases are gone (`--no-dump` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -43,6 +46,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--baseline", type=Path, help="an offline baseline JSON to reuse")
     p.add_argument("--baseline-cursors", type=int, default=2000)
+    p.add_argument("--no-dump", action="store_true", help="do not write DIR/db/*.jsonl")
+    p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
+                   help="PUT /admin/reward-spec with these fields before simulating "
+                        "(an operator's spec; default: the sim profile's)")
     args = p.parse_args()
 
     out = args.out.resolve()
@@ -86,6 +93,8 @@ def main() -> int:
         wait_ready(port, "/readyz", procs[0])
         print(f"{args.mode}: service on :{port}, logs in {logs}; simulating {args.minutes} min",
               flush=True)
+        if args.reward:
+            put_reward_spec(port, token, args.reward)
         argv = [sys.executable, "-m", "tabloop.cli", "simulate", "--api",
                 f"http://127.0.0.1:{port}", "--key", token, "--users", str(args.users),
                 "--minutes", str(args.minutes), "--seed", str(args.seed), "--out", str(out),
@@ -95,6 +104,9 @@ def main() -> int:
         else:
             argv += ["--baseline-cursors", str(args.baseline_cursors)]
         rc = subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
+        if not args.no_dump:
+            url = env.get("TABLOOP_DATABASE_URL") or f"sqlite:///{work / 'data' / 'tabloop.db'}"
+            dump_tables(url, out / "db")
         for proc in procs:
             if proc.popen.poll() is not None:
                 print(f"{proc.name} exited early ({proc.popen.returncode}):\n{proc.tail()}")
@@ -113,6 +125,46 @@ def main() -> int:
         rc = subprocess.run([sys.executable, "-m", "simulator.report", str(out / "report.json"),
                              "--baseline", str(args.baseline)], cwd=ROOT, check=False).returncode
     return rc
+
+
+def put_reward_spec(port: int, token: str, pairs: list[str]) -> None:
+    """Store a reward spec with the given fields changed, as an operator would."""
+    import httpx
+
+    body = {}
+    for pair in pairs:
+        name, _, raw = pair.partition("=")
+        body[name] = json.loads(raw)
+    r = httpx.put(f"http://127.0.0.1:{port}/admin/reward-spec", json=body,
+                  headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    r.raise_for_status()
+    print(f"reward spec v{r.json()['version']}: {r.json()['spec']}", flush=True)
+
+
+def dump_tables(url: str, directory: Path) -> None:
+    """The rows that say what the loop learned from, one JSON object per line and table."""
+    import sqlalchemy as sa
+
+    from service.tables import deployments, policies, rewards, rollouts
+
+    directory.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url)
+    tokens = {"context_token_ids", "token_ids", "token_logprobs"}
+    queries = {
+        "rollouts": sa.select(*[c for c in rollouts.c if c.name not in tokens]),
+        "rewards": sa.select(rewards),
+        "policies": sa.select(*[c for c in policies.c if c.name != "manifest"]),
+        "deployments": sa.select(deployments),
+    }
+    try:
+        with engine.connect() as conn:
+            for name, query in queries.items():
+                with (directory / f"{name}.jsonl").open("w") as f:
+                    for row in conn.execute(query).mappings():
+                        f.write(json.dumps(dict(row), default=str) + "\n")
+    finally:
+        engine.dispose()
+    print(f"database rows in {directory}", flush=True)
 
 
 if __name__ == "__main__":

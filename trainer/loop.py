@@ -83,7 +83,9 @@ class TrainerConfig:
                 # half the users: twice the canary's evidence per second, and after a
                 # promotion half of the next batch is the new live policy's own rollouts
                 canary_fraction=0.5,
-                update=UpdateConfig(minibatch_size=64),
+                # four more passes on the gate alone per batch: about 100 shown suggestions a
+                # batch teach it little in the 8 steps of one pass (benchmarks/learning.py)
+                update=UpdateConfig(minibatch_size=64, gate_epochs=4),
                 canary=CanaryConfig(
                     min_rollouts=60,
                     timeout_s=150.0,

@@ -61,6 +61,9 @@ class UpdateConfig:
     minibatch_size: int = 256  # rollouts per gradient step
     max_grad_norm: float = 1.0  # global gradient-norm clip (0: off)
     train_gate_only: bool = False  # update only the show/abstain gate, the LM stays frozen
+    # extra passes for the gate alone after the full epochs, on the updated model's hidden
+    # states computed once (so they cost one forward pass), with the decision's clipped ratio
+    gate_epochs: int = 0
 
 
 @dataclass
@@ -341,5 +344,58 @@ def update(
                 for k, v in metrics.items():
                     totals[k] += v
                 steps += 1
+        if cfg.gate_epochs:
+            totals.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg))
     model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
-    return {k: v / steps for k, v in totals.items()}
+    return {k: v / (1 if k.startswith("gate/") else steps) for k, v in totals.items()}
+
+
+def gate_passes(
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    batch: Batch,
+    adv: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    cfg: UpdateConfig,
+) -> dict[str, float]:
+    """`cfg.gate_epochs` passes of minibatch steps on the show/abstain gate alone.
+
+    The gate is a logistic head on the last hidden state and the confidence features. With the
+    language model fixed for these passes, both are computed once, so a pass costs a few small
+    matrix products instead of a forward and backward pass of the transformer. Each step
+    minimizes PPO's clipped surrogate of the decision: -mean_i min(rho_i A_i, clip(rho_i) A_i),
+    rho_i = p_theta(decision_i) / mu(decision_i), over the decisions that were sampled. The clip
+    is what bounds how far these passes move any one decision from the serving policy's (to
+    1 +- clip_eps). The optimizer is the update's (Adam's moments for the gate carry on); the
+    language model's parameters get no gradient here, so it does not step them.
+    """
+    old = batch.behaviour_decision_logp
+    if old is None:
+        return {}
+    with torch.no_grad():
+        s = score_actions(model, tokenizer, batch.actions)
+    hidden, feats = s.gate_hidden.detach(), s.gate_inputs.detach()
+    sampled = s.decision != 0  # score_actions: 0 where the decision was not sampled
+    shown = torch.tensor([bool(a.shown) for a in batch.actions])
+    gate = [p for n, p in model.named_parameters() if n.startswith("gate.") and p.requires_grad]
+    n = len(batch.actions)
+    clipped, steps = 0.0, 0
+    for _ in range(cfg.gate_epochs):
+        order = torch.randperm(n)
+        for start in range(0, n, cfg.minibatch_size):
+            idx = order[start : start + cfg.minibatch_size]
+            z = model.gate_logit(hidden[idx], feats[idx])
+            new = torch.where(shown[idx], F.logsigmoid(z), F.logsigmoid(-z))
+            ratio = torch.exp(new - old[idx])
+            terms = _clipped_terms(ratio, adv[idx], cfg.clip_eps) * sampled[idx]
+            loss = -terms.mean()
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(gate, cfg.max_grad_norm or float("inf"))
+            optimizer.step()
+            keep = sampled[idx]
+            clipped += float(_clip_fraction(ratio[keep], cfg.clip_eps)) if keep.any() else 0.0
+            steps += 1
+    with torch.no_grad():
+        p_show = torch.sigmoid(model.gate_logit(hidden, feats)).mean().item()
+    return {"gate/clipfrac": clipped / max(steps, 1), "gate/p_show": p_show, "gate/steps": steps}

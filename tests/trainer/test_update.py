@@ -588,3 +588,51 @@ def test_synthetic_learning_gate_follows_the_reward(
     final_a, final_b = p_show(rollouts(FAMILY_A, 8)), p_show(rollouts(FAMILY_B, 8))  # fresh samples
     assert final_a < 0.2, f"p(show) on A {final_a:.3f} after {len(history)} updates: {history}"
     assert final_b > 0.8, f"p(show) on B {final_b:.3f} after {len(history)} updates: {history}"
+
+
+def test_gate_passes_move_the_gate_further_and_leave_the_language_model_alone(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """gate_epochs adds steps on the gate alone: the language model ends exactly where the
+    full epochs left it, the decision moves further toward the better one."""
+    shown = _shown_completion(tiny_model, tiny_tokenizer, True)
+    abstained = _relogged(tiny_model, tiny_tokenizer, dataclasses.replace(shown, shown=False))
+    batch = _batch([shown, abstained], [0.75, 0.0])
+    after = {}
+    for gate_epochs in (0, 8):
+        model = copy.deepcopy(tiny_model)
+        cfg = UpdateConfig(learning_rate=1e-4, kl_coef=0.0, gate_epochs=gate_epochs)
+        torch.manual_seed(0)
+        m = update(model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
+                   make_optimizer(model, cfg), cfg)
+        assert m.get("gate/steps", 0) == gate_epochs
+        after[gate_epochs] = model
+    lm = [n for n, _ in tiny_model.named_parameters() if not n.startswith("gate.")]
+    p0, p8 = _params(after[0]), _params(after[8])
+    assert all(torch.equal(p0[n], p8[n]) for n in lm)
+    with torch.no_grad():
+        logit = {k: score_actions(m, tiny_tokenizer, [shown]).gate_logit.item()
+                 for k, m in after.items()}
+    assert logit[8] > logit[0] + 0.05
+
+
+@pytest.mark.parametrize("reward", [0.75, -0.25], ids=["accepted", "rejected"])
+def test_gate_passes_stop_at_the_clip(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, reward: float
+) -> None:
+    """Many gate passes move a decision's probability to about 1 +- clip_eps times the serving
+    policy's, not beyond: the clip, not the number of passes, bounds one update. (Steps small
+    next to the clip range: Adam's momentum carries a few steps past where the gradient ends.)"""
+    shown = _shown_completion(tiny_model, tiny_tokenizer, True)  # logged at p(show) = 1/2
+    abstained = _relogged(tiny_model, tiny_tokenizer, dataclasses.replace(shown, shown=False))
+    batch = _batch([shown, abstained], [reward, 0.0])
+    cfg = UpdateConfig(learning_rate=2e-6, kl_coef=0.0, clip_eps=0.2, gate_epochs=400)
+    update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
+           make_optimizer(tiny_model, cfg), cfg)
+    with torch.no_grad():
+        p = torch.sigmoid(score_actions(tiny_model, tiny_tokenizer, [shown]).gate_logit).item()
+    ratio = p / 0.5
+    if reward > 0:
+        assert 1.15 < ratio < 1.3, ratio
+    else:
+        assert 0.7 < ratio < 0.85, ratio
