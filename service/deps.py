@@ -61,7 +61,7 @@ class AppContext:
 async def get_ctx(request: Request) -> AppContext:
     # async: FastAPI runs a plain `def` dependency in the thread pool, a hop per request for a
     # field read
-    return request.app.state.ctx  # type: ignore[no-any-return]
+    return request.app.state.ctx
 
 
 CtxDep = Annotated[AppContext, Depends(get_ctx)]

@@ -149,7 +149,7 @@ class Client:
         """POST /v1/complete; None when the service stayed unavailable."""
         r = await self.request("POST", "/v1/complete", content=orjson.dumps(body),
                                headers={"Content-Type": "application/json"})
-        return None if r is None else self._check(r)  # type: ignore[no-any-return]
+        return None if r is None else self._check(r)
 
     async def post_events(self, events: list[dict[str, Any]],
                           gzip_min_bytes: int) -> dict[str, Any] | None:
@@ -159,7 +159,7 @@ class Client:
             body = gzip.compress(body, compresslevel=5)
             headers["Content-Encoding"] = "gzip"
         r = await self.request("POST", "/v1/events", content=body, headers=headers)
-        return None if r is None else self._check(r)  # type: ignore[no-any-return]
+        return None if r is None else self._check(r)
 
     async def get(self, path: str, **params: Any) -> tuple[int, Any]:
         """(status, JSON body) of an admin GET; (0, None) when the service stayed unavailable."""

@@ -49,7 +49,7 @@ class ServiceClient:
     def deploy(self, version: int, fraction: float, reason: str) -> dict[str, Any]:
         return self._ok(
             self._http.post(
-                f"/admin/policies/{version}/deploy",  # type: ignore[no-any-return]
+                f"/admin/policies/{version}/deploy",
                 json={"canary_fraction": fraction, "reason": reason},
             )
         )
@@ -57,13 +57,13 @@ class ServiceClient:
     def promote(self, version: int, reason: str) -> dict[str, Any]:
         return self._ok(
             self._http.post(
-                f"/admin/policies/{version}/promote",  # type: ignore[no-any-return]
+                f"/admin/policies/{version}/promote",
                 json={"reason": reason},
             )
         )
 
     def rollback(self, reason: str) -> dict[str, Any]:
-        return self._ok(self._http.post("/admin/rollback", json={"reason": reason}))  # type: ignore[no-any-return]
+        return self._ok(self._http.post("/admin/rollback", json={"reason": reason}))
 
     def close(self) -> None:
         self._http.close()

@@ -68,7 +68,7 @@ def validate_checkpoint(files: dict[str, bytes]) -> dict[str, Any]:
             load_checkpoint(tmp)  # safetensors parse + shapes against the config
         except CheckpointError as e:
             raise Unprocessable(f"checkpoint does not load: {e}") from None
-    return manifest  # type: ignore[no-any-return]
+    return manifest
 
 
 def write_files(directory: Path, files: dict[str, bytes]) -> None:
