@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import resource
 import shutil
@@ -60,6 +61,18 @@ def clean_env(**extra: str) -> dict[str, str]:
            if not k.startswith("TABLOOP_") and "proxy" not in k.lower()}
     env.update(extra)
     return env
+
+
+def parse_pairs(items: list[str]) -> dict[str, Any]:
+    """`name=value` command-line pairs, values parsed as JSON where they parse."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, _, raw = item.partition("=")
+        try:
+            out[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[name] = raw
+    return out
 
 
 def tabloop(*args: str, env: dict[str, str]) -> str:

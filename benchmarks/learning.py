@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.ingest import parse_pairs  # noqa: E402
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
 from service.rewards.core import RewardSpec  # noqa: E402
 from simulator.baseline import at_threshold, complete_and_score, complete_cursor  # noqa: E402
@@ -58,18 +59,6 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         if item.partition("=")[0] not in names:
             raise SystemExit(f"--set {item}: UpdateConfig has no field {item.partition('=')[0]!r}")
     return parse_pairs(items)
-
-
-def parse_pairs(items: list[str]) -> dict[str, Any]:
-    """`name=value` pairs, values parsed as JSON where they parse."""
-    out: dict[str, Any] = {}
-    for item in items:
-        name, _, raw = item.partition("=")
-        try:
-            out[name] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[name] = raw
-    return out
 
 
 def main() -> int:

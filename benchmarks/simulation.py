@@ -34,7 +34,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ingest import Proc, clean_env, free_port, tabloop, wait_ready  # noqa: E402
+from benchmarks.ingest import (  # noqa: E402
+    Proc,
+    clean_env,
+    free_port,
+    parse_pairs,
+    tabloop,
+    wait_ready,
+)
 
 
 def main() -> int:
@@ -131,11 +138,7 @@ def put_reward_spec(port: int, token: str, pairs: list[str]) -> None:
     """Store a reward spec with the given fields changed, as an operator would."""
     import httpx
 
-    body = {}
-    for pair in pairs:
-        name, _, raw = pair.partition("=")
-        body[name] = json.loads(raw)
-    r = httpx.put(f"http://127.0.0.1:{port}/admin/reward-spec", json=body,
+    r = httpx.put(f"http://127.0.0.1:{port}/admin/reward-spec", json=parse_pairs(pairs),
                   headers={"Authorization": f"Bearer {token}"}, timeout=30)
     r.raise_for_status()
     print(f"reward spec v{r.json()['version']}: {r.json()['spec']}", flush=True)

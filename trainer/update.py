@@ -344,10 +344,9 @@ def update(
                 for k, v in metrics.items():
                     totals[k] += v
                 steps += 1
-        if cfg.gate_epochs:
-            totals.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg))
+        gate = gate_passes(model, tokenizer, batch, adv, optimizer, cfg) if cfg.gate_epochs else {}
     model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
-    return {k: v / (1 if k.startswith("gate/") else steps) for k, v in totals.items()}
+    return {**{k: v / steps for k, v in totals.items()}, **gate}
 
 
 def gate_passes(
