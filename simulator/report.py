@@ -4,6 +4,7 @@ issue's targets, and the plot. Pure functions of the records (the plot aside).""
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ MIN_GATED_DEPLOYS = 5
 # Collapse: the policy (nearly) stopped showing, or its retained characters fell by half.
 COLLAPSE_SHOWN_SHARE = 0.25
 COLLAPSE_RETAINED_SHARE = 0.5
+# The rates the targets compare, whose first-to-last changes get a bootstrap interval.
+INTERVAL_KEYS = ("accept_rate_of_shown", "shown_per_request", "retained_chars_per_100")
 
 
 @dataclass(frozen=True)
@@ -118,14 +121,64 @@ def relative_change(first: float | None, last: float | None) -> float | None:
 
 
 def fifths(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any]:
-    """Metrics of each fifth of the run, and the first-to-last relative changes."""
-    parts = [metrics(p) for _, _, p in split_by_time(records, duration_s / 5, duration_s)]
+    """Metrics of each fifth of the run, the first-to-last relative changes, and 95% bootstrap
+    intervals of the changes the targets read (change_intervals)."""
+    windows = [p for _, _, p in split_by_time(records, duration_s / 5, duration_s)]
+    parts = [metrics(p) for p in windows]
     first, last = parts[0], parts[-1]
     keys = ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100",
             "accepted_chars_per_100", "reward_per_request", "family_shown_rate",
             "other_shown_per_request", "other_accept_rate_of_shown", "mean_shown_chars")
     return {"parts": parts, "first": first, "last": last,
-            "change": {k: relative_change(first[k], last[k]) for k in keys}}
+            "change": {k: relative_change(first[k], last[k]) for k in keys},
+            "interval": change_intervals(windows[0], windows[-1])}
+
+
+def _rates(n: float, shown: float, accepted: float, retained: float) -> dict[str, float | None]:
+    return {"accept_rate_of_shown": _ratio(accepted, shown), "shown_per_request": _ratio(shown, n),
+            "retained_chars_per_100": _ratio(100 * retained, n)}
+
+
+def change_intervals(first: Sequence[RequestRecord], last: Sequence[RequestRecord], *,
+                     resamples: int = 2000, level: float = 0.95, seed: int = 0
+                     ) -> dict[str, list[float] | None]:
+    """Percentile-bootstrap intervals of the first-to-last relative change of INTERVAL_KEYS.
+
+    One run's fifths hold ~1,500 requests and ~100 accepts each, so a change of a few tens of
+    percent can be noise. The resampling unit is the simulated person (user id), with their
+    requests of both fifths together: people differ (their own accept and reject habits) and
+    the same people are in both fifths, so resampling requests alone would understate the
+    spread. Seeded, so a report is reproducible. None where a resample leaves no ratio.
+    """
+    assert 0 < level < 1 and resamples > 0, "level in (0, 1), resamples > 0"
+    sums: dict[str, list[float]] = {}  # user -> (n, shown, accepted, retained) first, then last
+    for offset, part in ((0, first), (4, last)):
+        for r in part:
+            s = sums.setdefault(r.user_id, [0.0] * 8)
+            s[offset] += 1
+            s[offset + 1] += r.shown
+            s[offset + 2] += r.shown and r.action == "accept"
+            s[offset + 3] += r.retained_chars if r.shown and r.action == "accept" else 0.0
+    people = list(sums.values())
+    draws: dict[str, list[float]] = {k: [] for k in INTERVAL_KEYS}
+    rng = random.Random(seed)
+    for _ in range(resamples if people else 0):
+        pick = rng.choices(people, k=len(people))
+        total = [sum(s[i] for s in pick) for i in range(8)]
+        a, b = _rates(*total[:4]), _rates(*total[4:])
+        for k in INTERVAL_KEYS:
+            c = relative_change(a[k], b[k])
+            if c is not None:
+                draws[k].append(c)
+    out: dict[str, list[float] | None] = {}
+    for k, xs in draws.items():
+        if len(xs) < resamples:  # some resample had no ratio: no honest interval
+            out[k] = None
+            continue
+        xs.sort()
+        tail = (1 - level) / 2
+        out[k] = [xs[int(tail * (len(xs) - 1))], xs[int(round((1 - tail) * (len(xs) - 1)))]]
+    return out
 
 
 def gated_deploys(deployments: Sequence[dict[str, Any]]) -> int:
@@ -135,8 +188,12 @@ def gated_deploys(deployments: Sequence[dict[str, Any]]) -> int:
 
 def targets(summary: dict[str, Any],
             deployments: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The issue's targets, each with its value and whether it was met (None: not measurable)."""
+    """The issue's targets, each with its value and whether it was met (None: not measurable).
+    The three that compare fifths also carry the change's 95% interval (None where unknown):
+    "met" reads the point estimate, as the issue states its targets, the interval says how
+    sure one run can be of it."""
     first, last, change = summary["first"], summary["last"], summary["change"]
+    interval = summary.get("interval") or {}
 
     acc, shown = change["accept_rate_of_shown"], change["shown_per_request"]
     ret_first, ret_last = first["retained_chars_per_100"], last["retained_chars_per_100"]
@@ -148,12 +205,15 @@ def targets(summary: dict[str, Any],
                     or (ret_last or 0.0) < COLLAPSE_RETAINED_SHARE * ret_first)
     return [
         {"name": "accept rate of shown, relative change", "target": f">= +{ACCEPT_RATE_GAIN:.0%}",
-         "value": acc, "met": (None if acc is None else acc >= ACCEPT_RATE_GAIN)},
+         "value": acc, "met": (None if acc is None else acc >= ACCEPT_RATE_GAIN),
+         "interval": interval.get("accept_rate_of_shown")},
         {"name": "shown per request, relative change", "target": f"<= -{SHOWN_DROP:.0%}",
-         "value": shown, "met": (None if shown is None else shown <= -SHOWN_DROP)},
+         "value": shown, "met": (None if shown is None else shown <= -SHOWN_DROP),
+         "interval": interval.get("shown_per_request")},
         {"name": "retained chars per 100 requests, last vs first", "target": "not lower",
          "value": [ret_first, ret_last],
-         "met": (None if ret_first is None or ret_last is None else ret_last >= ret_first)},
+         "met": (None if ret_first is None or ret_last is None else ret_last >= ret_first),
+         "interval": interval.get("retained_chars_per_100")},
         {"name": "gated deploys", "target": f">= {MIN_GATED_DEPLOYS}", "value": deploys,
          "met": (None if deploys is None else deploys >= MIN_GATED_DEPLOYS)},
         {"name": "no collapse",

@@ -345,7 +345,13 @@ def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
     console.print(table)
     for t in report["targets"]:
         mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]n/a[/]"}[t["met"]]
-        console.print(f"  {mark}  {t['name']}: {t['value']} (target {t['target']})")
+        value, sure = t["value"], t.get("interval")
+        if isinstance(value, float):
+            value = f"{value:+.0%}"
+        elif isinstance(value, list) and None not in value:
+            value = " -> ".join(f"{v:.1f}" for v in value)
+        sure = f"; 95% interval of the change {sure[0]:+.0%} to {sure[1]:+.0%}" if sure else ""
+        console.print(f"  {mark}  {t['name']}: {value} (target {t['target']}{sure})")
     console.print(f"report: {out / 'report.json'}  plot: {out / 'learning_curve.png'}  "
                   f"requests: {out / 'records.jsonl'}")
 

@@ -12,6 +12,7 @@ from simulator.report import (
     RequestRecord,
     bucketize,
     by_version,
+    change_intervals,
     fifths,
     gated_deploys,
     metrics,
@@ -24,10 +25,10 @@ from simulator.report import (
 
 
 def rec(t: float, action: str = "abstained", *, family: bool = False, chars: int = 0,
-        accepted: int = 0, retained: float = 0.0, version: int = 1, reward: float = 0.0
-        ) -> RequestRecord:
+        accepted: int = 0, retained: float = 0.0, version: int = 1, reward: float = 0.0,
+        user: str = "u") -> RequestRecord:
     shown = action != "abstained"
-    return RequestRecord(t=t, user_id="u", version=version, shown=shown, family=family,
+    return RequestRecord(t=t, user_id=user, version=version, shown=shown, family=family,
                          shown_chars=chars if shown else 0, verdict="correct" if shown else None,
                          action=action, accepted_chars=accepted, retained_chars=retained,
                          reward=reward, latency_ms=10.0)
@@ -197,3 +198,53 @@ def test_report_main_swaps_the_baseline_and_redraws(tmp_path: Path) -> None:
         "learned_last_fifth": 1.0, "baseline": 0.4, "difference": pytest.approx(0.6),
         "live_first_fifth": 1.0, "base_as_served_offline": 0.4}
     assert (tmp_path / "learning_curve.png").stat().st_size > 1000
+
+
+def person_requests(user: str, t0: float, accepts: int, rejects: int, abstains: int
+                    ) -> list[RequestRecord]:
+    """One person's requests in a fifth starting at t0: accepts of 4 characters, all kept."""
+    acts = ["accept"] * accepts + ["reject"] * rejects + ["abstained"] * abstains
+    return [rec(t0 + 0.01 * i, a, chars=4, accepted=4 if a == "accept" else 0,
+                retained=4.0 if a == "accept" else 0.0, user=user) for i, a in enumerate(acts)]
+
+
+def test_change_intervals_of_an_unchanged_population_straddle_zero() -> None:
+    first = [r for u in range(12) for r in person_requests(f"p{u}", 0, 3 + u % 3, 3, 10)]
+    last = [r for u in range(12) for r in person_requests(f"p{u}", 40, 3 + (u + 1) % 3, 3, 10)]
+    iv = change_intervals(first, last)
+    for key in ("accept_rate_of_shown", "shown_per_request", "retained_chars_per_100"):
+        assert iv[key] is not None and iv[key][0] < 0 < iv[key][1], key
+    assert iv == change_intervals(first, last)  # seeded: the same report twice
+
+
+def test_change_intervals_exclude_zero_for_a_change_everyone_shares() -> None:
+    first = [r for u in range(12) for r in person_requests(f"p{u}", 0, 4 + u % 2, 4, 8)]
+    last = [r for u in range(12) for r in person_requests(f"p{u}", 40, 6 + u % 2, 1, 9)]
+    s = fifths(first + last, 50.0)
+    iv = s["interval"]
+    acc = iv["accept_rate_of_shown"]
+    shown = iv["shown_per_request"]
+    assert acc is not None and 0 < acc[0] <= s["change"]["accept_rate_of_shown"] <= acc[1]
+    assert shown is not None and shown[0] <= s["change"]["shown_per_request"] <= shown[1] < 0
+    assert [t["interval"] for t in targets(s, None)[:3]] == [
+        acc, shown, iv["retained_chars_per_100"]]
+
+
+def test_change_intervals_resample_people_not_requests() -> None:
+    # one person of ten makes the whole gain: 28 more accepts. Resampling requests would call it
+    # certain; resampling people finds runs without that person, and the interval reaches 0.
+    first = [r for u in range(10) for r in person_requests(f"p{u}", 0, 2, 2, 36)]
+    last = [r for u in range(10)
+            for r in person_requests(f"p{u}", 40, *((30, 2, 8) if u == 0 else (2, 2, 36)))]
+    lo, hi = change_intervals(first, last)["retained_chars_per_100"] or (None, None)
+    assert lo is not None and hi is not None
+    assert lo <= 0.0 < hi
+
+
+def test_change_intervals_need_a_ratio_in_every_resample() -> None:
+    # the first fifth showed one suggestion, to one person of two: some resamples show nothing
+    first = person_requests("a", 0, 1, 0, 3) + person_requests("b", 0, 0, 0, 4)
+    last = person_requests("a", 40, 1, 1, 2) + person_requests("b", 40, 1, 0, 3)
+    iv = change_intervals(first, last)
+    assert iv["accept_rate_of_shown"] is None and iv["shown_per_request"] is None
+    assert change_intervals([], []) == dict.fromkeys(iv)
