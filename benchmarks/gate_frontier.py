@@ -1,6 +1,7 @@
 """What a show/abstain gate could reach on the base policy's completions, at best.
 
     python benchmarks/gate_frontier.py [--cursors 3000] [--seed 0] [--out FILE.json]
+        [--reward chars_norm=8 --reward chars_exponent=1.0 ...]
 
 Samples the shipped base policy on held-out cursors drawn as `tabloop simulate` draws them
 (serving temperature and nucleus), and scores each completion with a panel of 32 simulated
@@ -13,6 +14,11 @@ characters per 100 requests and reward per request of
   tokens, bytes), fit on the first half to predict acceptance, at several thresholds;
 - the same with a def/class-line flag added (what the hidden-state half of the gate can learn
   from the prefix: the simulated people reject every suggestion there);
+- that gate where the reward spec expects a gain from showing, p * accept_reward *
+  size_scale(chars) > (1 - p) * reject_penalty with p its predicted accept rate: about where a
+  policy that maximizes this reward ends up, if it ranked as well as the fitted gate.
+  `--reward NAME=VALUE` changes the spec (scoring and this rule) to see where another one puts
+  that point;
 - an oracle that knows each completion's expected reward and hides the ones below a bar.
 
 The learned gate is a logistic head of the same confidence inputs plus a projection of the
@@ -32,19 +38,19 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.ingest import parse_pairs  # noqa: E402
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
 from service.rewards.core import RewardSpec  # noqa: E402
 from simulator.baseline import complete_and_score  # noqa: E402
-from simulator.population import CursorSource, PopulationConfig, draw_person  # noqa: E402
+from simulator.population import CursorSource, PopulationConfig, draw_person, size_scale  # noqa: E402
 from trainer.corpus import heldout_lines  # noqa: E402
 
 BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
 
 
-def sample(n: int, seed: int) -> list[dict[str, Any]]:
+def sample(n: int, seed: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     model, tokenizer, _ = load_checkpoint(BASE)
     model.eval()
-    spec = RewardSpec.sim().to_dict()
     population = PopulationConfig()
     source = CursorSource(list(heldout_lines()))
     rng = random.Random(f"frontier:{seed}")
@@ -104,9 +110,17 @@ def main() -> int:
     p.add_argument("--cursors", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a field of the sim reward spec")
     args = p.parse_args()
+    try:
+        spec = RewardSpec.from_dict({**RewardSpec.sim().to_dict(),
+                                     **parse_pairs(args.reward)}).to_dict()
+    except ValueError as e:
+        raise SystemExit(f"--reward: {e}") from e
+    print(f"reward spec: {spec}", flush=True)
     torch.set_num_threads(1)
-    items = sample(args.cursors, args.seed)
+    items = sample(args.cursors, args.seed, spec)
     half = len(items) // 2
     fit_on = [it for it in items[:half] if it["chars"]]
     test = items[half:]
@@ -124,6 +138,12 @@ def main() -> int:
             show = [float(bool(it["chars"]) and pa >= t) for it, pa in zip(test, p_accept,
                                                                             strict=True)]
             rows.append((f"{name}, p(accept) >= {t}", rates(test, show)))
+        if family:  # where this reward expects a gain from showing, by the fitted p(accept)
+            worth = [spec["accept_reward"] * size_scale(it["chars"], spec["chars_norm"],
+                                                        spec["chars_exponent"]) for it in test]
+            show = [float(bool(it["chars"]) and pa * w > (1 - pa) * spec["reject_penalty"])
+                    for it, pa, w in zip(test, p_accept, worth, strict=True)]
+            rows.append((f"{name}, where the reward expects a gain", rates(test, show)))
     for bar in (-0.2, -0.1, 0.0):
         show = [0.0 if (not it["chars"] or it["family"] or it["reward"] < bar) else it["p_show"]
                 for it in test]
@@ -133,8 +153,10 @@ def main() -> int:
     def rel(r: dict[str, float], k: str) -> str:
         return f"{100 * (r[k] / base[k] - 1):+.0f}%"
     print(f"{len(test)} evaluation cursors (a gate fit on the other {half})")
+    width = max(len(name) for name, _ in rows)
     for name, r in rows:
-        print(f"{name:72s} shown {r['shown_per_request']:.3f} ({rel(r, 'shown_per_request')})  "
+        print(f"{name:{width}s} "
+              f"shown {r['shown_per_request']:.3f} ({rel(r, 'shown_per_request')})  "
               f"accept {r['accept_rate_of_shown']:.3f} ({rel(r, 'accept_rate_of_shown')})  "
               f"retained {r['retained_chars_per_100']:.1f} ({rel(r, 'retained_chars_per_100')})  "
               f"reward {r['reward_per_request']:.4f}")
