@@ -38,9 +38,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.ingest import parse_pairs  # noqa: E402
+from benchmarks.ingest import sim_reward_spec  # noqa: E402
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
-from service.rewards.core import RewardSpec  # noqa: E402
 from simulator.baseline import complete_and_score  # noqa: E402
 from simulator.population import CursorSource, PopulationConfig, draw_person, size_scale  # noqa: E402
 from trainer.corpus import heldout_lines  # noqa: E402
@@ -113,11 +112,7 @@ def main() -> int:
     p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
                    help="override a field of the sim reward spec")
     args = p.parse_args()
-    try:
-        spec = RewardSpec.from_dict({**RewardSpec.sim().to_dict(),
-                                     **parse_pairs(args.reward)}).to_dict()
-    except ValueError as e:
-        raise SystemExit(f"--reward: {e}") from e
+    spec = sim_reward_spec(args.reward)
     print(f"reward spec: {spec}", flush=True)
     torch.set_num_threads(1)
     items = sample(args.cursors, args.seed, spec)

@@ -75,6 +75,17 @@ def parse_pairs(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def sim_reward_spec(pairs: list[str]) -> dict[str, Any]:
+    """The sim profile's reward spec with `--reward name=value` pairs changed, validated as the
+    service validates a PUT; a clear exit on a bad field."""
+    from service.rewards.core import RewardSpec
+
+    try:
+        return RewardSpec.from_dict({**RewardSpec.sim().to_dict(), **parse_pairs(pairs)}).to_dict()
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--reward: {e}") from e
+
+
 def tabloop(*args: str, env: dict[str, str]) -> str:
     """Run a short `tabloop` command; its stdout."""
     done = subprocess.run([sys.executable, "-m", "tabloop.cli", *args], env=env, cwd=ROOT,

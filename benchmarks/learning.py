@@ -34,9 +34,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.ingest import parse_pairs  # noqa: E402
+from benchmarks.ingest import parse_pairs, sim_reward_spec  # noqa: E402
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
-from service.rewards.core import RewardSpec  # noqa: E402
 from simulator.baseline import at_threshold, complete_and_score, complete_cursor  # noqa: E402
 from simulator.population import (  # noqa: E402
     CursorSource,
@@ -77,8 +76,7 @@ def main() -> int:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     cfg = replace(TrainerConfig.for_profile("sim").update, **parse_set(args.set))
-    spec = {**RewardSpec.sim().to_dict(), **parse_pairs(args.reward)}
-    spec = RewardSpec.from_dict(spec).to_dict()  # validated
+    spec = sim_reward_spec(args.reward)
     population = PopulationConfig()
     source = CursorSource(list(heldout_lines()))
     model, tokenizer, _ = load_checkpoint(BASE)

@@ -951,7 +951,7 @@ def wait_http_ready(url: str, proc: subprocess.Popen[Any], timeout_s: float = 12
         except httpx.TransportError:
             pass
         if proc.poll() is not None:
-            raise ServiceError(f"{proc.args} exited with {proc.returncode} during start-up")
+            raise ServiceError(f"{proc.args!r} exited with {proc.returncode} during start-up")
         if time.monotonic() > deadline:
             raise ServiceError(f"{url} was not ready after {timeout_s:.0f} s")
         time.sleep(0.2)
