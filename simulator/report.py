@@ -59,11 +59,9 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "accepted": len(accepted),
         "rejected": sum(r.action == "reject" for r in shown),
         "ignored": sum(r.action == "ignore" for r in shown),
-        "shown_per_request": _ratio(len(shown), n),
-        "accept_rate_of_shown": _ratio(len(accepted), len(shown)),
+        **_rates(n, len(shown), len(accepted), sum(r.retained_chars for r in accepted)),
         "correct_of_shown": _ratio(sum(r.verdict == "correct" for r in shown), len(shown)),
         "accepted_chars_per_100": _ratio(100 * sum(r.accepted_chars for r in accepted), n),
-        "retained_chars_per_100": _ratio(100 * sum(r.retained_chars for r in accepted), n),
         "reward_per_request": _ratio(sum(r.reward for r in records), n),
         "mean_shown_chars": _ratio(sum(r.shown_chars for r in shown), len(shown)),
         "family_requests": len(family),
@@ -135,6 +133,8 @@ def fifths(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any
 
 
 def _rates(n: float, shown: float, accepted: float, retained: float) -> dict[str, float | None]:
+    """The three rates the targets read, from counts of requests, shown, accepted and the
+    retained characters of the accepted ones (metrics and change_intervals)."""
     return {"accept_rate_of_shown": _ratio(accepted, shown), "shown_per_request": _ratio(shown, n),
             "retained_chars_per_100": _ratio(100 * retained, n)}
 
@@ -155,10 +155,11 @@ def change_intervals(first: Sequence[RequestRecord], last: Sequence[RequestRecor
     for offset, part in ((0, first), (4, last)):
         for r in part:
             s = sums.setdefault(r.user_id, [0.0] * 8)
+            accepted = r.shown and r.action == "accept"
             s[offset] += 1
             s[offset + 1] += r.shown
-            s[offset + 2] += r.shown and r.action == "accept"
-            s[offset + 3] += r.retained_chars if r.shown and r.action == "accept" else 0.0
+            s[offset + 2] += accepted
+            s[offset + 3] += r.retained_chars if accepted else 0.0
     people = list(sums.values())
     draws: dict[str, list[float]] = {k: [] for k in INTERVAL_KEYS}
     rng = random.Random(seed)
