@@ -19,6 +19,9 @@ characters per 100 requests and reward per request of
   policy that maximizes this reward ends up, if it ranked as well as the fitted gate.
   `--reward NAME=VALUE` changes the spec (scoring and this rule) to see where another one puts
   that point;
+- the expected-gain rule again, with p(accept) fit the way a live loop could fit it: on
+  LIVE_LABELS suggestions the base gate showed, one person's verdict each; with and without
+  the def/class flag, three draws each;
 - an oracle that knows each completion's expected reward and hides the ones below a bar.
 
 The learned gate is a logistic head of the same confidence inputs plus a projection of the
@@ -45,6 +48,7 @@ from simulator.population import CursorSource, PopulationConfig, draw_person, si
 from trainer.corpus import heldout_lines  # noqa: E402
 
 BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
+LIVE_LABELS = 300  # judged suggestions: about what three or four live batches hold
 
 
 def sample(n: int, seed: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -122,23 +126,42 @@ def main() -> int:
     rows: list[tuple[str, dict[str, float]]] = []
     base = rates(test, [it["p_show"] if it["chars"] else 0.0 for it in test])
     rows.append(("base policy, its stochastic gate", base))
-    for family in (False, True):
-        x = torch.tensor([features(it, family) for it in fit_on])
+    worth = [spec["accept_reward"] * size_scale(it["chars"], spec["chars_norm"],
+                                                spec["chars_exponent"]) for it in test]
+
+    def gain(p_accept: list[float]) -> list[float]:
+        """Shown where the reward expects a gain from showing, by the fitted p(accept)."""
+        return [float(bool(it["chars"]) and pa * w > (1 - pa) * spec["reject_penalty"])
+                for it, pa, w in zip(test, p_accept, worth, strict=True)]
+
+    def fitted(on: list[dict[str, Any]], labels: list[float], family: bool) -> list[float]:
+        """p(accept) on the test half from a logistic fit of `labels` on `on`."""
+        x = torch.tensor([features(it, family) for it in on])
         mu, sd = x.mean(0), x.std(0) + 1e-6
-        w = fit_logistic((x - mu) / sd, torch.tensor([it["accept"] for it in fit_on]))
+        w = fit_logistic((x - mu) / sd, torch.tensor(labels))
         xt = (torch.tensor([features(it, family) for it in test]) - mu) / sd
-        p_accept = torch.sigmoid(torch.cat([xt, torch.ones(len(xt), 1)], 1) @ w).tolist()
+        return torch.sigmoid(torch.cat([xt, torch.ones(len(xt), 1)], 1) @ w).tolist()
+
+    for family in (False, True):
+        p_accept = fitted(fit_on, [it["accept"] for it in fit_on], family)
         name = "logistic gate, confidence" + (" + def/class flag" if family else "")
         for t in (0.3, 0.4, 0.5, 0.6):
             show = [float(bool(it["chars"]) and pa >= t) for it, pa in zip(test, p_accept,
                                                                             strict=True)]
             rows.append((f"{name}, p(accept) >= {t}", rates(test, show)))
-        if family:  # where this reward expects a gain from showing, by the fitted p(accept)
-            worth = [spec["accept_reward"] * size_scale(it["chars"], spec["chars_norm"],
-                                                        spec["chars_exponent"]) for it in test]
-            show = [float(bool(it["chars"]) and pa * w > (1 - pa) * spec["reject_penalty"])
-                    for it, pa, w in zip(test, p_accept, worth, strict=True)]
-            rows.append((f"{name}, where the reward expects a gain", rates(test, show)))
+        if family:
+            rows.append((f"{name}, where the reward expects a gain", rates(test, gain(p_accept))))
+    # What a live loop has to learn from: only what the base gate showed (drawn with its
+    # p(show)), one person's verdict each, a few hundred of them. With and without knowing the
+    # def/class lines, three draws each.
+    for family in (False, True):
+        name = "confidence" + (" + def/class flag" if family else "")
+        for draw in range(3):
+            rng = random.Random(f"live-labels:{args.seed}:{draw}")
+            seen = [it for it in fit_on if rng.random() < it["p_show"]][:LIVE_LABELS]
+            verdicts = [float(rng.random() < it["accept"]) for it in seen]
+            rows.append((f"{name}, fit on {len(seen)} shown verdicts (draw {draw}), expected gain",
+                         rates(test, gain(fitted(seen, verdicts, family)))))
     for bar in (-0.2, -0.1, 0.0):
         show = [0.0 if (not it["chars"] or it["family"] or it["reward"] < bar) else it["p_show"]
                 for it in test]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import random
 import sys
@@ -37,7 +36,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.ingest import parse_pairs, sim_reward_spec  # noqa: E402
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
-from service.policy.sampling import score_actions  # noqa: E402
 from simulator.baseline import at_threshold, complete_and_score, complete_cursor  # noqa: E402
 from simulator.population import (  # noqa: E402
     CursorSource,
@@ -47,7 +45,6 @@ from simulator.population import (  # noqa: E402
     draw_person,
 )
 from trainer.corpus import heldout_lines  # noqa: E402
-from trainer.critic import DecisionCritic  # noqa: E402
 from trainer.loop import TrainerConfig  # noqa: E402
 from trainer.update import Batch, carry_state, make_optimizer, update  # noqa: E402
 
@@ -96,23 +93,12 @@ def main() -> int:
     def evaluate() -> dict[str, Any]:
         g = torch.Generator().manual_seed(10_000 + args.seed)  # the same draws every round
         judge_rng = random.Random(f"judge:{args.seed}")
-        items, comps = [], []
+        items = []
         with torch.no_grad():
             for c in eval_cursors:
-                comp, scored = complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g)
-                comps.append(comp)
-                items.append(scored)
+                items.append(complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g)[1])
         m = at_threshold(items, None)
         m["greedy"] = at_threshold(items, 0.5)  # the same gate, shown iff p(show) >= 1/2
-        fit = critic.fit(model, tokenizer) if cfg.gate_critic else None
-        if fit is not None:  # shown iff the critic expects a gain (Q(abstain) = 0 here)
-            with torch.no_grad():
-                sc = score_actions(model, tokenizer, comps)
-                context = critic.context(model, sc.gate_hidden)
-                q = fit.q_show(context, sc.gate_inputs).tolist()
-            rule = [dataclasses.replace(s, p_show=float(qi > 0)) for s, qi in zip(items, q,
-                                                                                  strict=True)]
-            m["critic_rule"] = at_threshold(rule, None)
         # the language model alone: what showing every completion would keep
         m["retained_all_per_100"] = at_threshold(items, 0.0)["retained_chars_per_100"]
         weight = sum(s.p_show for s in items if s.chars)
@@ -124,7 +110,6 @@ def main() -> int:
     print(f"update config: {cfg}", flush=True)
     print(f"reward spec: {spec}", flush=True)
     state = None
-    critic = DecisionCritic(cfg.critic_batches, cfg.critic_l2, cfg.critic_context)  # gate_critic
     history = []
     first = evaluate()
     history.append({"round": 0, **first})
@@ -148,7 +133,7 @@ def main() -> int:
         opt = make_optimizer(candidate, cfg)
         carry_state(opt, state)
         metrics = update(candidate, ref, tokenizer, Batch.of(actions[:n_train], rewards[:n_train]),
-                         opt, cfg, critic)
+                         opt, cfg)
         state = copy.deepcopy(opt.state_dict())
         candidate.requires_grad_(False)
         candidate.eval()
@@ -175,11 +160,10 @@ def _line(r: int, m: dict[str, Any], first: dict[str, Any], metrics: dict[str, f
             f"reward {m['reward_per_request']:.4f} family {m['family_shown_rate']:.3f} "
             f"chars {m['mean_shown_chars']:.2f} (all {m['mean_chars']:.2f}) "
             f"all-shown retained {m['retained_all_per_100']:.1f}{extra}"
-            + "".join(f"\n    {k:11s}: shown {rel(k, 'shown_per_request')} "
-                      f"accept {rel(k, 'accept_rate_of_shown')} "
-                      f"retained {rel(k, 'retained_chars_per_100')} "
-                      f"reward {m[k]['reward_per_request']:.4f}"
-                      for k in ("greedy", "critic_rule") if k in m))
+            f"\n    greedy (shown iff p(show) >= 1/2): shown {rel('greedy', 'shown_per_request')} "
+            f"accept {rel('greedy', 'accept_rate_of_shown')} "
+            f"retained {rel('greedy', 'retained_chars_per_100')} "
+            f"reward {m['greedy']['reward_per_request']:.4f}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ from service.tables import (
     trainer_state,
     utcnow,
 )
-from trainer.critic import DecisionCritic
 from trainer.deploy import ApiError, ArmStats, CanaryConfig, ServiceClient, canary_verdict
 from trainer.gate import GateConfig, check, heldout_sample
 from trainer.join import Join
@@ -125,9 +124,6 @@ class Trainer:
         self.paused = False
         self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
         self._optimizer_state: dict[str, Any] | None = None  # Adam's moments, kept across updates
-        # what people accept, kept across updates too (used with the update's gate_critic)
-        up = self.cfg.update
-        self._critic = DecisionCritic(up.critic_batches, up.critic_l2, up.critic_context)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -252,9 +248,7 @@ class Trainer:
         optimizer = make_optimizer(model, self.cfg.update)
         carry_state(optimizer, self._optimizer_state)
         batch = Batch.of(train_rows, [r.value for r in train_rows])
-        metrics = update(
-            model, ref_model, tokenizer, batch, optimizer, self.cfg.update, self._critic
-        )
+        metrics = update(model, ref_model, tokenizer, batch, optimizer, self.cfg.update)
         self._optimizer_state = copy.deepcopy(optimizer.state_dict())
         UPDATES.inc()
         model.eval()

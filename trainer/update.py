@@ -43,7 +43,6 @@ from torch.nn import functional as F
 from service.policy.model import GPT
 from service.policy.sampling import Action, score_actions
 from service.policy.tokenizer import CodeTokenizer
-from trainer.critic import CriticFit, DecisionCritic
 
 LOG_RATIO_CLAMP = 10.0  # |log pi_ref/pi| above this is clamped in the k3 KL (keeps it finite)
 
@@ -65,13 +64,6 @@ class UpdateConfig:
     # extra passes for the gate alone after the full epochs, on the updated model's hidden
     # states computed once (so they cost one forward pass), with the decision's clipped ratio
     gate_epochs: int = 0
-    # the gate passes step the expected surrogate of every decision, scored by a critic fitted
-    # on the judged suggestions of the last `critic_batches` batches (trainer/critic.py),
-    # instead of the sampled decisions' surrogate; the caller keeps the DecisionCritic
-    gate_critic: bool = False
-    critic_batches: int = 4
-    critic_l2: float = 1.0  # the critic's logistic regression: L2 on standardised inputs
-    critic_context: Literal["gate", "hidden"] = "gate"  # DecisionCritic.context
 
 
 @dataclass
@@ -183,25 +175,6 @@ def per_part_surrogate(
     owner = torch.cat([seg, torch.arange(len(lengths))])
     per_action = torch.zeros(len(lengths), dtype=terms.dtype).index_add(0, owner, terms)
     return -per_action.mean(), _clip_fraction(ratios, clip_eps)
-
-
-def expected_gate_surrogate(
-    p_new: torch.Tensor, p_old: torch.Tensor, delta: torch.Tensor, clip_eps: float
-) -> torch.Tensor:
-    """PPO's clipped surrogate of a binary decision in expectation over the serving policy's
-    decision instead of at the sampled one (elementwise, to be maximised):
-
-        p_old min(rho_s A_s, clip(rho_s) A_s) + (1 - p_old) min(rho_a A_a, clip(rho_a) A_a)
-
-    rho_s = p_new / p_old, rho_a = (1 - p_new) / (1 - p_old), delta = Q(show) - Q(abstain),
-    A_s = (1 - p_old) delta and A_a = -p_old delta (each action's value minus the policy's).
-    At p_new = p_old its gradient in p_new is delta; the clip stops it once p(show) has moved
-    by a factor 1 +- eps (or p(abstain) has)."""
-    rho_s, rho_a = p_new / p_old, (1.0 - p_new) / (1.0 - p_old)
-    a_s, a_a = (1.0 - p_old) * delta, -p_old * delta
-    return p_old * _clipped_terms(rho_s, a_s, clip_eps) + (1.0 - p_old) * _clipped_terms(
-        rho_a, a_a, clip_eps
-    )
 
 
 def kl_to_reference(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
@@ -342,14 +315,12 @@ def update(
     batch: Batch,
     optimizer: torch.optim.Optimizer,
     cfg: UpdateConfig,
-    critic: DecisionCritic | None = None,
 ) -> dict[str, float]:
     """`cfg.epochs` passes of shuffled minibatches over `batch`; the mean metrics of the steps.
 
     The optimizer (and its learning rate) is the caller's, kept across batches (`make_optimizer`
     builds the usual one); ref_model is only read, never differentiated. Advantages use the
-    whole batch's baseline. With cfg.gate_critic, `critic` (kept by the caller across batches)
-    remembers this batch's judged suggestions and scores the gate passes' decisions.
+    whole batch's baseline.
     """
     n = len(batch.actions)
     assert n > 0, "empty batch"
@@ -373,13 +344,7 @@ def update(
                 for k, v in metrics.items():
                     totals[k] += v
                 steps += 1
-        if cfg.gate_critic and critic is not None:
-            critic.remember(batch.actions, batch.rewards)
-        gate = (
-            gate_passes(model, tokenizer, batch, adv, optimizer, cfg, critic)
-            if cfg.gate_epochs
-            else {}
-        )
+        gate = gate_passes(model, tokenizer, batch, adv, optimizer, cfg) if cfg.gate_epochs else {}
     model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
     return {**{k: v / steps for k, v in totals.items()}, **gate}
 
@@ -391,7 +356,6 @@ def gate_passes(
     adv: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     cfg: UpdateConfig,
-    critic: DecisionCritic | None = None,
 ) -> dict[str, float]:
     """`cfg.gate_epochs` passes of minibatch steps on the show/abstain gate alone.
 
@@ -403,11 +367,6 @@ def gate_passes(
     is what bounds how far these passes move any one decision from the serving policy's (to
     1 +- clip_eps). The optimizer is the update's (Adam's moments for the gate carry on); the
     language model's parameters get no gradient here, so it does not step them.
-
-    With cfg.gate_critic and a critic that can be fitted (an accepted and a rejected suggestion
-    in its memory), each step maximises `expected_gate_surrogate` instead: every sampled
-    decision, shown or not, moves toward showing where the critic's Q(show) beats Q(abstain)
-    (the batch's mean reward of abstaining), by at most the same clip.
     """
     old = batch.behaviour_decision_logp
     if old is None:
@@ -417,13 +376,6 @@ def gate_passes(
     hidden, feats = s.gate_hidden.detach(), s.gate_inputs.detach()
     sampled = s.decision != 0  # score_actions: 0 where the decision was not sampled
     shown = torch.tensor([bool(a.shown) for a in batch.actions])
-    fit = critic.fit(model, tokenizer) if cfg.gate_critic and critic is not None else None
-    extra: dict[str, float] = {}
-    if fit is not None:
-        context = critic.context(model, hidden)  # type: ignore[union-attr]
-        delta, extra = _critic_delta(fit, context, feats, batch.rewards, shown, sampled)
-        # the serving policy's p(show), from the logged log-prob of what it decided
-        p_old = torch.where(shown, old.exp(), 1.0 - old.exp()).clamp(1e-6, 1.0 - 1e-6)
     gate = [p for n, p in model.named_parameters() if n.startswith("gate.") and p.requires_grad]
     n = len(batch.actions)
     clipped, steps = 0.0, 0
@@ -434,13 +386,7 @@ def gate_passes(
             z = model.gate_logit(hidden[idx], feats[idx])
             new = torch.where(shown[idx], F.logsigmoid(z), F.logsigmoid(-z))
             ratio = torch.exp(new - old[idx])
-            if fit is not None:
-                terms = expected_gate_surrogate(
-                    torch.sigmoid(z), p_old[idx], delta[idx], cfg.clip_eps
-                )
-            else:
-                terms = _clipped_terms(ratio, adv[idx], cfg.clip_eps)
-            terms = terms * sampled[idx]
+            terms = _clipped_terms(ratio, adv[idx], cfg.clip_eps) * sampled[idx]
             loss = -terms.mean()
             model.zero_grad(set_to_none=True)
             loss.backward()
@@ -451,31 +397,4 @@ def gate_passes(
             steps += 1
     with torch.no_grad():
         p_show = torch.sigmoid(model.gate_logit(hidden, feats)).mean().item()
-    return {
-        "gate/clipfrac": clipped / max(steps, 1),
-        "gate/p_show": p_show,
-        "gate/steps": steps,
-        **extra,
-    }
-
-
-def _critic_delta(
-    fit: CriticFit,
-    context: torch.Tensor,
-    feats: torch.Tensor,
-    rewards: torch.Tensor,
-    shown: torch.Tensor,
-    sampled: torch.Tensor,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Q(show) - Q(abstain) per rollout, and the critic's metrics. Q(abstain) is the batch's
-    mean reward of the sampled abstentions (the spec's abstain reward plus any churn share)."""
-    abstained = sampled & ~shown
-    q_abstain = float(rewards[abstained].mean()) if bool(abstained.any()) else 0.0
-    with torch.no_grad():
-        delta = fit.q_show(context, feats) - q_abstain
-    worth = (delta > 0)[sampled].float()
-    return delta, {
-        **fit.summary(),
-        "critic/q_abstain": q_abstain,
-        "critic/worth_showing": float(worth.mean()) if worth.numel() else 0.0,
-    }
+    return {"gate/clipfrac": clipped / max(steps, 1), "gate/p_show": p_show, "gate/steps": steps}
