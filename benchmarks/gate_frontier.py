@@ -20,8 +20,9 @@ characters per 100 requests and reward per request of
   `--reward NAME=VALUE` changes the spec (scoring and this rule) to see where another one puts
   that point;
 - the expected-gain rule again, with p(accept) fit the way a live loop could fit it: on
-  LIVE_LABELS suggestions the base gate showed, one person's verdict each; with and without
-  the def/class flag, three draws each;
+  LIVE_LABELS suggestions the base gate showed, one person's verdict each; on the confidence
+  inputs alone, with the def/class flag, or with the gate's hidden-state input (L2 HIDDEN_L2 on
+  its weights); three draws each;
 - an oracle that knows each completion's expected reward and hides the ones below a bar.
 
 The learned gate is a logistic head of the same confidence inputs plus a projection of the
@@ -43,15 +44,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.ingest import sim_reward_spec  # noqa: E402
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
+from service.policy.sampling import score_actions  # noqa: E402
 from simulator.baseline import complete_and_score  # noqa: E402
 from simulator.population import CursorSource, PopulationConfig, draw_person, size_scale  # noqa: E402
 from trainer.corpus import heldout_lines  # noqa: E402
 
 BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
 LIVE_LABELS = 300  # judged suggestions: about what three or four live batches hold
+HIDDEN_L2 = 100.0  # L2 on the hidden-state weights of a fit on LIVE_LABELS (standardised inputs)
 
 
-def sample(n: int, seed: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+def sample(n: int, seed: int, spec: dict[str, Any]) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """The completions with their scores, and the gate's hidden-state input for each (n, C)."""
     model, tokenizer, _ = load_checkpoint(BASE)
     model.eval()
     population = PopulationConfig()
@@ -59,7 +63,7 @@ def sample(n: int, seed: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     rng = random.Random(f"frontier:{seed}")
     g = torch.Generator().manual_seed(seed)
     people = [draw_person(population, rng) for _ in range(32)]
-    items = []
+    items, hidden = [], []
     with torch.no_grad():
         for i in range(n):
             cursor = source.draw(rng, population.reject_family_share)
@@ -68,9 +72,10 @@ def sample(n: int, seed: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
             items.append({"p_show": c.gate_prob_show, "chars": s.chars, "family": s.family,
                           "accept": s.accept, "retained": s.retained_chars, "reward": s.reward,
                           "tokens": len(lps), "sum_logprob": sum(lps)})
+            hidden.append(score_actions(model, tokenizer, [c]).gate_hidden[0])
             if (i + 1) % 500 == 0:
                 print(f"{i + 1}/{n} completions scored", file=sys.stderr, flush=True)
-    return items
+    return items, torch.stack(hidden)
 
 
 def features(it: dict[str, Any], family: bool) -> list[float]:
@@ -79,15 +84,18 @@ def features(it: dict[str, Any], family: bool) -> list[float]:
     return row + [float(it["family"])] if family else row
 
 
-def fit_logistic(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Weights (with a bias last) of a logistic regression of y (soft labels) on x."""
+def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: torch.Tensor | None = None) -> torch.Tensor:
+    """Weights (with a bias last) of a logistic regression of y (soft labels) on x; `l2`: an L2
+    weight per column (summed-loss scale), none by default."""
     x1 = torch.cat([x, torch.ones(len(x), 1)], 1)
     w = torch.zeros(x1.shape[1], requires_grad=True)
+    ridge = torch.zeros(x1.shape[1]) if l2 is None else torch.cat([l2, torch.zeros(1)])
     opt = torch.optim.LBFGS([w], max_iter=200)
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(x1 @ w, y)
+        loss = loss + 0.5 * (ridge * w * w).sum() / len(x)
         loss.backward()
         return loss
 
@@ -119,9 +127,9 @@ def main() -> int:
     spec = sim_reward_spec(args.reward)
     print(f"reward spec: {spec}", flush=True)
     torch.set_num_threads(1)
-    items = sample(args.cursors, args.seed, spec)
+    items, hidden = sample(args.cursors, args.seed, spec)
     half = len(items) // 2
-    fit_on = [it for it in items[:half] if it["chars"]]
+    fit_on = [i for i in range(half) if items[i]["chars"]]
     test = items[half:]
     rows: list[tuple[str, dict[str, float]]] = []
     base = rates(test, [it["p_show"] if it["chars"] else 0.0 for it in test])
@@ -134,16 +142,24 @@ def main() -> int:
         return [float(bool(it["chars"]) and pa * w > (1 - pa) * spec["reject_penalty"])
                 for it, pa, w in zip(test, p_accept, worth, strict=True)]
 
-    def fitted(on: list[dict[str, Any]], labels: list[float], family: bool) -> list[float]:
-        """p(accept) on the test half from a logistic fit of `labels` on `on`."""
-        x = torch.tensor([features(it, family) for it in on])
+    def inputs(idx: list[int], family: bool, with_hidden: bool) -> torch.Tensor:
+        x = torch.tensor([features(items[i], family) for i in idx])
+        return torch.cat([hidden[idx], x], 1) if with_hidden else x
+
+    def fitted(on: list[int], labels: list[float], family: bool,
+               with_hidden: bool = False) -> list[float]:
+        """p(accept) on the test half from a logistic fit of `labels` on the items `on` (with
+        the hidden state: L2 HIDDEN_L2 on its weights, none on the confidence features)."""
+        x = inputs(on, family, with_hidden)
         mu, sd = x.mean(0), x.std(0) + 1e-6
-        w = fit_logistic((x - mu) / sd, torch.tensor(labels))
-        xt = (torch.tensor([features(it, family) for it in test]) - mu) / sd
+        l2 = torch.zeros(x.shape[1])
+        l2[: hidden.shape[1] if with_hidden else 0] = HIDDEN_L2
+        w = fit_logistic((x - mu) / sd, torch.tensor(labels), l2)
+        xt = (inputs(list(range(half, len(items))), family, with_hidden) - mu) / sd
         return torch.sigmoid(torch.cat([xt, torch.ones(len(xt), 1)], 1) @ w).tolist()
 
     for family in (False, True):
-        p_accept = fitted(fit_on, [it["accept"] for it in fit_on], family)
+        p_accept = fitted(fit_on, [items[i]["accept"] for i in fit_on], family)
         name = "logistic gate, confidence" + (" + def/class flag" if family else "")
         for t in (0.3, 0.4, 0.5, 0.6):
             show = [float(bool(it["chars"]) and pa >= t) for it, pa in zip(test, p_accept,
@@ -152,16 +168,19 @@ def main() -> int:
         if family:
             rows.append((f"{name}, where the reward expects a gain", rates(test, gain(p_accept))))
     # What a live loop has to learn from: only what the base gate showed (drawn with its
-    # p(show)), one person's verdict each, a few hundred of them. With and without knowing the
-    # def/class lines, three draws each.
-    for family in (False, True):
-        name = "confidence" + (" + def/class flag" if family else "")
+    # p(show)), one person's verdict each, a few hundred of them. Knowing nothing of the
+    # context, knowing the def/class lines (the simulator's rule), or reading the gate's own
+    # hidden-state input; three draws each.
+    for name, family, with_hidden in (("confidence", False, False),
+                                      ("confidence + def/class flag", True, False),
+                                      ("confidence + the gate's hidden state", False, True)):
         for draw in range(3):
             rng = random.Random(f"live-labels:{args.seed}:{draw}")
-            seen = [it for it in fit_on if rng.random() < it["p_show"]][:LIVE_LABELS]
-            verdicts = [float(rng.random() < it["accept"]) for it in seen]
+            seen = [i for i in fit_on if rng.random() < items[i]["p_show"]][:LIVE_LABELS]
+            verdicts = [float(rng.random() < items[i]["accept"]) for i in seen]
+            p_accept = fitted(seen, verdicts, family, with_hidden)
             rows.append((f"{name}, fit on {len(seen)} shown verdicts (draw {draw}), expected gain",
-                         rates(test, gain(fitted(seen, verdicts, family)))))
+                         rates(test, gain(p_accept))))
     for bar in (-0.2, -0.1, 0.0):
         show = [0.0 if (not it["chars"] or it["family"] or it["reward"] < bar) else it["p_show"]
                 for it in test]
