@@ -12,7 +12,9 @@ carried, 80% of the rollouts as the live trainer trains on) — the live loop's 
 the canary. After every round the policy is scored on a fixed evaluation set: one sampled
 completion per cursor, each judged by a panel of 16 people, weighted by the gate's p(show)
 (simulator.baseline.at_threshold with the stochastic gate), so the figures are expectations,
-not one noisy draw. A 15-minute simulation makes about 10 such updates.
+not one noisy draw. A 15-minute simulation makes about 10 such updates. Each round's line also
+gives the mean length of all completions (shown or not: the language model's part), and a
+second line the same gate made greedy (shown iff p(show) >= 1/2).
 
 What it leaves out: the canary (every candidate is kept), rollouts from older versions
 (staleness), model switches and churn. Use it to compare update rules in minutes, with the
