@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -55,9 +56,23 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _serve(app: FastAPI, settings: Settings) -> None:
-    """Run uvicorn in this process; SIGTERM/SIGINT stop it gracefully and return here (uvicorn
-    itself would re-raise the signal and skip our own clean-up)."""
+def _listen(settings: Settings) -> socket.socket:
+    """Take the API's port first, so a port in use ends the start with one clear line before
+    anything is migrated, created or printed (a first key printed by a process that then
+    exits would be confusing)."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    try:
+        return socket.create_server((settings.host, settings.port), family=family)
+    except OSError as e:
+        raise SystemExit(
+            f"tabloop: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}; "
+            "stop whatever holds that port, or set TABLOOP_PORT"
+        ) from None
+
+
+def _serve(app: FastAPI, settings: Settings, sock: socket.socket) -> None:
+    """Run uvicorn in this process on `sock` (from _listen); SIGTERM/SIGINT stop it gracefully
+    and return here (uvicorn itself would re-raise the signal and skip our own clean-up)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -80,7 +95,7 @@ def _serve(app: FastAPI, settings: Settings) -> None:
         access_log=False,  # service.logs writes the access line, with the request id
         log_config=None,  # uvicorn's loggers go through our handler and format
     )
-    Server(config).run()
+    Server(config).run(sockets=[sock])
 
 
 def _ensure_first_admin_key(settings: Settings) -> None:
@@ -184,6 +199,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from service.db import upgrade
 
     settings = _settings(args)
+    sock = _listen(settings)
     upgrade(settings)
     _ensure_first_admin_key(settings)
     _bootstrap_policy(settings)
@@ -201,7 +217,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        _serve(create_app(settings), settings)
+        _serve(create_app(settings), settings, sock)
     finally:
         stop.set()
         for t in threads:
@@ -213,12 +229,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     settings = _settings(args, "json")
+    sock = _listen(settings)
     _bootstrap_policy(settings)
     if settings.workers == 1:
         from service.app import create_app
 
-        _serve(create_app(settings), settings)
+        _serve(create_app(settings), settings, sock)
     else:  # each worker builds its own app (and settings) from the environment
+        sock.close()  # the check is done; uvicorn binds the port for its workers itself
         uvicorn.run(
             "service.app:app_from_env",
             factory=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +74,16 @@ def test_bad_input_gets_a_clear_message(tmp_path: Path) -> None:
     assert pg_no_broker.returncode != 0 and "TABLOOP_KAFKA_BOOTSTRAP_SERVERS" in pg_no_broker.stderr
     relay = run(["relay"], env)
     assert relay.returncode == 2 and "embedded mode" in relay.stderr
+
+
+def test_up_on_a_port_in_use_says_so_before_anything_else(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = run(["up"], env_for(tmp_path, TABLOOP_PORT=str(port), TABLOOP_HOST="127.0.0.1"))
+    assert out.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "TABLOOP_PORT" in out.stderr
+    assert "tlk_" not in out.stdout  # no first key printed by a process that is not serving
+    assert not (tmp_path / "data" / "tabloop.db").exists()
 
 
 def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
