@@ -72,6 +72,8 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
                    help="override a field of the sim reward spec (training and scoring)")
+    p.add_argument("--temperature", type=float,
+                   help="serving temperature (default: the service's, 0.7)")
     p.add_argument("--out", type=Path, help="write the per-round figures as JSON")
     args = p.parse_args()
 
@@ -98,7 +100,8 @@ def main() -> int:
         items = []
         with torch.no_grad():
             for c in eval_cursors:
-                items.append(complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g)[1])
+                items.append(complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g,
+                                                 temperature=args.temperature)[1])
         m = at_threshold(items, None)
         m["greedy"] = at_threshold(items, 0.5)  # the same gate, shown iff p(show) >= 1/2
         # the language model alone: what showing every completion would keep
@@ -122,7 +125,8 @@ def main() -> int:
         with torch.no_grad():
             for _ in range(args.rollouts):
                 c = source.draw(rng, population.reject_family_share)
-                comp, family = complete_cursor(model, tokenizer, c, sample_gen)
+                comp, family = complete_cursor(model, tokenizer, c, sample_gen,
+                                                temperature=args.temperature)
                 d = None
                 if comp.shown and comp.text:
                     d = decide(rng.choice(people), comp.text, c.rest_of_line, family,

@@ -67,22 +67,26 @@ def score(text: str, truth: str, family: bool, p_show: float, people: Sequence[P
 
 
 def complete_cursor(model: Any, tokenizer: Any, cursor: Cursor, generator: Any,
-                    max_new_tokens: int = 32) -> tuple[Any, bool]:
-    """Complete `cursor` as the service would for the simulator's request (serving temperature
-    and nucleus): the Completion, and whether the cursor is in the reject family."""
+                    max_new_tokens: int = 32,
+                    temperature: float | None = None) -> tuple[Any, bool]:
+    """Complete `cursor` as the service would for the simulator's request (serving temperature,
+    the default unless given, and nucleus): the Completion, and whether the cursor is in the
+    reject family."""
     from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete
 
     prefix, suffix = request_context(cursor)
-    c = complete(model, tokenizer, prefix, suffix, max_new_tokens, DEFAULT_TEMPERATURE,
+    c = complete(model, tokenizer, prefix, suffix, max_new_tokens,
+                 DEFAULT_TEMPERATURE if temperature is None else temperature,
                  DEFAULT_TOP_P, generator)
     return c, in_reject_family(prefix)
 
 
 def complete_and_score(model: Any, tokenizer: Any, cursor: Cursor, people: Sequence[PersonParams],
                        spec: Mapping[str, Any], rng: random.Random, generator: Any,
-                       max_new_tokens: int = 32) -> tuple[Any, Scored]:
+                       max_new_tokens: int = 32,
+                       temperature: float | None = None) -> tuple[Any, Scored]:
     """complete_cursor, then the completion's expected outcome over `people` (score)."""
-    c, family = complete_cursor(model, tokenizer, cursor, generator, max_new_tokens)
+    c, family = complete_cursor(model, tokenizer, cursor, generator, max_new_tokens, temperature)
     return c, score(c.text, cursor.rest_of_line, family, c.gate_prob_show, people, spec, rng)
 
 
