@@ -86,12 +86,8 @@ class TrainerConfig:
                 # four more passes on the gate alone per batch: about 100 shown suggestions a
                 # batch teach it little in the 8 steps of one pass (benchmarks/learning.py);
                 # the language model stays frozen: a few hundred rewards move it too little to
-                # help and keep moving the gate's inputs under it (docs/RESULTS.md, session 7);
-                # the gate passes step in centred hidden-state coordinates, so what the def/class
-                # lines teach does not pull every other decision down with them (session 8)
-                update=UpdateConfig(
-                    minibatch_size=64, gate_epochs=4, train_gate_only=True, gate_center_hidden=True
-                ),
+                # help and keep moving the gate's inputs under it (docs/RESULTS.md, session 7)
+                update=UpdateConfig(minibatch_size=64, gate_epochs=4, train_gate_only=True),
                 canary=CanaryConfig(
                     min_rollouts=60,
                     timeout_s=150.0,

@@ -64,9 +64,6 @@ class UpdateConfig:
     # extra passes for the gate alone after the full epochs, on the updated model's hidden
     # states computed once (so they cost one forward pass), with the decision's clipped ratio
     gate_epochs: int = 0
-    # in those passes, step the hidden-state weights as if the gate read the hidden state
-    # centred on the batch's mean (the logits are unchanged; see gate_passes)
-    gate_center_hidden: bool = False
 
 
 @dataclass
@@ -370,14 +367,6 @@ def gate_passes(
     is what bounds how far these passes move any one decision from the serving policy's (to
     1 +- clip_eps). The optimizer is the update's (Adam's moments for the gate carry on); the
     language model's parameters get no gradient here, so it does not step them.
-
-    With cfg.gate_center_hidden the steps are taken in centred coordinates: logit = w.(h - m) +
-    b', with m the batch's mean hidden state and b' = b + w.m. The logits are the same; only the
-    steps differ. On raw coordinates every hidden state shares a large common component m, so a
-    push that one kind of context earns (the def/class lines the people always reject) moves
-    w.m too, which shifts every other decision by the same amount; centred, that shift has to
-    come through the bias, which Adam steps as one parameter for the whole batch. Done by
-    taking w's gradient on h - m and then moving b by -dw.m, which is the same step on (w, b').
     """
     old = batch.behaviour_decision_logp
     if old is None:
@@ -388,16 +377,13 @@ def gate_passes(
     sampled = s.decision != 0  # score_actions: 0 where the decision was not sampled
     shown = torch.tensor([bool(a.shown) for a in batch.actions])
     gate = [p for n, p in model.named_parameters() if n.startswith("gate.") and p.requires_grad]
-    w, bias = model.gate.hidden.weight, model.gate.features.bias
-    mean = hidden.mean(0) if cfg.gate_center_hidden else torch.zeros_like(hidden[0])
     n = len(batch.actions)
     clipped, steps = 0.0, 0
     for _ in range(cfg.gate_epochs):
         order = torch.randperm(n)
         for start in range(0, n, cfg.minibatch_size):
             idx = order[start : start + cfg.minibatch_size]
-            # = gate_logit(hidden, feats), with w's gradient taken on the centred states
-            z = model.gate_logit(hidden[idx] - mean, feats[idx]) + (w @ mean).detach()
+            z = model.gate_logit(hidden[idx], feats[idx])
             new = torch.where(shown[idx], F.logsigmoid(z), F.logsigmoid(-z))
             ratio = torch.exp(new - old[idx])
             terms = _clipped_terms(ratio, adv[idx], cfg.clip_eps) * sampled[idx]
@@ -405,10 +391,7 @@ def gate_passes(
             model.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(gate, cfg.max_grad_norm or float("inf"))
-            w_before = w.detach().clone()
             optimizer.step()
-            with torch.no_grad():  # b' = b + w.m stepped: give back the shift w's step put on m
-                bias -= ((w - w_before) @ mean).squeeze()
             keep = sampled[idx]
             clipped += float(_clip_fraction(ratio[keep], cfg.clip_eps)) if keep.any() else 0.0
             steps += 1

@@ -10,20 +10,17 @@ import math
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from service.policy.model import GPT
 from service.policy.sampling import Completion, complete, score_actions
 from service.policy.tokenizer import CodeTokenizer
 from trainer.update import (
     Batch,
-    _clipped_terms,
     UpdateConfig,
     advantages,
     bernoulli_entropy,
     carry_state,
     clipped_surrogate,
-    gate_passes,
     kl_to_reference,
     make_optimizer,
     pg_loss,
@@ -639,59 +636,3 @@ def test_gate_passes_stop_at_the_clip(
         assert 1.15 < ratio < 1.3, ratio
     else:
         assert 0.7 < ratio < 0.85, ratio
-
-
-def test_centred_gate_steps_are_steps_on_a_gate_that_reads_centred_states(
-    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
-) -> None:
-    """gate_center_hidden: one plain gradient step of the gate passes ends where the same step
-    ends on logit = w.(h - m) + b' (m the batch's mean hidden state, b' = b + w.m), and the
-    logits it starts from are the model's own. Off, the step is the one on raw states."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        tiny_model.gate.hidden.weight.normal_(0.0, 0.3)  # so that w.m matters
-        tiny_model.gate.features.weight.zero_()
-        tiny_model.gate.features.bias.fill_(0.0)
-    comps = [_relogged(tiny_model, tiny_tokenizer, c)
-             for c in _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 4, seed=5)]
-    assert any(c.shown for c in comps) and not all(c.shown for c in comps)
-    rewards = [(0.75 if i % 3 else -0.25) if c.shown else 0.0 for i, c in enumerate(comps)]
-    batch = _batch(comps, rewards)
-    adv = advantages(batch.rewards, "loo", False)
-    with torch.no_grad():
-        s = score_actions(tiny_model, tiny_tokenizer, comps)
-    h, x = s.gate_hidden, s.gate_inputs
-    m = h.mean(0)
-    shown = torch.tensor([c.shown for c in comps])
-    lr = 0.05
-
-    def step_on(inputs: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """One SGD step on (w, w_f, b) of logit = w.inputs + w_f.x + b + offset; new logits."""
-        w = tiny_model.gate.hidden.weight.detach().clone().requires_grad_(True)
-        wf = tiny_model.gate.features.weight.detach().clone().requires_grad_(True)
-        b = (tiny_model.gate.features.bias.detach() + offset).requires_grad_(True)
-        z = (inputs @ w.T + x @ wf.T).squeeze(-1) + b
-        new = torch.where(shown, F.logsigmoid(z), F.logsigmoid(-z))
-        ratio = torch.exp(new - batch.behaviour_decision_logp)
-        loss = -(_clipped_terms(ratio, adv, 0.2) * (s.decision != 0)).mean()
-        loss.backward()
-        with torch.no_grad():
-            return (inputs @ (w - lr * w.grad).T + x @ (wf - lr * wf.grad).T).squeeze(-1) + (
-                b - lr * b.grad
-            )
-
-    expected = {True: step_on(h - m, tiny_model.gate.hidden.weight.detach() @ m),
-                False: step_on(h, torch.zeros(1))}
-    assert not torch.allclose(expected[True], expected[False], atol=1e-4)
-    for centre in (True, False):
-        model = copy.deepcopy(tiny_model)
-        gate = [p for n, p in model.named_parameters() if n.startswith("gate.")]
-        cfg = UpdateConfig(gate_epochs=1, minibatch_size=len(comps), max_grad_norm=0.0,
-                           gate_center_hidden=centre)
-        with torch.no_grad():
-            assert torch.allclose(score_actions(model, tiny_tokenizer, comps).gate_logit,
-                                  s.gate_logit, atol=1e-6)
-        gate_passes(model, tiny_tokenizer, batch, adv, torch.optim.SGD(gate, lr=lr), cfg)
-        with torch.no_grad():
-            got = score_actions(model, tiny_tokenizer, comps).gate_logit
-        assert torch.allclose(got, expected[centre], atol=1e-5), (centre, got - expected[centre])
