@@ -2,6 +2,7 @@
 
     python benchmarks/learning.py [--rounds 10] [--rollouts 640] [--eval 600] [--seed 0]
         [--set gate_hidden_lr_mult=30 --set epochs=2 ...] [--reward chars_exponent=1.0 ...]
+        [--temperature 0.3] [--out FILE] [--items FILE]
 
 No service, no clock: each round samples `--rollouts` completions from the current policy on
 held-out cursors drawn as `tabloop simulate` draws them (serving temperature and nucleus,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import random
 import sys
@@ -75,6 +77,11 @@ def main() -> int:
     p.add_argument("--temperature", type=float,
                    help="serving temperature (default: the service's, 0.7)")
     p.add_argument("--out", type=Path, help="write the per-round figures as JSON")
+    p.add_argument("--items", type=Path,
+                   help="write every round's scored evaluation items as JSON (one list per "
+                        "round of [p_show, chars, def/class, accept, accepted_chars, "
+                        "retained_chars, reward]; with the language model frozen the "
+                        "completions are the same each round, so decisions can be followed)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -102,6 +109,7 @@ def main() -> int:
             for c in eval_cursors:
                 items.append(complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g,
                                                  temperature=args.temperature)[1])
+        scored.append([dataclasses.astuple(s) for s in items])
         m = at_threshold(items, None)
         m["greedy"] = at_threshold(items, 0.5)  # the same gate, shown iff p(show) >= 1/2
         # the language model alone: what showing every completion would keep
@@ -115,7 +123,8 @@ def main() -> int:
     print(f"update config: {cfg}", flush=True)
     print(f"reward spec: {spec}", flush=True)
     state = None
-    history = []
+    history: list[dict[str, Any]] = []
+    scored: list[list[tuple[Any, ...]]] = []
     first = evaluate()
     history.append({"round": 0, **first})
     print(_line(0, first, first, {}), flush=True)
@@ -147,6 +156,8 @@ def main() -> int:
         m = evaluate()
         history.append({"round": r, "update": metrics, "seconds": time.perf_counter() - t0, **m})
         print(_line(r, m, first, metrics), flush=True)
+    if args.items:
+        args.items.write_text(json.dumps(scored))
     if args.out:
         args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out)},
                                         "update": str(cfg), "history": history}, indent=1))
