@@ -2,7 +2,7 @@
 
     python benchmarks/learning.py [--rounds 10] [--rollouts 640] [--eval 600] [--seed 0]
         [--set gate_hidden_lr_mult=30 --set epochs=2 ...] [--reward chars_exponent=1.0 ...]
-        [--temperature 0.3] [--out FILE] [--items FILE]
+        [--temperature 0.3] [--checkpoint DIR] [--out FILE] [--items FILE]
 
 No service, no clock: each round samples `--rollouts` completions from the current policy on
 held-out cursors drawn as `tabloop simulate` draws them (serving temperature and nucleus,
@@ -67,6 +67,7 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--checkpoint", type=Path, default=BASE, help="the base policy")
     p.add_argument("--rollouts", type=int, default=640, help="rollouts sampled per round")
     p.add_argument("--eval", type=int, default=600, help="evaluation cursors")
     p.add_argument("--panel", type=int, default=16, help="people judging each evaluation item")
@@ -90,8 +91,8 @@ def main() -> int:
     spec = sim_reward_spec(args.reward)
     population = PopulationConfig()
     source = CursorSource(list(heldout_lines()))
-    model, tokenizer, _ = load_checkpoint(BASE)
-    ref, _, _ = load_checkpoint(BASE)
+    model, tokenizer, _ = load_checkpoint(args.checkpoint)
+    ref, _, _ = load_checkpoint(args.checkpoint)
     model.eval()
     ref.eval()
 

@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     # distribution), context caps in characters, and the largest max_new_tokens allowed.
     temperature: float = Field(0.7, gt=0, le=2)
     top_p: float | None = Field(0.95, gt=0, le=1)
+    # The confidence stop: a completion ends before the first token whose log-prob is below
+    # this (so it shows the part the model is sure of); -inf samples to the end of the line.
+    stop_logprob: float = Field(-1.0, le=0)
     max_prefix_chars: int = Field(4096, ge=16)
     max_suffix_chars: int = Field(1024, ge=0)
     max_new_tokens_limit: int = Field(64, ge=1, le=256)

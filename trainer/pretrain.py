@@ -29,8 +29,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
-from service.policy.checkpoint import save_checkpoint
-from service.policy.model import GATE_FEATURES, GPT, ModelConfig, configure_optimizer
+from service.policy.checkpoint import load_checkpoint, save_checkpoint
+from service.policy.model import GATE_FEATURES, GPT, ModelConfig, configure_optimizer, init_gate
 from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete, score_actions
 from service.policy.tokenizer import CodeTokenizer, train_tokenizer
 from trainer.corpus import (
@@ -248,6 +248,8 @@ def fit_gate(
     x = torch.cat([p.gate_inputs for p in parts])
     nonempty = torch.tensor([bool(c.text) for c in comps])
     h, x, y = h[nonempty], x[nonempty], labels[nonempty]
+    if not len(y):  # nothing to fit on (a model too young to be sure of any token): keep it
+        return {"examples": len(comps), "nonempty": 0}
     gate = model.gate
     params = list(gate.parameters())
     opt = torch.optim.Adam(params, lr=0.05)
@@ -443,6 +445,21 @@ def pretrain(cfg: PretrainConfig) -> Path:
     return out
 
 
+def refit_gate(ckpt: Path, examples: int, seed: int) -> dict[str, float]:
+    """Fit the gate of the checkpoint at `ckpt` again from its initial state, on `examples`
+    train-split completions sampled as serving samples them now (after a change to sampling,
+    such as the confidence stop), keeping the language model; rewrites the checkpoint in
+    place, with its version, and records the fit in the summary as `gate_refit`."""
+    model, tokenizer, manifest = load_checkpoint(ckpt)
+    init_gate(model.gate, model.config.gate_scale, model.config.gate_threshold)
+    train_paths, _ = split_files(PretrainConfig(out_dir=ckpt))
+    fit = fit_gate(model, tokenizer, cursors_from(train_paths, examples, seed), seed)
+    summary = {**manifest.summary, "gate_refit": {**fit, "seed": seed}}
+    save_checkpoint(ckpt, model, tokenizer, version=manifest.version, parent=manifest.parent,
+                    summary=summary, dtype=manifest.weights_dtype, overwrite=True)
+    return fit
+
+
 def _config_json(cfg: PretrainConfig) -> dict[str, Any]:
     d = asdict(cfg)
     d["out_dir"] = str(cfg.out_dir)
@@ -461,8 +478,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=PretrainConfig.batch_size)
     p.add_argument("--lr", type=float, default=PretrainConfig.learning_rate)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--refit-gate", action="store_true",
+                   help="only fit the gate of the checkpoint in OUT again (language model kept)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.refit_gate:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        fit = refit_gate(args.out, PretrainConfig.gate_examples, args.seed)
+        print(f"gate refitted in {args.out}: {fit}")
+        return 0
     cfg = PretrainConfig(
         out_dir=args.out,
         minutes=args.minutes,

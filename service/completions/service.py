@@ -34,6 +34,7 @@ def sample(
         temperature=settings.temperature,
         top_p=settings.top_p,
         generator=generator,
+        stop_logprob=settings.stop_logprob,
     )
     elapsed = time.perf_counter() - started
     COMPLETE_SECONDS.observe(elapsed)

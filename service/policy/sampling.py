@@ -39,6 +39,9 @@ from service.policy.tokenizer import CodeTokenizer, Healing
 DEFAULT_TEMPERATURE = 0.7  # serving default; the gate is fitted for it
 DEFAULT_TOP_P = 0.95  # serving default nucleus
 DEFAULT_MAX_CONTEXT_TOKENS = 96  # prefix tokens seen when serving: same exact match as 160 here
+# the confidence stop: a completion ends before the first token (after the healed text) the model
+# gives a log-prob below this, so what is shown is the part it is sure of (docs/MODEL.md)
+DEFAULT_STOP_LOGPROB = -1.0
 CHARS_PER_TOKEN_BOUND = 8  # prefix characters kept per context token before encoding
 NEG_INF = float("-inf")
 
@@ -231,12 +234,17 @@ def complete(
     generator: torch.Generator | None = None,
     heal: bool = True,
     max_context_tokens: int | None = DEFAULT_MAX_CONTEXT_TOKENS,
+    stop_logprob: float | None = DEFAULT_STOP_LOGPROB,
 ) -> Completion:
     """Sample the rest of the current line after `prefix`, then the show/abstain decision.
 
     `suffix` is accepted for the API's sake and not used by this model. `heal=False` turns
     token healing off (for measuring what it buys; serving keeps it on); `max_context_tokens`
     caps the prefix tokens the model sees (a latency/quality knob; None: all that fit).
+    `stop_logprob`: the confidence stop. Sampling ends before the first token past the healed
+    text whose model log-prob (temperature 1, as the gate reads them) is below it; that token
+    is dropped and stop_reason is "confidence". The completion can then be empty (an
+    abstention). None (or -inf) samples to the end of the line.
     """
     del suffix  # the model is left-to-right only (docs/MODEL.md)
     assert max_new_tokens >= 1, "max_new_tokens must be >= 1"
@@ -266,7 +274,11 @@ def complete(
         else:
             tok, lp = sample_token(logits[0], temperature, top_p or 1.0, allowed, generator)
         raw = logits[0] if allowed is None else logits[0].masked_fill(~allowed, NEG_INF)
-        model_lps.append(float(raw[tok] - torch.logsumexp(raw, dim=-1)))
+        model_lp = float(raw[tok] - torch.logsumexp(raw, dim=-1))
+        if stop_logprob is not None and not remaining and model_lp < stop_logprob:
+            stop = "confidence"  # h stays the hidden state at the last token kept
+            break
+        model_lps.append(model_lp)
         tokens.append(tok)
         logprobs.append(lp)
         h = model.hidden(torch.tensor([[tok]]), cache)[:, -1]  # also the gate's input at the end
@@ -316,8 +328,7 @@ def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action
     """Recompute the log-probs of logged actions with one padded forward pass (differentiable)."""
     assert actions, "empty batch"
     seqs = [list(a.context_token_ids) + list(a.token_ids) for a in actions]
-    lengths = [len(a.token_ids) for a in actions]
-    assert all(n >= 1 for n in lengths), "every action has at least one token"
+    lengths = [len(a.token_ids) for a in actions]  # 0: the confidence stop came first
     longest = max(map(len, seqs))
     assert longest <= model.config.block_size, f"action of {longest} tokens > block_size"
     idx = torch.zeros(len(seqs), longest, dtype=torch.long)  # right padding: causal, unseen
@@ -338,7 +349,7 @@ def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action
             remains.append(rem[j])
             rollout.append(b)
     logits = model.logits(h[rows_b, rows_t])  # (N, V)
-    tgt = torch.tensor(targets)
+    tgt = torch.tensor(targets, dtype=torch.long)
     temp = torch.tensor(temps, dtype=torch.float32)
     greedy = temp == 0.0
     allowed = None
@@ -358,7 +369,7 @@ def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action
         model_lp = F.log_softmax(raw, dim=-1).gather(-1, tgt[:, None]).squeeze(-1)
 
     B = len(actions)
-    seg = torch.tensor(rollout)
+    seg = torch.tensor(rollout, dtype=torch.long)
     tok_sum = torch.zeros(B).index_add(0, seg, tok_lp)
     ent_sum = torch.zeros(B).index_add(0, seg, ent)
     model_sum = torch.zeros(B).index_add(0, seg, model_lp)

@@ -49,7 +49,8 @@ def _rollouts(
 ) -> list[Completion]:
     gen = torch.Generator().manual_seed(seed)
     return [
-        complete(model, tokenizer, p, "", 6, temperature=0.8, top_p=0.95, generator=gen)
+        complete(model, tokenizer, p, "", 6, temperature=0.8, top_p=0.95, generator=gen,
+                 stop_logprob=None)  # an untrained model is sure of nothing: whole completions
         for p in prompts
         for _ in range(per_prompt)
     ]
@@ -567,7 +568,7 @@ def test_synthetic_learning_gate_follows_the_reward(
 
     def rollouts(prompts: list[str], n: int) -> list[Completion]:
         return [
-            complete(tiny_model, tiny_tokenizer, p, "", 6, 1.0, None, gen)
+            complete(tiny_model, tiny_tokenizer, p, "", 6, 1.0, None, gen, stop_logprob=None)
             for p in prompts
             for _ in range(n)
         ]

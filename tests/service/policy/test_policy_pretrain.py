@@ -13,7 +13,14 @@ from service.policy.checkpoint import load_checkpoint
 from service.policy.model import ModelConfig
 from service.policy.sampling import complete
 from trainer.corpus import corpus_files
-from trainer.pretrain import PretrainConfig, bits_per_byte, get_lr, pretrain, split_files
+from trainer.pretrain import (
+    PretrainConfig,
+    bits_per_byte,
+    get_lr,
+    pretrain,
+    refit_gate,
+    split_files,
+)
 
 TINY = dict(
     max_files=12,
@@ -97,3 +104,19 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(
     assert mb.summary["iters"] == 16 and mb.summary["tokens_seen"] == 16 * 4 * 64
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
+
+
+def test_refit_gate_fits_only_the_gate_again(tmp_path: Path) -> None:
+    out = pretrain(_cfg(tmp_path / "base", max_iters=16, gate_examples=0))
+    before, _, m0 = load_checkpoint(out)
+    fit = refit_gate(out, examples=40, seed=0)
+    after, tok, m1 = load_checkpoint(out)
+    assert fit["examples"] == 40 and m1.summary["gate_refit"] == {**fit, "seed": 0}
+    assert (m1.version, m1.parent, m1.weights_dtype) == (m0.version, m0.parent, m0.weights_dtype)
+    assert m1.summary["iters"] == m0.summary["iters"]  # the rest of the summary is kept
+    old, new = before.state_dict(), after.state_dict()
+    for name in old:
+        if name.startswith("gate."):
+            continue
+        assert torch.equal(old[name], new[name]), f"{name} changed"
+    assert not torch.equal(old["gate.features.bias"], new["gate.features.bias"])

@@ -13,6 +13,7 @@ from service.policy.sampling import (
     action_logprob,
     batch_action_logprobs,
     complete,
+    constraint_steps,
     sampling_logprobs,
     score_actions,
 )
@@ -202,3 +203,44 @@ def test_temperature_and_mask() -> None:
     lp = sampling_logprobs(logits, torch.ones(1), torch.ones(1), allowed)
     assert torch.isinf(lp[0, 0])
     torch.testing.assert_close(lp[0, 1:], torch.log_softmax(torch.tensor([1.0, 0.0]), -1))
+
+
+def test_confidence_stop_keeps_the_part_the_model_is_sure_of(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """Same random stream with and without the stop: the stopped completion is the whole one up
+    to (not including) its first unhealed token below the bar, and scores as it was logged."""
+    prompts = _prompts(small_code, 40, seed=21) + [""]  # an empty prefix has nothing to heal
+
+    def run(stop: float | None) -> list[Completion]:
+        return [
+            complete(tiny_model, tiny_tokenizer, p, "", 12, 1.0, None,
+                     torch.Generator().manual_seed(i), stop_logprob=stop)
+            for i, p in enumerate(prompts)
+        ]
+
+    whole = run(None)
+    bar = sorted(lp for c in whole for lp in c.model_logprobs)[len(whole)]  # a low quantile
+    stopped = run(bar)
+    reasons = [c.stop_reason for c in stopped]
+    assert 0 < reasons.count("confidence") < len(stopped), reasons
+    for w, c in zip(whole, stopped, strict=True):
+        n = len(c.token_ids)
+        assert c.token_ids == w.token_ids[:n]
+        free = [not r for r in constraint_steps(tiny_tokenizer, w.token_ids, c.heal_text.encode())]
+        assert all(lp >= bar for lp, f in zip(c.model_logprobs, free, strict=False) if f)
+        if c.stop_reason == "confidence":
+            assert free[n] and w.model_logprobs[n] < bar
+            assert w.text.startswith(c.text)
+        else:
+            assert c.token_ids == w.token_ids and c.stop_reason == w.stop_reason
+    sure_of_nothing = run(0.0)  # every log-prob is below 0: only the healing steps are kept
+    for c in sure_of_nothing:
+        assert c.stop_reason == "confidence"
+        assert all(constraint_steps(tiny_tokenizer, c.token_ids, c.heal_text.encode()))
+    assert not sure_of_nothing[-1].token_ids, "with nothing healed, no token is kept"
+    with torch.no_grad():  # actions with no token score too
+        for comps in (stopped, sure_of_nothing):
+            scores = score_actions(tiny_model, tiny_tokenizer, comps)
+            logged = torch.tensor([c.logprob_total for c in comps])
+            torch.testing.assert_close(scores.total, logged, atol=1e-4, rtol=0)
