@@ -2,9 +2,11 @@
 
     python benchmarks/gate_frontier.py [--cursors 3000] [--seed 0] [--out FILE.json]
         [--reward chars_norm=8 --reward chars_exponent=1.0 ...]
+        [--stop-logprob=-inf] [--checkpoint DIR]
 
-Samples the shipped base policy on held-out cursors drawn as `tabloop simulate` draws them
-(serving temperature and nucleus), and scores each completion with a panel of 32 simulated
+Samples the shipped base policy (or `--checkpoint`) on held-out cursors drawn as `tabloop
+simulate` draws them (serving temperature, nucleus and confidence stop; `--stop-logprob=-inf`
+samples whole lines), and scores each completion with a panel of 32 simulated
 people (simulator.baseline.score: expected accept rate, retained characters, reward). Then, on
 the second half of the cursors, it reports the shown rate, accept rate of shown, retained
 characters per 100 requests and reward per request of
@@ -54,9 +56,10 @@ LIVE_LABELS = 300  # judged suggestions: about what three or four live batches h
 HIDDEN_L2 = 100.0  # L2 on the hidden-state weights of a fit on LIVE_LABELS (standardised inputs)
 
 
-def sample(n: int, seed: int, spec: dict[str, Any]) -> tuple[list[dict[str, Any]], torch.Tensor]:
+def sample(n: int, seed: int, spec: dict[str, Any], checkpoint: Path = BASE,
+           stop_logprob: float | None = None) -> tuple[list[dict[str, Any]], torch.Tensor]:
     """The completions with their scores, and the gate's hidden-state input for each (n, C)."""
-    model, tokenizer, _ = load_checkpoint(BASE)
+    model, tokenizer, _ = load_checkpoint(checkpoint)
     model.eval()
     population = PopulationConfig()
     source = CursorSource(list(heldout_lines()))
@@ -67,7 +70,8 @@ def sample(n: int, seed: int, spec: dict[str, Any]) -> tuple[list[dict[str, Any]
     with torch.no_grad():
         for i in range(n):
             cursor = source.draw(rng, population.reject_family_share)
-            c, s = complete_and_score(model, tokenizer, cursor, people, spec, rng, g)
+            c, s = complete_and_score(model, tokenizer, cursor, people, spec, rng, g,
+                                      stop_logprob=stop_logprob)
             lps = c.model_logprobs
             items.append({"p_show": c.gate_prob_show, "chars": s.chars, "family": s.family,
                           "accept": s.accept, "retained": s.retained_chars, "reward": s.reward,
@@ -123,11 +127,14 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
                    help="override a field of the sim reward spec")
+    p.add_argument("--stop-logprob", type=float,
+                   help="the confidence stop (default: the service's; -inf: whole lines)")
+    p.add_argument("--checkpoint", type=Path, default=BASE, help="the policy to sample")
     args = p.parse_args()
     spec = sim_reward_spec(args.reward)
     print(f"reward spec: {spec}", flush=True)
     torch.set_num_threads(1)
-    items, hidden = sample(args.cursors, args.seed, spec)
+    items, hidden = sample(args.cursors, args.seed, spec, args.checkpoint, args.stop_logprob)
     half = len(items) // 2
     fit_on = [i for i in range(half) if items[i]["chars"]]
     test = items[half:]

@@ -2,7 +2,8 @@
 
     python benchmarks/learning.py [--rounds 10] [--rollouts 640] [--eval 600] [--seed 0]
         [--set gate_hidden_lr_mult=30 --set epochs=2 ...] [--reward chars_exponent=1.0 ...]
-        [--temperature 0.3] [--checkpoint DIR] [--out FILE] [--items FILE]
+        [--temperature 0.3] [--stop-logprob=-inf] [--checkpoint DIR] [--out FILE]
+        [--items FILE]
 
 No service, no clock: each round samples `--rollouts` completions from the current policy on
 held-out cursors drawn as `tabloop simulate` draws them (serving temperature and nucleus,
@@ -77,6 +78,8 @@ def main() -> int:
                    help="override a field of the sim reward spec (training and scoring)")
     p.add_argument("--temperature", type=float,
                    help="serving temperature (default: the service's, 0.7)")
+    p.add_argument("--stop-logprob", type=float,
+                   help="the confidence stop (default: the service's, -1.0; -inf: whole lines)")
     p.add_argument("--out", type=Path, help="write the per-round figures as JSON")
     p.add_argument("--items", type=Path,
                    help="write every round's scored evaluation items as JSON (one list per "
@@ -109,7 +112,8 @@ def main() -> int:
         with torch.no_grad():
             for c in eval_cursors:
                 items.append(complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g,
-                                                 temperature=args.temperature)[1])
+                                                 temperature=args.temperature,
+                                                 stop_logprob=args.stop_logprob)[1])
         scored.append([dataclasses.astuple(s) for s in items])
         m = at_threshold(items, None)
         m["greedy"] = at_threshold(items, 0.5)  # the same gate, shown iff p(show) >= 1/2
@@ -136,7 +140,8 @@ def main() -> int:
             for _ in range(args.rollouts):
                 c = source.draw(rng, population.reject_family_share)
                 comp, family = complete_cursor(model, tokenizer, c, sample_gen,
-                                                temperature=args.temperature)
+                                                temperature=args.temperature,
+                                                stop_logprob=args.stop_logprob)
                 d = None
                 if comp.shown and comp.text:
                     d = decide(rng.choice(people), comp.text, c.rest_of_line, family,

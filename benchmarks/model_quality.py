@@ -5,11 +5,13 @@
 - params, weights size, held-out bits/byte (every held-out file, float32);
 - exact rest-of-line match and prefix match (completion non-empty and a prefix of the truth) on
   n held-out cursors (a random column inside a random non-blank line, seeded), by true
-  rest-of-line length (1-3, 4-10, 11+ chars): greedy, greedy without token healing, and sampled
-  at the serving temperature/top-p;
-- AUROC of the completion's log-prob (sum and mean) and of the gate's p(show) for separating
-  right (prefix match) from wrong; what the gate shows and the reward it would earn under the
-  default spec if a user accepted exactly the prefix-right suggestions;
+  rest-of-line length (1-3, 4-10, 11+ chars): whole lines (the confidence stop off) greedy,
+  greedy without token healing, and sampled at the serving temperature/top-p; then sampled as
+  served (with the confidence stop, DEFAULT_STOP_LOGPROB);
+- on the completions as served: AUROC of the completion's log-prob (sum and mean) and of the
+  gate's p(show) for separating right (prefix match) from wrong; what the gate shows and the
+  reward it would earn under the default spec if a user accepted exactly the prefix-right
+  suggestions;
 - latency of `complete` at max_new_tokens=32 (p50/p99 over held-out cursors, 1 thread), the
   forced worst case (a full serving context, 32 decoded tokens), and the parts (prefill, one
   decode step) as min and median: on a shared machine the min is closest to uncontended.
@@ -34,6 +36,7 @@ from service.policy.checkpoint import WEIGHTS_FILE, load_checkpoint  # noqa: E40
 from service.policy.model import GPT, KVCache  # noqa: E402
 from service.policy.sampling import (  # noqa: E402
     DEFAULT_MAX_CONTEXT_TOKENS,
+    DEFAULT_STOP_LOGPROB,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     Completion,
@@ -228,11 +231,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cursors = sample_cursors("heldout", args.n, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    greedy = [complete(model, tok, c.prefix, c.suffix, 32, 0.0, None, None) for c in cursors]
+    whole = {"stop_logprob": None}  # the language model's own quality: whole lines
+    greedy = [
+        complete(model, tok, c.prefix, c.suffix, 32, 0.0, None, None, **whole) for c in cursors
+    ]
     no_heal = [
-        complete(model, tok, c.prefix, c.suffix, 32, 0.0, None, None, heal=False) for c in cursors
+        complete(model, tok, c.prefix, c.suffix, 32, 0.0, None, None, heal=False, **whole)
+        for c in cursors
     ]
     sampled = [
+        complete(model, tok, c.prefix, c.suffix, 32, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, gen,
+                 **whole)
+        for c in cursors
+    ]
+    served = [
         complete(model, tok, c.prefix, c.suffix, 32, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, gen)
         for c in cursors
     ]
@@ -241,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     match_table(
         f"sampled (temperature {DEFAULT_TEMPERATURE}, top-p {DEFAULT_TOP_P})", sampled, cursors
     )
-    gate_report(sampled, cursors)
+    match_table(f"as served: sampled, confidence stop {DEFAULT_STOP_LOGPROB}", served, cursors)
+    gate_report(served, cursors)
     latency(model, tok, sample_cursors("heldout", args.latency_n, args.seed + 1), args.seed)
     if math.isnan(loss):
         return 1

@@ -67,26 +67,33 @@ def score(text: str, truth: str, family: bool, p_show: float, people: Sequence[P
 
 
 def complete_cursor(model: Any, tokenizer: Any, cursor: Cursor, generator: Any,
-                    max_new_tokens: int = 32,
-                    temperature: float | None = None) -> tuple[Any, bool]:
+                    max_new_tokens: int = 32, temperature: float | None = None,
+                    stop_logprob: float | None = None) -> tuple[Any, bool]:
     """Complete `cursor` as the service would for the simulator's request (serving temperature,
-    the default unless given, and nucleus): the Completion, and whether the cursor is in the
-    reject family."""
-    from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete
+    nucleus and confidence stop: the defaults unless given; stop_logprob -inf turns the stop
+    off): the Completion, and whether the cursor is in the reject family."""
+    from service.policy.sampling import (
+        DEFAULT_STOP_LOGPROB,
+        DEFAULT_TEMPERATURE,
+        DEFAULT_TOP_P,
+        complete,
+    )
 
     prefix, suffix = request_context(cursor)
     c = complete(model, tokenizer, prefix, suffix, max_new_tokens,
                  DEFAULT_TEMPERATURE if temperature is None else temperature,
-                 DEFAULT_TOP_P, generator)
+                 DEFAULT_TOP_P, generator,
+                 stop_logprob=DEFAULT_STOP_LOGPROB if stop_logprob is None else stop_logprob)
     return c, in_reject_family(prefix)
 
 
 def complete_and_score(model: Any, tokenizer: Any, cursor: Cursor, people: Sequence[PersonParams],
                        spec: Mapping[str, Any], rng: random.Random, generator: Any,
-                       max_new_tokens: int = 32,
-                       temperature: float | None = None) -> tuple[Any, Scored]:
+                       max_new_tokens: int = 32, temperature: float | None = None,
+                       stop_logprob: float | None = None) -> tuple[Any, Scored]:
     """complete_cursor, then the completion's expected outcome over `people` (score)."""
-    c, family = complete_cursor(model, tokenizer, cursor, generator, max_new_tokens, temperature)
+    c, family = complete_cursor(model, tokenizer, cursor, generator, max_new_tokens, temperature,
+                                stop_logprob)
     return c, score(c.text, cursor.rest_of_line, family, c.gate_prob_show, people, spec, rng)
 
 
@@ -136,7 +143,7 @@ def run(checkpoint: Path, source: CursorSource, population: PopulationConfig,
     import torch
 
     from service.policy.checkpoint import load_checkpoint
-    from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+    from service.policy.sampling import DEFAULT_STOP_LOGPROB, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
     assert n_cursors >= 2, "need at least two cursors (one per half)"
     model, tokenizer, manifest = load_checkpoint(checkpoint)
@@ -163,6 +170,7 @@ def run(checkpoint: Path, source: CursorSource, population: PopulationConfig,
         "people": persons,
         "temperature": DEFAULT_TEMPERATURE,
         "top_p": DEFAULT_TOP_P,
+        "stop_logprob": DEFAULT_STOP_LOGPROB,
         "chosen_threshold": best,
         "best": at_threshold(evaluate, best),
         "stochastic_gate": at_threshold(evaluate, None),
