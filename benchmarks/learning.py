@@ -165,8 +165,8 @@ def main() -> int:
     if args.items:
         args.items.write_text(json.dumps(scored))
     if args.out:
-        args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out)},
-                                        "update": str(cfg), "history": history}, indent=1))
+        args.out.write_text(json.dumps({"config": vars(args), "update": str(cfg),
+                                        "history": history}, indent=1, default=str))
     return 0
 
 
