@@ -158,12 +158,24 @@ def tiny_checkpoint_factory(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture
-def served(settings_factory: Any, tiny_checkpoint_factory: Any, service_factory: Any) -> Any:
-    """A running service whose registry holds the tiny base policy (v1, live)."""
+def served_overrides() -> dict[str, Any]:
+    """Extra Settings for `served`; a test overrides it with pytest.mark.parametrize."""
+    return {}
+
+
+@pytest.fixture
+def served(settings_factory: Any, tiny_checkpoint_factory: Any, service_factory: Any,
+           served_overrides: dict[str, Any]) -> Any:
+    """A running service whose registry holds the tiny base policy (v1, live).
+
+    The confidence stop is off: an untrained tiny model is sure of no token, so with it every
+    completion would be empty and these tests would log no tokens to check.
+    """
     from service.registry.store import bootstrap
 
-    settings = settings_factory(base_checkpoint=tiny_checkpoint_factory(0),
-                                policy_poll_interval_s=0.2)
+    settings = settings_factory(**{"base_checkpoint": tiny_checkpoint_factory(0),
+                                   "policy_poll_interval_s": 0.2,
+                                   "stop_logprob": float("-inf"), **served_overrides})
     engine = make_engine(settings)
     with engine.begin() as conn:
         assert bootstrap(conn, settings.base_checkpoint) == 1

@@ -55,6 +55,7 @@ def test_complete_logs_a_rollout_that_the_policy_reproduces(api: httpx.Client, s
         messages = conn.execute(sa.select(outbox).where(outbox.c.topic == ROLLOUTS)).all()
     engine.dispose()
     assert set(rows) == {r["suggestion_id"] for r in responses}
+    assert all(row.token_ids for row in rows.values()), "whole lines: every rollout has tokens"
     assert {orjson.loads(m.payload)["suggestion_id"] for m in messages} == set(rows)
     for r in responses:
         row = rows[r["suggestion_id"]]
@@ -67,6 +68,28 @@ def test_complete_logs_a_rollout_that_the_policy_reproduces(api: httpx.Client, s
         scores = score_actions(model, tokenizer, list(rows.values()))
     for row, total in zip(rows.values(), scores.total.tolist(), strict=True):
         assert abs(total - row.logprob_total) < 1e-4
+
+
+def _rollouts(settings: Any) -> list[Any]:
+    engine = make_engine(settings)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(rollouts)).all()
+    engine.dispose()
+    return list(rows)
+
+
+@pytest.mark.parametrize("served_overrides", [{"stop_logprob": -1.0}])  # the service default
+def test_the_confidence_stop_is_applied(api: httpx.Client, served: Any) -> None:
+    """TABLOOP_STOP_LOGPROB reaches the sampler: an untrained model is sure of no token, so
+    under the default bar every completion stops at the first token it is free to choose: it
+    keeps at most the tokens that re-cover the healed end of the prefix (`served` turns the
+    stop off, and there every rollout runs on)."""
+    responses = [complete(api, user_id=f"u-{i}").json() for i in range(6)]
+    rows = _rollouts(served.settings)
+    assert {row.suggestion_id for row in rows} == {r["suggestion_id"] for r in responses}
+    for row in rows:
+        assert row.stop_reason == "confidence", row.stop_reason
+        assert len(row.token_ids) <= len(row.heal_text), (row.token_ids, row.heal_text)
 
 
 @pytest.mark.parametrize(
