@@ -10,8 +10,9 @@ held-out cursors drawn as `tabloop simulate` draws them (serving temperature and
 stochastic gate), lets a person from the simulated population decide on every shown one,
 computes the reward's decision part as the service does, and takes one trainer update
 (`trainer.update`, the sim profile's UpdateConfig with `--set` overrides, Adam's moments
-carried, 80% of the rollouts as the live trainer trains on) — the live loop's round without
-the canary. After every round the policy is scored on a fixed evaluation set: one sampled
+carried, 80% of the rollouts as the live trainer trains on; with `gate_fit`, the shown ones of
+earlier rounds replayed to the gate's fit, newest first, as the trainer reads them back) — the
+live loop's round without the canary. After every round the policy is scored on a fixed evaluation set: one sampled
 completion per cursor, each judged by a panel of 16 people, weighted by the gate's p(show)
 (simulator.baseline.at_threshold with the stochastic gate), so the figures are expectations,
 not one noisy draw. A 15-minute simulation makes about 10 such updates. Each round's line also
@@ -128,6 +129,7 @@ def main() -> int:
     print(f"update config: {cfg}", flush=True)
     print(f"reward spec: {spec}", flush=True)
     state = None
+    replay: list[tuple[Any, float]] = []  # earlier rounds' shown rollouts, newest first (gate_fit)
     history: list[dict[str, Any]] = []
     scored: list[list[tuple[Any, ...]]] = []
     first = evaluate()
@@ -153,8 +155,12 @@ def main() -> int:
         candidate.requires_grad_(True)
         opt = make_optimizer(candidate, cfg)
         carry_state(opt, state)
+        earlier = Batch.of(*zip(*replay, strict=True)) if replay else None
         metrics = update(candidate, ref, tokenizer, Batch.of(actions[:n_train], rewards[:n_train]),
-                         opt, cfg)
+                         opt, cfg, replay=earlier)
+        replay = [(a, rw) for a, rw in zip(actions[:n_train], rewards[:n_train], strict=True)
+                  if a.shown][::-1] + replay
+        replay = replay[: cfg.gate_fit_replay]
         state = copy.deepcopy(opt.state_dict())
         candidate.requires_grad_(False)
         candidate.eval()

@@ -58,6 +58,22 @@ from trainer.update import Batch, UpdateConfig, carry_state, make_optimizer, upd
 
 log = logging.getLogger(__name__)
 
+# a rollout with its finalized reward: what an update reads
+_ROLLOUT_ROWS = sa.select(
+    rollouts.c.suggestion_id,
+    rollouts.c.context_token_ids,
+    rollouts.c.token_ids,
+    rollouts.c.heal_text,
+    rollouts.c.temperature,
+    rollouts.c.top_p,
+    rollouts.c.shown,
+    rollouts.c.logprob_total,
+    rollouts.c.token_logprobs,
+    rollouts.c.decision_logprob,
+    rollouts.c.policy_version,
+    rewards.c.value,
+).join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
+
 
 @dataclass
 class TrainerConfig:
@@ -83,11 +99,18 @@ class TrainerConfig:
                 # half the users: twice the canary's evidence per second, and after a
                 # promotion half of the next batch is the new live policy's own rollouts
                 canary_fraction=0.5,
-                # four more passes on the gate alone per batch: about 100 shown suggestions a
-                # batch teach it little in the 8 steps of one pass (benchmarks/learning.py);
-                # the language model stays frozen: a few hundred rewards move it too little to
-                # help and keep moving the gate's inputs under it (docs/RESULTS.md, session 7)
-                update=UpdateConfig(minibatch_size=64, gate_epochs=4, train_gate_only=True),
+                # the gate set by a fit on every shown verdict so far (fit_gate_to_rewards),
+                # sharpened 3x, once 300 are in; until then four more passes on the gate alone
+                # per batch; the language model stays frozen: a few hundred rewards move it
+                # too little to help and keep moving the gate's inputs under it
+                # (docs/RESULTS.md, sessions 7 and 11)
+                update=UpdateConfig(
+                    minibatch_size=64,
+                    gate_epochs=4,
+                    train_gate_only=True,
+                    gate_fit=True,
+                    gate_fit_sharpness=3.0,
+                ),
                 canary=CanaryConfig(
                     min_rollouts=60,
                     timeout_s=150.0,
@@ -188,6 +211,20 @@ class Trainer:
         log.info("trainer stopped")
 
     # -- training --------------------------------------------------------------------------
+    def _replay_rows(self) -> list[sa.Row]:
+        """Shown rollouts already trained on, newest first, for the gate's fit (gate_fit)."""
+        if not self.cfg.update.gate_fit or self.cfg.update.gate_fit_replay <= 0:
+            return []
+        with self.engine.connect() as conn:
+            return list(
+                conn.execute(
+                    _ROLLOUT_ROWS.where(
+                        rollouts.c.shown.is_(True), rewards.c.trained_at.is_not(None)
+                    )
+                    .order_by(rewards.c.rollout_created_at.desc())
+                    .limit(self.cfg.update.gate_fit_replay)
+                ).all()
+            )
 
     def _batch_rows(self, dep: Deployment) -> list[sa.Row]:
         with self.engine.connect() as conn:
@@ -199,22 +236,7 @@ class Trainer:
             versions = {v for r in recent for v in r if v is not None}
             return list(
                 conn.execute(
-                    sa.select(
-                        rollouts.c.suggestion_id,
-                        rollouts.c.context_token_ids,
-                        rollouts.c.token_ids,
-                        rollouts.c.heal_text,
-                        rollouts.c.temperature,
-                        rollouts.c.top_p,
-                        rollouts.c.shown,
-                        rollouts.c.logprob_total,
-                        rollouts.c.token_logprobs,
-                        rollouts.c.decision_logprob,
-                        rollouts.c.policy_version,
-                        rewards.c.value,
-                    )
-                    .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
-                    .where(
+                    _ROLLOUT_ROWS.where(
                         rewards.c.trained_at.is_(None),
                         rewards.c.policy_version.in_(versions),
                         # only rollouts old enough that all of their time's rewards are final:
@@ -250,7 +272,9 @@ class Trainer:
         optimizer = make_optimizer(model, self.cfg.update)
         carry_state(optimizer, self._optimizer_state)
         batch = Batch.of(train_rows, [r.value for r in train_rows])
-        metrics = update(model, ref_model, tokenizer, batch, optimizer, self.cfg.update)
+        earlier = self._replay_rows()
+        replay = Batch.of(earlier, [r.value for r in earlier]) if earlier else None
+        metrics = update(model, ref_model, tokenizer, batch, optimizer, self.cfg.update, replay)
         self._optimizer_state = copy.deepcopy(optimizer.state_dict())
         UPDATES.inc()
         model.eval()
@@ -301,13 +325,19 @@ class Trainer:
             self.cfg.canary_fraction,
             reason=f"trainer: gate passed ({result.reason}); canary",
         )
+        fit = (
+            f", gate fit on {metrics['gate_fit/shown']:.0f} shown verdicts"
+            if metrics.get("gate_fit/fitted")
+            else ""
+        )
         log.info(
-            "candidate v%d (from v%d, %d rollouts, mean reward %.3f) gated and deployed as "
+            "candidate v%d (from v%d, %d rollouts, mean reward %.3f%s) gated and deployed as "
             "a %.0f%% canary",
             version,
             dep.live_version,
             len(train_rows),
             summary["mean_reward"],
+            fit,
             100 * self.cfg.canary_fraction,
         )
         self._remember("canary", version, result.reason)

@@ -64,6 +64,13 @@ class UpdateConfig:
     # extra passes for the gate alone after the full epochs, on the updated model's hidden
     # states computed once (so they cost one forward pass), with the decision's clipped ratio
     gate_epochs: int = 0
+    # set the gate by a reward-weighted logistic fit on the shown rollouts of this batch and up
+    # to gate_fit_replay earlier ones (fit_gate_to_rewards) instead of the gate passes
+    gate_fit: bool = False
+    gate_fit_l2: float = 100.0  # L2 on the hidden-state weights (standardised inputs)
+    gate_fit_replay: int = 2000  # shown rollouts of earlier batches the trainer adds to the fit
+    gate_fit_sharpness: float = 1.0  # the fitted logit times this: p(show) nearer 0 or 1
+    gate_fit_min_shown: int = 300  # fewer shown verdicts than this: the gate passes instead
 
 
 @dataclass
@@ -315,8 +322,11 @@ def update(
     batch: Batch,
     optimizer: torch.optim.Optimizer,
     cfg: UpdateConfig,
+    replay: Batch | None = None,
 ) -> dict[str, float]:
     """`cfg.epochs` passes of shuffled minibatches over `batch`; the mean metrics of the steps.
+    Then the gate passes, or with `cfg.gate_fit` the gate's fit on the shown rollouts of `batch`
+    and `replay` (earlier batches' rollouts with their rewards).
 
     The optimizer (and its learning rate) is the caller's, kept across batches (`make_optimizer`
     builds the usual one); ref_model is only read, never differentiated. Advantages use the
@@ -344,7 +354,14 @@ def update(
                 for k, v in metrics.items():
                     totals[k] += v
                 steps += 1
-        gate = gate_passes(model, tokenizer, batch, adv, optimizer, cfg) if cfg.gate_epochs else {}
+        gate: dict[str, float] = {}
+        if cfg.gate_fit:
+            gate = fit_gate_to_rewards(
+                model, tokenizer, batch, replay, cfg.gate_fit_l2, cfg.gate_fit_sharpness,
+                cfg.gate_fit_min_shown,
+            )
+        if cfg.gate_epochs and not gate.get("gate_fit/fitted"):
+            gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg))
     model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
     return {**{k: v / steps for k, v in totals.items()}, **gate}
 
@@ -398,3 +415,84 @@ def gate_passes(
     with torch.no_grad():
         p_show = torch.sigmoid(model.gate_logit(hidden, feats)).mean().item()
     return {"gate/clipfrac": clipped / max(steps, 1), "gate/p_show": p_show, "gate/steps": steps}
+
+
+def fit_gate_to_rewards(
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    batch: Batch,
+    replay: Batch | None,
+    l2: float,
+    sharpness: float = 1.0,
+    min_shown: int = 0,
+) -> dict[str, float]:
+    """Set the show/abstain gate to where showing pays, fit on the rewards of shown rollouts.
+
+    The decision is a contextual bandit with two arms: abstaining earns about the same in every
+    context (r0: the mean reward of this batch's abstentions), showing earns r_i, observed where
+    a rollout was shown. "Show iff E[r | x] > r0" is then a weighted classification (the
+    cost-sensitive reduction of a bandit's decision): label y_i = [r_i > r0], weight |r_i - r0|.
+    Its weighted logistic regression on the gate's own inputs x (the last hidden state and the
+    confidence features) has logit ~ log(E[gain | x] / E[loss | x]): positive exactly where the
+    expected reward of showing beats abstaining, and the further from zero the surer. The fit is
+    to convergence (L-BFGS) on standardised inputs with L2 `l2` on the hidden-state weights (a
+    few hundred verdicts against 192 of them), then written into the gate's linear layers times
+    `sharpness`: p(show) = sigmoid(sharpness * logit) is near 0 or 1 where the fit is sure and
+    stays near 1/2 where the evidence is even, so the gate keeps exploring at its boundary
+    (it learns only from what it shows). Fewer than `min_shown` verdicts: no fit.
+
+    Unlike the policy-gradient steps it uses every verdict seen, not just this batch's, and is
+    not bounded by a clip: the deploy gate (trainer.gate) and the canary judge how far it moved.
+    With the language model frozen the replayed rollouts' inputs are exactly what the server
+    computes. Returns the fit's figures; the gate is left unchanged when there is nothing to fit.
+    """
+    actions = list(batch.actions) + ([] if replay is None else list(replay.actions))
+    rewards = batch.rewards if replay is None else torch.cat([batch.rewards, replay.rewards])
+    in_batch = torch.arange(len(actions)) < len(batch.actions)
+    with torch.no_grad():
+        parts = [score_actions(model, tokenizer, actions[i : i + 256])
+                 for i in range(0, len(actions), 256)]
+    h = torch.cat([p.gate_hidden for p in parts])
+    x = torch.cat([p.gate_inputs for p in parts])
+    shown = torch.tensor([bool(a.shown) for a in actions])  # never empty: the server hides those
+    abstained = in_batch & ~shown
+    r0 = float(rewards[abstained].mean()) if abstained.any() else 0.0
+    gain = rewards[shown] - r0
+    y = (gain > 0).float()
+    # too few verdicts for a fit on the hidden state, or one class (or none): nothing to separate
+    if len(y) < min_shown or int(y.sum()) == 0 or int(y.sum()) == len(y):
+        return {"gate_fit/shown": float(len(y)), "gate_fit/fitted": 0.0}
+    w = gain.abs()
+    w = w / w.mean()
+    inputs = torch.cat([h[shown], x[shown]], 1).double()
+    mu, sd = inputs.mean(0), inputs.std(0) + 1e-6
+    z = torch.cat([(inputs - mu) / sd, torch.ones(len(inputs), 1, dtype=torch.float64)], 1)
+    ridge = torch.zeros(z.shape[1], dtype=torch.float64)
+    ridge[: h.shape[1]] = l2
+    coef = torch.zeros(z.shape[1], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([coef], max_iter=500, line_search_fn="strong_wolfe")
+    yd, wd = y.double(), w.double()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (wd * F.binary_cross_entropy_with_logits(z @ coef, yd, reduction="none")).sum()
+        loss = loss + 0.5 * (ridge * coef * coef).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    c = coef.detach()
+    scaled = sharpness * c[:-1] / sd  # on raw inputs: logit = scaled . inputs + bias
+    bias = sharpness * c[-1] - (scaled * mu).sum()
+    with torch.no_grad():
+        model.gate.hidden.weight.copy_(scaled[: h.shape[1]].float()[None])
+        model.gate.features.weight.copy_(scaled[h.shape[1] :].float()[None])
+        model.gate.features.bias.fill_(float(bias))
+        p_show = torch.sigmoid(model.gate_logit(h[in_batch], x[in_batch]))
+    return {
+        "gate_fit/shown": float(len(y)),
+        "gate_fit/fitted": 1.0,
+        "gate_fit/paid": float(y.mean()),
+        "gate_fit/abstain_reward": r0,
+        "gate/p_show": float(p_show.mean()),
+    }

@@ -31,6 +31,7 @@ from tests.services import stop_process
 from trainer.deploy import CanaryConfig, ServiceClient
 from trainer.gate import GateConfig
 from trainer.loop import Trainer, TrainerConfig
+from trainer.update import UpdateConfig
 
 PREFIXES = [
     "import os\nimport ",
@@ -124,6 +125,8 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
             max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
         ),
         poll_timeout_s=0.2,
+        # the gate's fit on the shown verdicts (the sim profile's), on however few there are
+        update=UpdateConfig(gate_fit=True, gate_fit_min_shown=0),
     )
     engine = make_engine(settings)
     stop = threading.Event()
@@ -163,6 +166,16 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
         svc.url + "/admin/training", headers={"Authorization": f"Bearer {ingest}"}
     ).json()
     assert status["rewards_finalized"] >= len(sent) and status["trainer"]["history"]
+    # what the gate's fit replays: exactly the shown rollouts already trained on, newest first
+    replay = trainer._replay_rows()
+    with engine.connect() as conn:
+        expected = conn.execute(
+            sa.select(rollouts.c.suggestion_id)
+            .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
+            .where(rollouts.c.shown.is_(True), rewards.c.trained_at.is_not(None))
+        ).scalars().all()
+    assert expected and sorted(r.suggestion_id for r in replay) == sorted(expected)
+    assert "gate_fit/shown" in candidate.summary["update"]
     engine.dispose()
 
 

@@ -637,3 +637,101 @@ def test_gate_passes_stop_at_the_clip(
         assert 1.15 < ratio < 1.3, ratio
     else:
         assert 0.7 < ratio < 0.85, ratio
+
+
+# --- the gate's fit (gate_fit) -----------------------------------------------------------
+def _families(model: GPT, tokenizer: CodeTokenizer, seed: int) -> tuple[list[Completion], ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(
+        [complete(model, tokenizer, p, "", 6, 1.0, None, gen, stop_logprob=None)
+         for p in prompts for _ in range(6)]
+        for prompts in (FAMILY_A, FAMILY_B)
+    )
+
+
+def _p_show(model: GPT, tokenizer: CodeTokenizer, comps: list[Completion]) -> float:
+    with torch.no_grad():
+        return torch.sigmoid(score_actions(model, tokenizer, comps).gate_logit).mean().item()
+
+
+def test_gate_fit_shows_where_showing_paid(tiny_model: GPT, tiny_tokenizer: CodeTokenizer) -> None:
+    """One update with gate_fit sets the gate from the rewards of the shown rollouts: p(show)
+    falls on family A (always rejected) and rises on B (always accepted), from 1/2 each, on
+    fresh samples; the language model is untouched (train_gate_only)."""
+    _set_gate(tiny_model, 0.0)
+    a, b = _families(tiny_model, tiny_tokenizer, seed=0)
+    rewards = [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b]
+    assert {c.shown for c in a} == {c.shown for c in b} == {True, False}
+    before = _params(tiny_model)
+    cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0, gate_fit_min_shown=0)
+    m = update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, _batch(a + b, rewards),
+               make_optimizer(tiny_model, cfg), cfg)
+    assert m["gate_fit/fitted"] == 1.0
+    assert m["gate_fit/shown"] == sum(c.shown and bool(c.text) for c in a + b)
+    after = _params(tiny_model)
+    assert all(torch.equal(before[n], after[n]) for n in before if not n.startswith("gate."))
+    fresh_a, fresh_b = _families(tiny_model, tiny_tokenizer, seed=1)
+    assert _p_show(tiny_model, tiny_tokenizer, fresh_a) < 0.2
+    assert _p_show(tiny_model, tiny_tokenizer, fresh_b) > 0.8
+
+
+def test_gate_fit_learns_from_the_replayed_verdicts(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """A batch that showed nothing teaches the fit nothing by itself (one class: the gate is
+    kept); with earlier batches' shown rollouts replayed, the fit uses their verdicts."""
+    _set_gate(tiny_model, 0.0)
+    a, b = _families(tiny_model, tiny_tokenizer, seed=0)
+    abstained = [_relogged(tiny_model, tiny_tokenizer, dataclasses.replace(c, shown=False))
+                 for c in a + b]
+    now = _batch(abstained, [0.0] * len(abstained))
+    shown = [c for c in a + b if c.shown]
+    earlier = _batch(shown, [_reward(c, "A" if c in a else "B") for c in shown])
+    cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0, gate_fit_min_shown=0)
+    alone = copy.deepcopy(tiny_model)
+    m = update(alone, copy.deepcopy(tiny_model), tiny_tokenizer, now,
+               make_optimizer(alone, cfg), cfg)
+    assert m["gate_fit/fitted"] == 0.0 and m["gate_fit/shown"] == 0
+    fresh_a, fresh_b = _families(tiny_model, tiny_tokenizer, seed=1)
+    # the PG step on an all-abstain batch (all advantages 0) leaves the gate where it was
+    assert _p_show(alone, tiny_tokenizer, fresh_a) == pytest.approx(0.5, abs=0.02)
+    m = update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, now,
+               make_optimizer(tiny_model, cfg), cfg, replay=earlier)
+    assert m["gate_fit/fitted"] == 1.0 and m["gate_fit/shown"] == len(shown)
+    assert _p_show(tiny_model, tiny_tokenizer, fresh_a) < 0.2
+    assert _p_show(tiny_model, tiny_tokenizer, fresh_b) > 0.8
+
+
+def test_gate_fit_sharpness_scales_the_logit(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """gate_fit_sharpness multiplies the fitted logit: the same fit, p(show) nearer 0 or 1."""
+    _set_gate(tiny_model, 0.0)
+    a, b = _families(tiny_model, tiny_tokenizer, seed=0)
+    batch = _batch(a + b, [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b])
+    logits = {}
+    for sharpness in (1.0, 3.0):
+        model = copy.deepcopy(tiny_model)
+        cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0,
+                           gate_fit_min_shown=0, gate_fit_sharpness=sharpness)
+        update(model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
+               make_optimizer(model, cfg), cfg)
+        with torch.no_grad():
+            logits[sharpness] = score_actions(model, tiny_tokenizer, a + b).gate_logit
+    torch.testing.assert_close(logits[3.0], 3.0 * logits[1.0], rtol=1e-3, atol=1e-3)
+
+
+def test_gate_fit_waits_for_enough_verdicts(tiny_model: GPT, tiny_tokenizer: CodeTokenizer) -> None:
+    """Below gate_fit_min_shown shown verdicts the gate is not fit: the gate passes move it."""
+    _set_gate(tiny_model, 0.0)
+    a, b = _families(tiny_model, tiny_tokenizer, seed=0)
+    batch = _batch(a + b, [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b])
+    shown = sum(c.shown and bool(c.text) for c in a + b)
+    for need, fitted in ((shown, 1.0), (shown + 1, 0.0)):
+        model = copy.deepcopy(tiny_model)
+        cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_min_shown=need,
+                           gate_epochs=2)
+        m = update(model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
+                   make_optimizer(model, cfg), cfg)
+        assert m["gate_fit/fitted"] == fitted
+        assert ("gate/steps" in m) == (not fitted)
