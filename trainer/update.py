@@ -449,11 +449,6 @@ def fit_gate_to_rewards(
     actions = list(batch.actions) + ([] if replay is None else list(replay.actions))
     rewards = batch.rewards if replay is None else torch.cat([batch.rewards, replay.rewards])
     in_batch = torch.arange(len(actions)) < len(batch.actions)
-    with torch.no_grad():
-        parts = [score_actions(model, tokenizer, actions[i : i + 256])
-                 for i in range(0, len(actions), 256)]
-    h = torch.cat([p.gate_hidden for p in parts])
-    x = torch.cat([p.gate_inputs for p in parts])
     shown = torch.tensor([bool(a.shown) for a in actions])  # never empty: the server hides those
     abstained = in_batch & ~shown
     r0 = float(rewards[abstained].mean()) if abstained.any() else 0.0
@@ -462,6 +457,11 @@ def fit_gate_to_rewards(
     # too few verdicts for a fit on the hidden state, or one class (or none): nothing to separate
     if len(y) < min_shown or int(y.sum()) == 0 or int(y.sum()) == len(y):
         return {"gate_fit/shown": float(len(y)), "gate_fit/fitted": 0.0}
+    with torch.no_grad():  # the forward passes only once there is a fit to make
+        parts = [score_actions(model, tokenizer, actions[i : i + 256])
+                 for i in range(0, len(actions), 256)]
+    h = torch.cat([p.gate_hidden for p in parts])
+    x = torch.cat([p.gate_inputs for p in parts])
     w = gain.abs()
     w = w / w.mean()
     inputs = torch.cat([h[shown], x[shown]], 1).double()
