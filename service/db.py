@@ -1,8 +1,10 @@
-"""Engine creation and migrations, for SQLite (embedded) and PostgreSQL (full mode)."""
+"""Engine creation, migrations and the standby lock, for SQLite (embedded) and PostgreSQL (full
+mode)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,6 +89,80 @@ def blob_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
         finally:
             if conn.dialect.name == "postgresql":
                 conn.invalidate()  # closes the DBAPI connection; the pool opens a fresh one
+
+
+class StandbyLock:
+    """One active process per database for a role (the relay, the trainer); extra replicas
+    wait as standbys and the first to see the lock free takes over.
+
+    A PostgreSQL session advisory lock on a connection of its own, outside the pool: it is held
+    as long as that connection lives, so a crashed or SIGKILLed holder releases it at once.
+    Other databases (SQLite: embedded mode, one process) always hold it.
+    """
+
+    def __init__(self, engine: sa.Engine, key: int, role: str, poll_s: float = 2.0) -> None:
+        self.engine, self.key, self.role, self.poll_s = engine, key, role, poll_s
+        self._conn: sa.Connection | None = None
+        self._held = False
+
+    def acquire(self, stop: threading.Event) -> bool:
+        """Wait until this process holds the lock (True), or until `stop` (False). When it is
+        already held this checks that its connection is still alive (a dead one is dropped and
+        the lock waited for again: another replica may have taken over meanwhile)."""
+        if self.engine.dialect.name != "postgresql":
+            return True
+        waiting = False
+        while not stop.is_set():
+            try:
+                if self._conn is None:
+                    self._conn = self.engine.connect()
+                if self._held:
+                    self._conn.execute(sa.text("SELECT 1"))
+                else:
+                    self._held = bool(
+                        self._conn.execute(
+                            sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}
+                        ).scalar()
+                    )
+                self._conn.commit()
+                if self._held:
+                    if waiting:
+                        log.info("%s lock acquired: this %s is now the active one",
+                                 self.role, self.role)
+                    return True
+                if not waiting:
+                    log.info("another %s is active; standing by", self.role)
+                    waiting = True
+            except sa.exc.SQLAlchemyError as e:
+                log.warning("%s lock: database unavailable (%s)", self.role,
+                            str(e).split("\n")[0])
+                self.release()
+            stop.wait(self.poll_s)
+        return False
+
+    def check(self) -> None:
+        """Raise (an SQLAlchemyError) unless the lock is still held: a holder that lost its
+        connection must stop acting, since a standby may already have taken over."""
+        if self.engine.dialect.name != "postgresql":
+            return
+        if self._conn is None or not self._held:
+            raise sa.exc.InvalidRequestError(f"the {self.role} lock is not held")
+        try:
+            self._conn.execute(sa.text("SELECT 1"))
+            self._conn.commit()
+        except sa.exc.SQLAlchemyError:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Close the lock's connection (which releases the lock); safe to call twice."""
+        if self._conn is not None:
+            try:
+                self._conn.invalidate()
+                self._conn.close()
+            except sa.exc.SQLAlchemyError:
+                log.debug("closing the %s lock connection failed", self.role, exc_info=True)
+        self._conn, self._held = None, False
 
 
 def alembic_config(url: str) -> Config:

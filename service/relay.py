@@ -21,6 +21,7 @@ from kafka import TopicPartition
 from kafka.errors import KafkaError
 
 from service.config import Settings
+from service.db import StandbyLock
 from service.metrics import RELAY_ERRORS, RELAY_PUBLISHED, RELAY_RECONCILED
 from service.stream.kafka import ensure_topics, make_producer, make_reader, read_to_end
 from service.stream.topics import ALL_TOPICS
@@ -40,39 +41,9 @@ class Relay:
         self.batch_size = settings.relay_batch_size
         self.producer: Any = None
         self.needs_reconcile = True
-        self._lock_conn: sa.Connection | None = None
+        self.lock = StandbyLock(engine, RELAY_LOCK_ID, "relay")
 
     # -- the steps -------------------------------------------------------------------------
-
-    def acquire_lock(self, stop: threading.Event) -> bool:
-        """PostgreSQL: wait (as a standby) until this relay holds the advisory lock."""
-        if self.engine.dialect.name != "postgresql":
-            return True
-        while not stop.is_set():
-            try:
-                if self._lock_conn is None:
-                    self._lock_conn = self.engine.connect()
-                got = self._lock_conn.execute(
-                    sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": RELAY_LOCK_ID}
-                ).scalar()
-                self._lock_conn.commit()
-                if got:
-                    return True
-                log.info("another relay is active; standing by")
-            except sa.exc.SQLAlchemyError as e:
-                log.warning("relay lock: database unavailable (%s)", str(e).split("\n")[0])
-                self._drop_lock_conn()
-            stop.wait(2.0)
-        return False
-
-    def _drop_lock_conn(self) -> None:
-        if self._lock_conn is not None:
-            try:
-                self._lock_conn.invalidate()
-                self._lock_conn.close()
-            except sa.exc.SQLAlchemyError:
-                log.debug("closing relay lock connection failed", exc_info=True)
-            self._lock_conn = None
 
     def reconcile(self) -> int:
         """Stamp unpublished rows already present in their topic (sent before a crash or a
@@ -213,7 +184,7 @@ class Relay:
         backoff = 0.5
         while not stop.is_set():
             try:
-                if not self.acquire_lock(stop):
+                if not self.lock.acquire(stop):
                     break
                 if self.producer is None:
                     ensure_topics(self.settings)
@@ -238,11 +209,11 @@ class Relay:
                     "relay: database error (%s); retrying in %.1fs", str(e).split("\n")[0], backoff
                 )
                 self.needs_reconcile = True
-                self._drop_lock_conn()
+                self.lock.release()
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         self._close_producer()
-        self._drop_lock_conn()
+        self.lock.release()
         log.info("relay stopped")
 
     def _close_producer(self) -> None:

@@ -25,7 +25,7 @@ import torch
 from kafka.errors import KafkaError
 
 from service.config import Settings
-from service.db import blob_transaction
+from service.db import StandbyLock, blob_transaction
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
 from service.policy.model import GPT
 from service.policy.tokenizer import CodeTokenizer
@@ -57,6 +57,8 @@ from trainer.metrics import (
 from trainer.update import Batch, UpdateConfig, carry_state, make_optimizer, update
 
 log = logging.getLogger(__name__)
+
+TRAINER_LOCK_ID = 0x7AB1_00B1  # pg_advisory_lock key held by the active trainer (relay: ...B0)
 
 # a rollout with its finalized reward: what an update reads
 _ROLLOUT_ROWS = sa.select(
@@ -149,6 +151,7 @@ class Trainer:
         self.paused = False
         self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
         self._optimizer_state: dict[str, Any] | None = None  # Adam's moments, kept across updates
+        self.lock = StandbyLock(engine, TRAINER_LOCK_ID, "trainer")
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -174,8 +177,11 @@ class Trainer:
                 )
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
+        self.lock.release()
 
     def _run(self, stop: threading.Event) -> None:
+        if not self.lock.acquire(stop):  # PostgreSQL: one active trainer, others stand by
+            return
         spec_version, spec = current_spec(self.engine, self.settings.profile)
         join = Join(self.engine, spec, spec_version)
         self.horizon = timedelta(seconds=spec.horizon_s)
@@ -466,6 +472,8 @@ class Trainer:
         if not force and time.monotonic() - self._last_heartbeat < self.cfg.heartbeat_s:
             return False
         self._last_heartbeat = time.monotonic()
+        if not force:
+            self.lock.check()  # lost with its connection: a standby may be active; restart
         oldest = min((p.rollout.created_at for p in join.pending.values()), default=None)
         self.state.update(
             pending=len(join.pending),

@@ -1,13 +1,15 @@
-"""service.db.blob_transaction: a transaction whose PostgreSQL connection is not pooled after."""
+"""service.db: blob_transaction (a transaction whose PostgreSQL connection is not pooled after)
+and StandbyLock (one active process per role, the others standing by)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from service.db import blob_transaction, make_engine
+from service.db import StandbyLock, blob_transaction, make_engine
 
 BLOB = b"\x00\x01" * 600_000  # a checkpoint-sized value: libpq's buffers grow to hold it
 
@@ -37,3 +39,46 @@ def test_blob_transaction_commits_rolls_back_and_closes_postgres_connections(
     finally:
         table.drop(engine)
         engine.dispose()
+
+
+def _stopped_after(seconds: float) -> threading.Event:
+    stop = threading.Event()
+    timer = threading.Timer(seconds, stop.set)
+    timer.daemon = True
+    timer.start()
+    return stop
+
+
+def test_standby_lock_one_holder_then_takeover(settings_factory: Any) -> None:
+    """PostgreSQL: a second holder waits until stopped; when the first one's connection dies (a
+    SIGKILLed process) the standby takes over and the first one's check raises. SQLite (one
+    process): always held."""
+    settings = settings_factory()
+    engines = [make_engine(settings), make_engine(settings)]
+    a, b = (StandbyLock(e, 0x7AB1_7E57, "worker", poll_s=0.05) for e in engines)
+    try:
+        assert a.acquire(threading.Event())
+        a.check()
+        if engines[0].dialect.name != "postgresql":
+            assert b.acquire(threading.Event())
+            b.check()
+            return
+        assert not b.acquire(_stopped_after(0.3))  # waited as a standby, then stopped
+        with pytest.raises(sa.exc.SQLAlchemyError):
+            b.check()
+        assert a._conn is not None
+        pid = a._conn.execute(sa.text("SELECT pg_backend_pid()")).scalar()
+        a._conn.commit()
+        with engines[1].connect() as conn:  # the holder's session ends, as when it is killed
+            conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        assert b.acquire(_stopped_after(10.0))
+        with pytest.raises(sa.exc.SQLAlchemyError):
+            a.check()
+        assert not a.acquire(_stopped_after(0.3))
+        b.release()
+        assert a.acquire(_stopped_after(10.0))
+    finally:
+        a.release()
+        b.release()
+        for e in engines:
+            e.dispose()

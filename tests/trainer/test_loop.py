@@ -182,6 +182,9 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
 def test_kill_9_loses_no_reward_and_trains_nothing_twice(
     tmp_path: Path, pg_url: str, durable_kafka: Any
 ) -> None:
+    """`tabloop train` SIGKILLed mid-stream, with a second one standing by on the lock: the
+    standby takes over from what is durable, every rollout ends with exactly one reward, and
+    each candidate's batch is the rewards stamped with its version."""
     from service.relay import Relay
 
     settings = make_settings(
@@ -218,19 +221,28 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
         TABLOOP_KAFKA_SESSION_TIMEOUT_MS="3000",
     )
     train = [str(Path(sys.executable).parent / "tabloop"), "train"]
-    proc = subprocess.Popen(train, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(train, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # a second trainer on another machine: it waits on the lock instead of training too
+    standby_log = tmp_path / "standby.log"
+    with standby_log.open("wb") as err:
+        standby = subprocess.Popen(
+            train, env={**env, "TABLOOP_DATA_DIR": str(tmp_path / "standby-data")},
+            stdout=subprocess.DEVNULL, stderr=err,
+        )
     try:
         sent = drive(svc.url, ingest, 100, seed=3)
         wait_for(lambda: count(engine, rewards) >= 10, 120, "the first rewards")
+        wait_for(lambda: b"standing by" in standby_log.read_bytes(), 60, "the standby")
         proc.send_signal(signal.SIGKILL)  # mid-stream: some rewards final, many pending
         proc.wait(timeout=30)
         killed_at = count(engine, rewards)
         sent += drive(svc.url, ingest, 60, seed=4)
-        proc = subprocess.Popen(train, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_for(lambda: count(engine, rewards) == len(sent), 120, "every rollout's reward")
         assert killed_at < len(sent)
+        assert b"now the active one" in standby_log.read_bytes()
     finally:
         stop_process(proc)
+        stop_process(standby)
         stop.set()
         relay.join(timeout=30)
         svc.stop()
