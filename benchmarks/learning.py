@@ -12,12 +12,12 @@ computes the reward's decision part as the service does, and takes one trainer u
 (`trainer.update`, the sim profile's UpdateConfig with `--set` overrides, Adam's moments
 carried, 80% of the rollouts as the live trainer trains on; with `gate_fit`, the shown ones of
 earlier rounds replayed to the gate's fit, newest first, as the trainer reads them back) — the
-live loop's round without the canary. After every round the policy is scored on a fixed evaluation set: one sampled
-completion per cursor, each judged by a panel of 16 people, weighted by the gate's p(show)
-(simulator.baseline.at_threshold with the stochastic gate), so the figures are expectations,
-not one noisy draw. A 15-minute simulation makes about 10 such updates. Each round's line also
-gives the mean length of all completions (shown or not: the language model's part), and a
-second line the same gate made greedy (shown iff p(show) >= 1/2).
+live loop's round without the canary. After every round the policy is scored on a fixed
+evaluation set: one sampled completion per cursor, each judged by a panel of 16 people, weighted
+by the gate's p(show) (simulator.baseline.at_threshold with the stochastic gate), so the figures
+are expectations, not one noisy draw. A 15-minute simulation makes about 10 such updates. Each
+round's line also gives the mean length of all completions (shown or not: the language model's
+part), and a second line the same gate made greedy (shown iff p(show) >= 1/2).
 
 What it leaves out: the canary (every candidate is kept), rollouts from older versions
 (staleness), model switches and churn. Use it to compare update rules in minutes, with the
