@@ -222,16 +222,17 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
     )
     train = [str(Path(sys.executable).parent / "tabloop"), "train"]
     proc = subprocess.Popen(train, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # a second trainer on another machine: it waits on the lock instead of training too
-    standby_log = tmp_path / "standby.log"
-    with standby_log.open("wb") as err:
-        standby = subprocess.Popen(
-            train, env={**env, "TABLOOP_DATA_DIR": str(tmp_path / "standby-data")},
-            stdout=subprocess.DEVNULL, stderr=err,
-        )
+    standby: subprocess.Popen[bytes] | None = None
     try:
         sent = drive(svc.url, ingest, 100, seed=3)
         wait_for(lambda: count(engine, rewards) >= 10, 120, "the first rewards")
+        # the first trainer is active now; a second one (another machine) waits on the lock
+        standby_log = tmp_path / "standby.log"
+        with standby_log.open("wb") as err:
+            standby = subprocess.Popen(
+                train, env={**env, "TABLOOP_DATA_DIR": str(tmp_path / "standby-data")},
+                stdout=subprocess.DEVNULL, stderr=err,
+            )
         wait_for(lambda: b"standing by" in standby_log.read_bytes(), 60, "the standby")
         proc.send_signal(signal.SIGKILL)  # mid-stream: some rewards final, many pending
         proc.wait(timeout=30)
@@ -242,7 +243,8 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
         assert b"now the active one" in standby_log.read_bytes()
     finally:
         stop_process(proc)
-        stop_process(standby)
+        if standby is not None:
+            stop_process(standby)
         stop.set()
         relay.join(timeout=30)
         svc.stop()
