@@ -114,16 +114,16 @@ class StandbyLock:
         waiting = False
         while not stop.is_set():
             try:
+                if self._held:
+                    self.check()  # a dead connection raises (and is dropped): wait again
+                    return True
                 if self._conn is None:
                     self._conn = self.engine.connect()
-                if self._held:
-                    self._conn.execute(sa.text("SELECT 1"))
-                else:
-                    self._held = bool(
-                        self._conn.execute(
-                            sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}
-                        ).scalar()
-                    )
+                self._held = bool(
+                    self._conn.execute(
+                        sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}
+                    ).scalar()
+                )
                 self._conn.commit()
                 if self._held:
                     if waiting:
