@@ -102,7 +102,8 @@ class TrainerConfig:
                 # promotion half of the next batch is the new live policy's own rollouts
                 canary_fraction=0.5,
                 # the gate set by a fit on every shown verdict so far (fit_gate_to_rewards),
-                # sharpened 3x, once 300 are in; until then four more passes on the gate alone
+                # sharpened 3x once 300 are in, growing as sqrt(verdicts / 300) up to 10x
+                # (docs/TRAINER.md); until then four more passes on the gate alone
                 # per batch; the language model stays frozen: a few hundred rewards move it
                 # too little to help and keep moving the gate's inputs under it
                 # (docs/RESULTS.md, sessions 7 and 11)
@@ -112,6 +113,7 @@ class TrainerConfig:
                     train_gate_only=True,
                     gate_fit=True,
                     gate_fit_sharpness=3.0,
+                    gate_fit_sharpness_max=10.0,
                 ),
                 canary=CanaryConfig(
                     min_rollouts=60,
@@ -332,7 +334,8 @@ class Trainer:
             reason=f"trainer: gate passed ({result.reason}); canary",
         )
         fit = (
-            f", gate fit on {metrics['gate_fit/shown']:.0f} shown verdicts"
+            f", gate fit on {metrics['gate_fit/shown']:.0f} shown verdicts,"
+            f" sharpness {metrics['gate_fit/sharpness']:.1f}"
             if metrics.get("gate_fit/fitted")
             else ""
         )

@@ -32,6 +32,7 @@ the server sampled from.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,9 @@ class UpdateConfig:
     gate_fit_replay: int = 2000  # shown rollouts of earlier batches the trainer adds to the fit
     gate_fit_sharpness: float = 1.0  # the fitted logit times this: p(show) nearer 0 or 1
     gate_fit_min_shown: int = 300  # fewer shown verdicts than this: the gate passes instead
+    # above gate_fit_sharpness: the sharpness grows with the verdicts, as
+    # sqrt(verdicts / gate_fit_min_shown), up to this (exploration fades as the evidence grows)
+    gate_fit_sharpness_max: float = 0.0
 
 
 @dataclass
@@ -358,7 +362,7 @@ def update(
         if cfg.gate_fit:
             gate = fit_gate_to_rewards(
                 model, tokenizer, batch, replay, cfg.gate_fit_l2, cfg.gate_fit_sharpness,
-                cfg.gate_fit_min_shown,
+                cfg.gate_fit_min_shown, cfg.gate_fit_sharpness_max,
             )
         if cfg.gate_epochs and not gate.get("gate_fit/fitted"):
             gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg))
@@ -425,6 +429,7 @@ def fit_gate_to_rewards(
     l2: float,
     sharpness: float = 1.0,
     min_shown: int = 0,
+    sharpness_max: float = 0.0,
 ) -> dict[str, float]:
     """Set the show/abstain gate to where showing pays, fit on the rewards of shown rollouts.
 
@@ -439,7 +444,11 @@ def fit_gate_to_rewards(
     few hundred verdicts against 192 of them), then written into the gate's linear layers times
     `sharpness`: p(show) = sigmoid(sharpness * logit) is near 0 or 1 where the fit is sure and
     stays near 1/2 where the evidence is even, so the gate keeps exploring at its boundary
-    (it learns only from what it shows). Fewer than `min_shown` verdicts: no fit.
+    (it learns only from what it shows). With `sharpness_max` above `sharpness` (and
+    `min_shown` > 0), the sharpness grows as sqrt(n / min_shown) with the n verdicts fit on, up
+    to `sharpness_max`: the fitted logit's standard error shrinks as 1/sqrt(n), so p(show)
+    keeps tracking how sure the evidence is that showing pays, and the exploration it buys
+    fades as the evidence grows. Fewer than `min_shown` verdicts: no fit.
 
     Unlike the policy-gradient steps it uses every verdict seen, not just this batch's, and is
     not bounded by a clip: the deploy gate (trainer.gate) and the canary judge how far it moved.
@@ -481,6 +490,8 @@ def fit_gate_to_rewards(
         return loss
 
     opt.step(closure)
+    if sharpness_max > sharpness and min_shown > 0:
+        sharpness = min(sharpness_max, sharpness * math.sqrt(len(y) / min_shown))
     c = coef.detach()
     scaled = sharpness * c[:-1] / sd  # on raw inputs: logit = scaled . inputs + bias
     bias = sharpness * c[-1] - (scaled * mu).sum()
@@ -494,5 +505,6 @@ def fit_gate_to_rewards(
         "gate_fit/fitted": 1.0,
         "gate_fit/paid": float(y.mean()),
         "gate_fit/abstain_reward": r0,
+        "gate_fit/sharpness": sharpness,
         "gate/p_show": float(p_show.mean()),
     }
