@@ -25,7 +25,8 @@ characters per 100 requests and reward per request of
   LIVE_LABELS suggestions the base gate showed, one person's verdict each; on the confidence
   inputs alone, with the def/class flag, or with the gate's hidden-state input (L2 HIDDEN_L2 on
   its weights); three draws each;
-- an oracle that knows each completion's expected reward and hides the ones below a bar.
+- an oracle that knows each completion's expected reward and hides the ones below a bar, and
+  one that shows exactly those with a positive expected reward (the reward's own optimum).
 
 The learned gate is a logistic head of the same confidence inputs plus a projection of the
 last hidden state, so the second line is about what it can learn without better completions.
@@ -193,6 +194,9 @@ def main() -> int:
                 for it in test]
         rows.append((f"oracle: base gate, hide def/class and expected reward < {bar}",
                      rates(test, show)))
+    # the reward's own optimum, suggestion by suggestion: what a perfect gate converges to
+    rows.append(("oracle: show exactly the completions with expected reward > 0",
+                 rates(test, [float(bool(it["chars"]) and it["reward"] > 0) for it in test])))
 
     def rel(r: dict[str, float], k: str) -> str:
         return f"{100 * (r[k] / base[k] - 1):+.0f}%"

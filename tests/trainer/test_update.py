@@ -721,6 +721,33 @@ def test_gate_fit_sharpness_scales_the_logit(
     torch.testing.assert_close(logits[3.0], 3.0 * logits[1.0], rtol=1e-3, atol=1e-3)
 
 
+
+def test_gate_fit_sharpness_grows_with_the_verdicts(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """With gate_fit_sharpness_max the sharpness is gate_fit_sharpness * sqrt(verdicts /
+    gate_fit_min_shown), capped at the max: the same fit, its logit scaled by that factor."""
+    _set_gate(tiny_model, 0.0)
+    a, b = _families(tiny_model, tiny_tokenizer, seed=0)
+    batch = _batch(a + b, [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b])
+    shown = sum(c.shown and bool(c.text) for c in a + b)
+    need = shown // 4
+    grown = math.sqrt(shown / need)
+    assert grown > 1.5
+    logits, sharpness = {}, {}
+    for cap in (0.0, 10.0, 1.5):
+        model = copy.deepcopy(tiny_model)
+        cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0,
+                           gate_fit_min_shown=need, gate_fit_sharpness_max=cap)
+        m = update(model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
+                   make_optimizer(model, cfg), cfg)
+        sharpness[cap] = m["gate_fit/sharpness"]
+        with torch.no_grad():
+            logits[cap] = score_actions(model, tiny_tokenizer, a + b).gate_logit
+    assert sharpness == {0.0: 1.0, 10.0: pytest.approx(grown), 1.5: 1.5}
+    torch.testing.assert_close(logits[10.0], grown * logits[0.0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(logits[1.5], 1.5 * logits[0.0], rtol=1e-3, atol=1e-3)
+
 def test_gate_fit_waits_for_enough_verdicts(tiny_model: GPT, tiny_tokenizer: CodeTokenizer) -> None:
     """Below gate_fit_min_shown shown verdicts the gate is not fit: the gate passes move it."""
     _set_gate(tiny_model, 0.0)
