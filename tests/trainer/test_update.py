@@ -721,7 +721,6 @@ def test_gate_fit_sharpness_scales_the_logit(
     torch.testing.assert_close(logits[3.0], 3.0 * logits[1.0], rtol=1e-3, atol=1e-3)
 
 
-
 def test_gate_fit_sharpness_grows_with_the_verdicts(
     tiny_model: GPT, tiny_tokenizer: CodeTokenizer
 ) -> None:
@@ -747,6 +746,7 @@ def test_gate_fit_sharpness_grows_with_the_verdicts(
     assert sharpness == {0.0: 1.0, 10.0: pytest.approx(grown), 1.5: 1.5}
     torch.testing.assert_close(logits[10.0], grown * logits[0.0], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(logits[1.5], 1.5 * logits[0.0], rtol=1e-3, atol=1e-3)
+
 
 def test_gate_fit_waits_for_enough_verdicts(tiny_model: GPT, tiny_tokenizer: CodeTokenizer) -> None:
     """Below gate_fit_min_shown shown verdicts the gate is not fit: the gate passes move it."""
