@@ -2,7 +2,7 @@
 
     python benchmarks/gate_frontier.py [--cursors 3000] [--seed 0] [--out FILE.json]
         [--reward chars_norm=8 --reward chars_exponent=1.0 ...]
-        [--stop-logprob=-inf] [--checkpoint DIR]
+        [--stop-logprob=-inf] [--checkpoint DIR] [--more-inputs K]
 
 Samples the shipped base policy (or `--checkpoint`) on held-out cursors drawn as `tabloop
 simulate` draws them (serving temperature, nucleus and confidence stop; `--stop-logprob=-inf`
@@ -28,6 +28,13 @@ characters per 100 requests and reward per request of
 - an oracle that knows each completion's expected reward and hides the ones below a bar, and
   one that shows exactly those with a positive expected reward (the reward's own optimum).
 
+With `--more-inputs K` (K >= 1) it also asks whether the gate would rank better with inputs it
+does not have: each fit on every verdict of the first half (soft labels), on the gate's inputs
+(confidence and hidden state), then those plus token-level confidence (the lowest, first and
+last token log-probs, and why sampling stopped), then those plus self-consistency (how many of K
+more samples at the same cursor, from a separate generator, repeat the completion, start with it,
+or match it by difflib's measure). About (K + 1) times the sampling time.
+
 The learned gate is a logistic head of the same confidence inputs plus a projection of the
 last hidden state, so the second line is about what it can learn without better completions.
 """
@@ -48,24 +55,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.ingest import sim_reward_spec  # noqa: E402
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
 from service.policy.sampling import score_actions  # noqa: E402
-from simulator.baseline import complete_and_score  # noqa: E402
-from simulator.population import CursorSource, PopulationConfig, draw_person, size_scale  # noqa: E402
+from simulator.baseline import complete_and_score, complete_cursor  # noqa: E402
+from simulator.population import (  # noqa: E402
+    CursorSource,
+    PopulationConfig,
+    draw_person,
+    matched_fraction,
+    size_scale,
+)
 from trainer.corpus import heldout_lines  # noqa: E402
 
 BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
 LIVE_LABELS = 300  # judged suggestions: about what three or four live batches hold
 HIDDEN_L2 = 100.0  # L2 on the hidden-state weights of a fit on LIVE_LABELS (standardised inputs)
+STOPS = ("newline", "confidence", "length", "eof")
 
 
 def sample(n: int, seed: int, spec: dict[str, Any], checkpoint: Path = BASE,
-           stop_logprob: float | None = None) -> tuple[list[dict[str, Any]], torch.Tensor]:
-    """The completions with their scores, and the gate's hidden-state input for each (n, C)."""
+           stop_logprob: float | None = None,
+           more: int = 0) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """The completions with their scores, and the gate's hidden-state input for each (n, C);
+    `more` > 0: with the token-level and self-consistency inputs (module docstring)."""
     model, tokenizer, _ = load_checkpoint(checkpoint)
     model.eval()
     population = PopulationConfig()
     source = CursorSource(list(heldout_lines()))
     rng = random.Random(f"frontier:{seed}")
     g = torch.Generator().manual_seed(seed)
+    g_more = torch.Generator().manual_seed(seed + 1)  # the other rows' samples stay the same
     people = [draw_person(population, rng) for _ in range(32)]
     items, hidden = [], []
     with torch.no_grad():
@@ -77,10 +94,25 @@ def sample(n: int, seed: int, spec: dict[str, Any], checkpoint: Path = BASE,
             items.append({"p_show": c.gate_prob_show, "chars": s.chars, "family": s.family,
                           "accept": s.accept, "retained": s.retained_chars, "reward": s.reward,
                           "tokens": len(lps), "sum_logprob": sum(lps)})
+            if more:
+                items[-1]["more"] = more_inputs(c, [
+                    complete_cursor(model, tokenizer, cursor, g_more,
+                                    stop_logprob=stop_logprob)[0].text for _ in range(more)])
             hidden.append(score_actions(model, tokenizer, [c]).gate_hidden[0])
             if (i + 1) % 500 == 0:
                 print(f"{i + 1}/{n} completions scored", file=sys.stderr, flush=True)
     return items, torch.stack(hidden)
+
+
+def more_inputs(c: Any, others: list[str]) -> list[float]:
+    """Token-level confidence and agreement with `others` (module docstring)."""
+    lps = c.model_logprobs or [0.0]
+    text = c.text.rstrip()
+    k = len(others)
+    agree = [sum(o.rstrip() == text for o in others) / k,
+             sum(o.startswith(text) for o in others) / k if text else 0.0,
+             sum(matched_fraction(text, o) for o in others) / k]
+    return [min(lps), lps[0], lps[-1]] + [float(c.stop_reason == s) for s in STOPS] + agree
 
 
 def features(it: dict[str, Any], family: bool) -> list[float]:
@@ -131,11 +163,14 @@ def main() -> int:
     p.add_argument("--stop-logprob", type=float,
                    help="the confidence stop (default: the service's; -inf: whole lines)")
     p.add_argument("--checkpoint", type=Path, default=BASE, help="the policy to sample")
+    p.add_argument("--more-inputs", type=int, default=0, metavar="K",
+                   help="also fit with inputs the gate lacks; K more samples per cursor")
     args = p.parse_args()
     spec = sim_reward_spec(args.reward)
     print(f"reward spec: {spec}", flush=True)
     torch.set_num_threads(1)
-    items, hidden = sample(args.cursors, args.seed, spec, args.checkpoint, args.stop_logprob)
+    items, hidden = sample(args.cursors, args.seed, spec, args.checkpoint, args.stop_logprob,
+                           args.more_inputs)
     half = len(items) // 2
     fit_on = [i for i in range(half) if items[i]["chars"]]
     test = items[half:]
@@ -150,20 +185,22 @@ def main() -> int:
         return [float(bool(it["chars"]) and pa * w > (1 - pa) * spec["reject_penalty"])
                 for it, pa, w in zip(test, p_accept, worth, strict=True)]
 
-    def inputs(idx: list[int], family: bool, with_hidden: bool) -> torch.Tensor:
-        x = torch.tensor([features(items[i], family) for i in idx])
+    def inputs(idx: list[int], family: bool, with_hidden: bool, more: int = 0) -> torch.Tensor:
+        """`more`: 7 adds the token-level inputs, 10 the agreement ones too."""
+        x = torch.tensor([features(items[i], family) + items[i].get("more", [])[:more]
+                          for i in idx])
         return torch.cat([hidden[idx], x], 1) if with_hidden else x
 
     def fitted(on: list[int], labels: list[float], family: bool,
-               with_hidden: bool = False) -> list[float]:
+               with_hidden: bool = False, more: int = 0) -> list[float]:
         """p(accept) on the test half from a logistic fit of `labels` on the items `on` (with
         the hidden state: L2 HIDDEN_L2 on its weights, none on the confidence features)."""
-        x = inputs(on, family, with_hidden)
+        x = inputs(on, family, with_hidden, more)
         mu, sd = x.mean(0), x.std(0) + 1e-6
         l2 = torch.zeros(x.shape[1])
         l2[: hidden.shape[1] if with_hidden else 0] = HIDDEN_L2
         w = fit_logistic((x - mu) / sd, torch.tensor(labels), l2)
-        xt = (inputs(list(range(half, len(items))), family, with_hidden) - mu) / sd
+        xt = (inputs(list(range(half, len(items))), family, with_hidden, more) - mu) / sd
         return torch.sigmoid(torch.cat([xt, torch.ones(len(xt), 1)], 1) @ w).tolist()
 
     for family in (False, True):
@@ -189,6 +226,13 @@ def main() -> int:
             p_accept = fitted(seen, verdicts, family, with_hidden)
             rows.append((f"{name}, fit on {len(seen)} shown verdicts (draw {draw}), expected gain",
                          rates(test, gain(p_accept))))
+    if args.more_inputs:
+        soft = [items[i]["accept"] for i in fit_on]
+        for name, more in (("the gate's inputs", 0),
+                           ("+ token-level confidence", 7),
+                           (f"+ agreement of {args.more_inputs} more samples", 10)):
+            rows.append((f"{name}, fit on every verdict, expected gain",
+                         rates(test, gain(fitted(fit_on, soft, False, True, more)))))
     for bar in (-0.2, -0.1, 0.0):
         show = [0.0 if (not it["chars"] or it["family"] or it["reward"] < bar) else it["p_show"]
                 for it in test]

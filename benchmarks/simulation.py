@@ -2,7 +2,7 @@
 
     python benchmarks/simulation.py --mode embedded --minutes 15 --users 16 --seed 0 --out DIR
     python benchmarks/simulation.py --mode full --minutes 15 --users 16 --seed 0 --out DIR \
-        [--baseline DIR/baseline.json] [--reward chars_norm=8 ...]
+        [--baseline DIR/baseline.json] [--reward chars_norm=8 ...] [--paused]
 
 Everything runs on this machine, on 127.0.0.1 only, with TABLOOP_PROFILE=sim (seconds-long
 reward windows, the sim trainer profile) and otherwise default settings, except the per-key
@@ -19,6 +19,10 @@ one: it depends only on the base policy and the seed, so one file serves every r
 The service logs are in DIR/logs/. Before the service stops, the learning-related rows of its
 database go to DIR/db/*.jsonl (rollouts without their tokens, rewards, policies, deployments),
 so two runs can be compared after their databases are gone (`--no-dump` skips it).
+
+`--paused` pauses the trainer (POST /admin/training/pause) before the people start: the base
+policy serves the whole run, a control for how much a run's first and last fifths differ
+without any learning.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def main() -> int:
     p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
                    help="PUT /admin/reward-spec with these fields before simulating "
                         "(an operator's spec; default: the sim profile's)")
+    p.add_argument("--paused", action="store_true",
+                   help="pause the trainer first: the base policy serves throughout (a control)")
     args = p.parse_args()
 
     out = args.out.resolve()
@@ -102,6 +108,8 @@ def main() -> int:
               flush=True)
         if args.reward:
             put_reward_spec(port, token, args.reward)
+        if args.paused:
+            pause_trainer(port, token)
         argv = [sys.executable, "-m", "tabloop.cli", "simulate", "--api",
                 f"http://127.0.0.1:{port}", "--key", token, "--users", str(args.users),
                 "--minutes", str(args.minutes), "--seed", str(args.seed), "--out", str(out),
@@ -142,6 +150,16 @@ def put_reward_spec(port: int, token: str, pairs: list[str]) -> None:
                   headers={"Authorization": f"Bearer {token}"}, timeout=30)
     r.raise_for_status()
     print(f"reward spec v{r.json()['version']}: {r.json()['spec']}", flush=True)
+
+
+def pause_trainer(port: int, token: str) -> None:
+    """Pause the trainer as an operator would; it takes no step while paused."""
+    import httpx
+
+    r = httpx.post(f"http://127.0.0.1:{port}/admin/training/pause",
+                   headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    r.raise_for_status()
+    print(f"trainer paused: {r.json()['paused']}", flush=True)
 
 
 def dump_tables(url: str, directory: Path) -> None:
