@@ -166,6 +166,14 @@ class Cluster:
         return {app: rss_mib(self.pid(app)) for app in APPS}
 
 
+def one(conn: Any, sql: str) -> tuple[Any, ...]:
+    """The one row a query returns (an aggregate's); an error naming the query if none."""
+    row = conn.execute(sql).fetchone()
+    if row is None:
+        raise RuntimeError(f"no row from {sql!r}")
+    return tuple(row)
+
+
 def wait_for(check: Any, timeout_s: float, interval_s: float = 0.25) -> float | None:
     """Seconds until `check()` is true (exceptions count as false); None on timeout."""
     t0 = time.monotonic()

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import plugin  # noqa: E402
-from benchmarks.cluster import DATABASE, Cluster, wait_for  # noqa: E402
+from benchmarks.cluster import DATABASE, Cluster, one, wait_for  # noqa: E402
 from benchmarks.ingest import machine  # noqa: E402
 
 SHORT = "broker-kill,relay-kill,pg-kill,trainer-kill"
@@ -79,7 +79,7 @@ class Faults:
         import psycopg
 
         with psycopg.connect(self.c.pg.dsn(DATABASE), connect_timeout=2, autocommit=True) as conn:
-            return conn.execute(sql).fetchone()[0]
+            return one(conn, sql)[0]
 
     def backlog(self, written_before: float | None = None) -> int:
         """Unpublished outbox rows (only those written before `written_before`, a wall time)."""
@@ -192,12 +192,12 @@ def verify(cluster: Cluster, plugins: plugin.Plugins) -> dict[str, Any]:
     with psycopg.connect(cluster.pg.dsn(DATABASE), autocommit=True) as conn:
         db_events = {r[0] for r in conn.execute("SELECT event_id FROM events")}
         db_rollouts = {r[0] for r in conn.execute("SELECT suggestion_id FROM rollouts")}
-        out["dead_letters"] = conn.execute("SELECT count(*) FROM dead_letters").fetchone()[0]
-        out["unpublished"] = conn.execute(
-            "SELECT count(*) FROM outbox WHERE published_at IS NULL").fetchone()[0]
-        out["rewards"], out["reward_rows_per_suggestion_max"] = conn.execute(
-            "SELECT count(*), coalesce(max(n), 0) FROM "
-            "(SELECT count(*) AS n FROM rewards GROUP BY suggestion_id) r").fetchone()
+        out["dead_letters"] = one(conn, "SELECT count(*) FROM dead_letters")[0]
+        out["unpublished"] = one(
+            conn, "SELECT count(*) FROM outbox WHERE published_at IS NULL")[0]
+        out["rewards"], out["reward_rows_per_suggestion_max"] = one(
+            conn, "SELECT count(*), coalesce(max(n), 0) FROM "
+            "(SELECT count(*) AS n FROM rewards GROUP BY suggestion_id) r")
         # each registered candidate: rollouts it trained on vs rewards stamped trained_into it
         trained = conn.execute(
             "SELECT p.version, (p.summary->>'rollouts')::int, "
@@ -208,12 +208,13 @@ def verify(cluster: Cluster, plugins: plugin.Plugins) -> dict[str, Any]:
         out["candidates_partial"] = [v for v, n, got in trained if got not in (0, n)]
         # none: the trainer died between registering and stamping (its rewards stay used)
         out["candidates_unstamped"] = [v for v, n, got in trained if got == 0]
-        out["rewards_trained"] = conn.execute(
-            "SELECT count(*) FROM rewards WHERE trained_at IS NOT NULL").fetchone()[0]
+        out["rewards_trained"] = one(
+            conn, "SELECT count(*) FROM rewards WHERE trained_at IS NOT NULL")[0]
         out["candidate_rollouts"] = sum(n for _, n, _ in trained)
-        out["rewards_into_untrained"] = conn.execute(
-            "SELECT count(*) FROM rewards WHERE trained_into IS NOT NULL AND trained_at IS NULL"
-        ).fetchone()[0]
+        out["rewards_into_untrained"] = one(
+            conn,
+            "SELECT count(*) FROM rewards WHERE trained_into IS NOT NULL AND trained_at IS NULL",
+        )[0]
         missing = sorted(plugins.acked - db_events)[:5]
         feedback = consume_all(cluster.broker.bootstrap, FEEDBACK, timeout_s=180)
         in_topic = Counter(orjson.loads(r.value)["event_id"] for r in feedback)

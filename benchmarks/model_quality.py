@@ -231,17 +231,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cursors = sample_cursors("heldout", args.n, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    whole = {"stop_logprob": None}  # the language model's own quality: whole lines
+    whole = None  # stop_logprob: the language model's own quality, on whole lines
     greedy = [
-        complete(model, tok, c.prefix, c.suffix, 32, 0.0, None, None, **whole) for c in cursors
+        complete(model, tok, c.prefix, c.suffix, 32, 0.0, None, None, stop_logprob=whole)
+        for c in cursors
     ]
     no_heal = [
-        complete(model, tok, c.prefix, c.suffix, 32, 0.0, None, None, heal=False, **whole)
+        complete(model, tok, c.prefix, c.suffix, 32, 0.0, None, None, heal=False,
+                 stop_logprob=whole)
         for c in cursors
     ]
     sampled = [
         complete(model, tok, c.prefix, c.suffix, 32, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, gen,
-                 **whole)
+                 stop_logprob=whole)
         for c in cursors
     ]
     served = [

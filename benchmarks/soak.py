@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import plugin  # noqa: E402
-from benchmarks.cluster import DATABASE, Cluster, rss_mib, wait_for  # noqa: E402
+from benchmarks.cluster import DATABASE, Cluster, one, rss_mib, wait_for  # noqa: E402
 from benchmarks.ingest import machine  # noqa: E402
 from benchmarks.loadgen import BATCH, closed_loop, open_loop  # noqa: E402
 
@@ -38,8 +38,7 @@ def backlog(cluster: Cluster) -> int:
     import psycopg
 
     with psycopg.connect(cluster.pg.dsn(DATABASE), connect_timeout=2, autocommit=True) as conn:
-        row = conn.execute("SELECT count(*) FROM outbox WHERE published_at IS NULL").fetchone()
-        return int(row[0])
+        return int(one(conn, "SELECT count(*) FROM outbox WHERE published_at IS NULL")[0])
 
 
 def peak_rate(cluster: Cluster, args: argparse.Namespace) -> float:
