@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from pydantic import BaseModel
 
 from service.deps import CtxDep
@@ -46,5 +49,10 @@ def readyz(ctx: CtxDep) -> Response:
 
 @router.get("/metrics", response_class=Response)
 def metrics() -> Response:
-    """Prometheus text format."""
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text format. Under `tabloop serve --workers N` (PROMETHEUS_MULTIPROC_DIR set):
+    the samples of every worker, summed (tabloop/cli.py `_multiprocess_metrics`)."""
+    registry = REGISTRY
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,7 +1,8 @@
 """Prometheus metrics of the API and relay processes, namespaced `tabloop_<area>_...`.
 
-Documented in docs/METRICS.md. With several uvicorn workers each worker exposes its own
-counters; scrape each or run one worker per container.
+Documented in docs/METRICS.md. Under `tabloop serve --workers N` the workers share them through
+prometheus_client's multiprocess mode (tabloop/cli.py): counters and histograms are summed over
+the workers, and each gauge says how its workers' values combine.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ HTTP_REQUEST_SECONDS = Histogram(
     ["route", "method", "status"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
+# every worker's monitor reads the same table: the latest reading is the value
 OUTBOX_BACKLOG = Gauge(
-    "tabloop_outbox_backlog_rows", "Outbox rows committed but not yet published to the broker."
+    "tabloop_outbox_backlog_rows", "Outbox rows committed but not yet published to the broker.",
+    multiprocess_mode="mostrecent",
 )
 OUTBOX_LAG = Gauge(
-    "tabloop_outbox_publish_lag_seconds", "Age of the oldest unpublished outbox row."
+    "tabloop_outbox_publish_lag_seconds", "Age of the oldest unpublished outbox row.",
+    multiprocess_mode="mostrecent",
 )
 RELAY_PUBLISHED = Counter(
     "tabloop_relay_published_total", "Outbox rows the relay published, by topic.", ["topic"]

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
@@ -237,17 +240,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _serve(create_app(settings), settings, sock)
     else:  # each worker builds its own app (and settings) from the environment
         sock.close()  # the check is done; uvicorn binds the port for its workers itself
-        uvicorn.run(
-            "service.app:app_from_env",
-            factory=True,
-            host=settings.host,
-            port=settings.port,
-            workers=settings.workers,
-            log_level=settings.log_level.lower(),
-            access_log=False,
-            log_config=None,  # each worker sets up logging in app_from_env
-        )
+        with _multiprocess_metrics():
+            uvicorn.run(
+                "service.app:app_from_env",
+                factory=True,
+                host=settings.host,
+                port=settings.port,
+                workers=settings.workers,
+                log_level=settings.log_level.lower(),
+                access_log=False,
+                log_config=None,  # each worker sets up logging in app_from_env
+            )
     return 0
+
+
+@contextlib.contextmanager
+def _multiprocess_metrics() -> Iterator[None]:
+    """prometheus_client's multiprocess mode for the workers: each writes its samples to files in
+    PROMETHEUS_MULTIPROC_DIR and every worker's /metrics sums them all (service/health.py), so a
+    scrape that reaches any worker sees the whole server. A fresh, empty directory per start
+    (stale files would add a previous run's counts), removed at exit; one the operator set is
+    used as it is and kept."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix="tabloop-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory  # the workers inherit it
+    try:
+        yield
+    finally:
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def cmd_relay(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -170,3 +171,43 @@ def test_train_serves_its_metrics_on_the_metrics_port(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert all(json.loads(line)["level"] for line in err.splitlines())  # JSON lines only
+
+
+def _series(metrics: str, prefix: str) -> float:
+    """The value of the one series starting with `prefix` (0 when absent)."""
+    lines = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    assert len(lines) <= 1, lines
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
+def test_serve_with_workers_sums_every_workers_metrics(tmp_path: Path) -> None:
+    """`tabloop serve --workers 2`: whichever worker answers a scrape, the counters count the
+    requests of both (prometheus_client's multiprocess mode), and the directory the workers
+    wrote them to is gone after a clean stop."""
+    port = free_port()
+    env = env_for(tmp_path, TABLOOP_PORT=str(port), TABLOOP_LOG_FORMAT="json")
+    assert run(["db", "upgrade"], env).returncode == 0
+    proc = subprocess.Popen([TABLOOP, "serve", "--workers", "2"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    healthz = ('tabloop_http_request_duration_seconds_count'
+               '{method="GET",route="/healthz",status="200"}')
+    dirs = set(Path(tempfile.gettempdir()).glob("tabloop-metrics-*"))
+    try:
+        wait_http_ready(url, proc, timeout_s=120)
+        before = _series(httpx.get(url + "/metrics").text, healthz)
+        for _ in range(40):  # fresh connections: uvicorn's workers share the socket
+            assert httpx.get(url + "/healthz").status_code == 200
+        scrapes = []
+        for _ in range(10):
+            metrics = httpx.get(url + "/metrics").text
+            scrapes.append(_series(metrics, healthz) - before)
+        assert scrapes == [40.0] * 10
+        assert "pid=" not in metrics  # every series is the whole server's, not one worker's
+        new = set(Path(tempfile.gettempdir()).glob("tabloop-metrics-*")) - dirs
+        assert len(new) == 1 and any(next(iter(new)).glob("*.db"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert not new & set(Path(tempfile.gettempdir()).glob("tabloop-metrics-*"))
