@@ -69,6 +69,8 @@ BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
 LIVE_LABELS = 300  # judged suggestions: about what three or four live batches hold
 HIDDEN_L2 = 100.0  # L2 on the hidden-state weights of a fit on LIVE_LABELS (standardised inputs)
 STOPS = ("newline", "confidence", "length", "eof")
+TOKEN_LEVEL = 3 + len(STOPS)  # more_inputs: the lowest, first and last log-prob, the stop
+AGREEMENT = 3  # more_inputs after those: repeated, continued, matched
 
 
 def sample(n: int, seed: int, spec: dict[str, Any], checkpoint: Path = BASE,
@@ -186,7 +188,7 @@ def main() -> int:
                 for it, pa, w in zip(test, p_accept, worth, strict=True)]
 
     def inputs(idx: list[int], family: bool, with_hidden: bool, more: int = 0) -> torch.Tensor:
-        """`more`: 7 adds the token-level inputs, 10 the agreement ones too."""
+        """`more`: the first `more` of more_inputs (TOKEN_LEVEL, or + AGREEMENT) too."""
         x = torch.tensor([features(items[i], family) + items[i].get("more", [])[:more]
                           for i in idx])
         return torch.cat([hidden[idx], x], 1) if with_hidden else x
@@ -229,8 +231,9 @@ def main() -> int:
     if args.more_inputs:
         soft = [items[i]["accept"] for i in fit_on]
         for name, more in (("the gate's inputs", 0),
-                           ("+ token-level confidence", 7),
-                           (f"+ agreement of {args.more_inputs} more samples", 10)):
+                           ("+ token-level confidence", TOKEN_LEVEL),
+                           (f"+ agreement of {args.more_inputs} more samples",
+                            TOKEN_LEVEL + AGREEMENT)):
             rows.append((f"{name}, fit on every verdict, expected gain",
                          rates(test, gain(fitted(fit_on, soft, False, True, more)))))
     for bar in (-0.2, -0.1, 0.0):
