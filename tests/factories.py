@@ -13,6 +13,11 @@ REQUIRED: dict[str, dict[str, Any]] = {
         "after_seconds": 30,
         "retained_fraction": 0.75,
     },
+    "code_settled": {
+        "suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140",
+        "after_seconds": 30,
+        "text": "x + 1)",
+    },
     "model_switch": {"from_model": "tabloop", "to_model": "other"},
     "churn": {"reason": "cancelled"},
 }

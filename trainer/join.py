@@ -32,6 +32,8 @@ from trainer.metrics import BAD_RECORDS, LATE_EVENTS, PURGED_ROLLOUTS, REWARDS_F
 
 log = logging.getLogger(__name__)
 
+# What the join holds per rollout. code_settled is not among them: the reward never reads it, so
+# it neither moves a rollout's due time nor counts as late (docs/REWARD.md).
 SUGGESTION_EVENTS = ("accept", "reject", "code_retained")
 
 
@@ -139,7 +141,9 @@ class Join:
 
     def _feedback(self, fb: Feedback) -> None:
         if fb.type not in SUGGESTION_EVENTS or fb.suggestion_id is None:
-            return  # switch and churn are read from the database when a reward is computed
+            # switch and churn are read from the database when a reward is computed; code_settled
+            # never is
+            return
         p = self.pending.get(fb.suggestion_id)
         if p is not None:
             p.events.append(fb)

@@ -1,4 +1,4 @@
-"""Feedback events as DESIGN.md defines them: five types, each validated on its own."""
+"""Feedback events as DESIGN.md defines them: six types, each validated on its own."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pydantic import (
     ValidationError,
 )
 
-EVENT_TYPES = ("accept", "reject", "code_retained", "model_switch", "churn")
+EVENT_TYPES = ("accept", "reject", "code_retained", "code_settled", "model_switch", "churn")
 SCHEMA_VERSION = 1
 
 
@@ -67,6 +67,7 @@ Timestamp = Annotated[StrictStr, AfterValidator(_rfc3339)]
 NoNul = AfterValidator(_no_nul)
 UserId = Annotated[StrictStr, Field(min_length=1, max_length=256), NoNul]
 ModelName = Annotated[StrictStr, Field(min_length=1, max_length=200), NoNul]
+SETTLED_TEXT_MAX_CHARS = 1000
 
 
 class _Event(BaseModel):
@@ -95,6 +96,18 @@ class CodeRetainedEvent(_Event):
     retained_fraction: StrictFloat = Field(ge=0, le=1)
 
 
+class CodeSettledEvent(_Event):
+    """What finally stands from the request's cursor to the end of that line, `after_seconds`
+    after the request: code text, kept like a rollout's prefix and never logged. Not a reward
+    signal (docs/REWARD.md); the trainer reads it as evidence of what should have been suggested."""
+
+    type: Literal["code_settled"]
+    suggestion_id: UUIDStr
+    # an int (30) is a JSON number like 30.0: strict mode takes ints for floats, never bools
+    after_seconds: StrictFloat = Field(ge=0, le=30 * 24 * 3600)
+    text: Annotated[StrictStr, Field(max_length=SETTLED_TEXT_MAX_CHARS), NoNul]
+
+
 class ModelSwitchEvent(_Event):
     type: Literal["model_switch"]
     from_model: ModelName
@@ -107,7 +120,12 @@ class ChurnEvent(_Event):
 
 
 Event = Annotated[
-    AcceptEvent | RejectEvent | CodeRetainedEvent | ModelSwitchEvent | ChurnEvent,
+    AcceptEvent
+    | RejectEvent
+    | CodeRetainedEvent
+    | CodeSettledEvent
+    | ModelSwitchEvent
+    | ChurnEvent,
     Field(discriminator="type"),
 ]
 _event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
@@ -119,8 +137,11 @@ class EventBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt or unknown top-level field is a 422
 
     events: list[Any] = Field(
-        description="Feedback events (accept, reject, code_retained, model_switch, churn); "
-        "each is validated on its own and a bad one is reported by index.",
+        description="Feedback events (accept, reject, code_retained, code_settled, model_switch, "
+        "churn); each is validated on its own and a bad one is reported by index. code_settled "
+        "(from opted-in editors, for any suggestion) carries `after_seconds` and `text`: what "
+        "finally stands from the request's cursor to the end of that line (at most 1,000 "
+        "characters, may be empty); it is stored like a prefix and is not part of the reward.",
         json_schema_extra={
             "examples": [
                 [
@@ -131,7 +152,16 @@ class EventBatch(BaseModel):
                         "suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140",
                         "occurred_at": "2026-11-29T12:00:00Z",
                         "accepted_chars": 14,
-                    }
+                    },
+                    {
+                        "event_id": "3e0d9c8b-7a6f-4e5d-8c4b-3a2f1e0d9c8b",
+                        "type": "code_settled",
+                        "user_id": "u-42",
+                        "suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140",
+                        "occurred_at": "2026-11-29T12:01:00Z",
+                        "after_seconds": 60,
+                        "text": "sum(xs) / len(xs)",
+                    },
                 ]
             ]
         },

@@ -26,6 +26,8 @@ CLOCK_SKEW_S = 5.0
 
 SUGGESTION_EVENTS = ("accept", "reject", "code_retained")  # about one rollout (suggestion_id)
 USER_EVENTS = ("model_switch", "churn")  # about a user, spread over that user's rollouts
+# About one rollout, but never read by the reward: it neither counts, nor is expected, nor late.
+UNREWARDED_EVENTS = ("code_settled",)
 OUTCOMES = ("abstained", "accepted", "rejected", "ignored")
 COMPONENTS = ("decision", "size_scale", "share", "retention", "provisional", "switch", "churn")
 
@@ -170,9 +172,10 @@ class Feedback:
     type: str  # one of EVENT_TYPES
     user_id: str
     occurred_at: datetime  # client time (timezone-aware)
-    suggestion_id: str | None = None  # accept, reject, code_retained
+    suggestion_id: str | None = None  # accept, reject, code_retained, code_settled
     accepted_chars: int | None = None  # accept, optional (partial accept)
-    after_seconds: float | None = None  # code_retained: seconds after the accept
+    after_seconds: float | None = None  # code_retained: seconds after the accept (and
+    # code_settled: after the request, unread)
     retained_fraction: float | None = None  # code_retained: 0..1 of the accepted text still there
 
     def __post_init__(self) -> None:
@@ -184,7 +187,8 @@ class Feedback:
     @classmethod
     def from_event(cls, d: Mapping[str, Any]) -> Feedback:
         """From the event JSON as published on the feedback topic. Keys the reward does not read
-        (schema_version, from_model, to_model, reason) are ignored. ValueError when malformed."""
+        (schema_version, from_model, to_model, reason, text) are ignored. ValueError when
+        malformed."""
         if not isinstance(d, Mapping):
             raise ValueError(f"event must be a JSON object, got {type(d).__name__}")
 
@@ -227,7 +231,11 @@ class Feedback:
             type=type_,
             user_id=required("user_id"),
             occurred_at=occurred,
-            suggestion_id=required("suggestion_id") if type_ in SUGGESTION_EVENTS else None,
+            suggestion_id=(
+                required("suggestion_id")
+                if type_ in SUGGESTION_EVENTS + UNREWARDED_EVENTS
+                else None
+            ),
             accepted_chars=accepted_chars,
             after_seconds=number("after_seconds"),
             retained_fraction=number("retained_fraction"),
@@ -257,8 +265,9 @@ def size_scale(chars: int, spec: RewardSpec) -> float:
 
 
 def _about(event: Feedback, rollout: RolloutInfo) -> bool:
-    """The event concerns this rollout: its suggestion (and user), or its user."""
-    if event.user_id != rollout.user_id:
+    """The event concerns this rollout's reward: its suggestion (and user), or its user.
+    A code_settled never does, so it is neither counted nor ever late."""
+    if event.user_id != rollout.user_id or event.type in UNREWARDED_EVENTS:
         return False
     return event.type in USER_EVENTS or event.suggestion_id == rollout.suggestion_id
 
@@ -413,7 +422,8 @@ def finalize_at(rollout: RolloutInfo, events: Sequence[Feedback], spec: RewardSp
       retention_checks_s that, counted from the accept, lands inside the horizon), but not
       before the switch window closes; created_at + horizon_s while that report is missing.
 
-    churn is never expected, so a churn after this instant is late (docs/REWARD.md says why).
+    churn is never expected, so a churn after this instant is late (docs/REWARD.md says why);
+    code_settled is not read at all, so it never holds a reward back.
     Never later than created_at + horizon_s.
     """
     start = rollout.created_at
@@ -456,8 +466,8 @@ def is_late(
     finalization; then received_at, not occurred_at, is compared with it.
 
     False for events not about this rollout, events from before it (beyond the clock skew), and
-    events that never count for it (a decision on an abstained rollout): those are not late,
-    just unrelated. A late event is still stored and counted as late, never applied.
+    events that never count for it (a decision on an abstained rollout, any code_settled): those
+    are not late, just unrelated. A late event is still stored and counted as late, never applied.
     """
     if not _about(event, rollout):
         return False

@@ -12,7 +12,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.rewards.core import Feedback, Reward, RewardSpec, RolloutInfo, compute_reward
+from service.rewards.core import (
+    UNREWARDED_EVENTS,
+    Feedback,
+    Reward,
+    RewardSpec,
+    RolloutInfo,
+    compute_reward,
+)
 from service.tables import events, reward_specs, rollouts, utcnow
 
 
@@ -87,7 +94,12 @@ def reward_from_db(conn: sa.Connection, rollout: RolloutInfo, spec: RewardSpec) 
     horizon = timedelta(seconds=spec.horizon_s)
     own = (
         conn.execute(
-            sa.select(events.c.payload).where(events.c.suggestion_id == rollout.suggestion_id)
+            sa.select(events.c.payload).where(
+                events.c.suggestion_id == rollout.suggestion_id,
+                # the reward never reads them (compute_reward would skip them): code text stays
+                # in the table
+                events.c.type.not_in(UNREWARDED_EVENTS),
+            )
         )
         .scalars()
         .all()

@@ -182,6 +182,38 @@ def test_nul_and_surrogates_in_keys_and_values_are_rejected_alone(
     assert after["dead_letters"] - before["dead_letters"] == 3
 
 
+def test_code_settled_text_is_stored_exactly_or_rejected_alone(
+    api: httpx.Client, db: sa.Engine
+) -> None:
+    """Settled text is code: 1,000 characters of anything text can hold (4-byte characters,
+    quotes, backslashes, control characters) are stored as sent; NUL, a lone surrogate, one
+    character more, or a number where the text goes sink only their own event, naming `text`."""
+    text = ("😀\"\\\t\x01é" * 200)[:1000]
+    ok = event("code_settled", text=text)
+    evs = [
+        json.dumps(ok),
+        json.dumps(event("code_settled", text="a\x00b")),
+        json.dumps(event("code_settled", text="SURROGATE")).replace("SURROGATE", "\\udc80"),
+        json.dumps(event("code_settled", text=text + "x")),
+        json.dumps(event("code_settled", text=1.5)),
+    ]
+    before = counts(db)
+    r = api.post("/v1/events", content=("{\"events\": [" + ", ".join(evs) + "]}").encode(),
+                 headers=JSON)
+    assert r.status_code == 202, r.text
+    assert r.json()["accepted"] == 1
+    rejected = r.json()["rejected"]
+    assert [x["index"] for x in rejected] == [1, 2, 3, 4]
+    assert all(x["error"].startswith("text: ") for x in (rejected[0], *rejected[2:])), rejected
+    after = counts(db)
+    assert after["events"] - before["events"] == 1
+    assert after["dead_letters"] - before["dead_letters"] == 4
+    with db.connect() as conn:
+        stored = conn.execute(sa.select(events.c.payload)
+                              .where(events.c.event_id == ok["event_id"])).scalar_one()
+    assert stored["text"] == text
+
+
 def test_duplicate_json_keys_last_one_wins(api: httpx.Client, db: sa.Engine) -> None:
     """JSON objects with a repeated name (RFC 8259 leaves it to the parser): the last value is
     the one used, as by Python's json and orjson, at every level."""

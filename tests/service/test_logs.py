@@ -102,3 +102,66 @@ def test_requests_are_logged_with_their_id_and_never_the_token_or_code(
     secret = token.split("_", 2)[2]
     for leak in (token, secret, "wrong-secret", "leak_me_not", "hunter2", "do-not-log-this"):
         assert leak not in text, f"{leak!r} appeared in the logs"
+
+
+SETTLED_MARKER = "settled_code_never_logged_7f3a"
+
+
+@pytest.mark.parametrize("mode", ["embedded"])
+def test_settled_text_is_never_logged(
+    client: httpx.Client, engine: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """code_settled text, accepted or refused for any reason, reaches no log line (nor a
+    rejected event's error): not from ingestion, the error handlers, the trainer's join (which
+    logs records it cannot read) or the purge."""
+    import orjson
+    import sqlalchemy as sa
+
+    from service.rewards.core import RewardSpec
+    from service.stream.consumer import Record
+    from service.tables import outbox
+    from tests.factories import event
+    from trainer.join import Join
+
+    text = f"return {SETTLED_MARKER}(x)"
+    caplog.set_level(logging.DEBUG)
+    bad = [
+        event("code_settled", text=text + "x" * 1000),  # too long
+        event("code_settled", text=text + "\x00"),
+        event("code_settled", text=text, after_seconds=-1),
+        event("code_settled", text=text, suggestion_id=None),
+        event("code_settled", text=text, note=text),  # unknown field, its value the code
+        event("code_settled", text=text) | {"type": "code_setled"},
+        event("accept", text=text),
+    ]
+    r = client.post("/v1/events", json={"events": [event("code_settled", text=text), *bad]})
+    assert r.status_code == 202 and r.json()["accepted"] == 1, r.text
+    assert len(r.json()["rejected"]) == len(bad)
+    surrogate = orjson.dumps(event("code_settled", text=text + "SURROGATE")).decode()
+    body = '{"events": [' + surrogate.replace("SURROGATE", "\\ud800") + "]}"
+    r2 = client.post("/v1/events", content=body.encode(),
+                     headers={"Content-Type": "application/json"})
+    assert r2.status_code == 202 and len(r2.json()["rejected"]) == 1, r2.text
+    whole = client.post("/v1/events", json={"events": [], "settled": text})  # not a batch
+    assert whole.status_code == 422 and "settled" in whole.json()["error"]["message"]
+    for answer in (r, r2, whole):
+        assert SETTLED_MARKER not in answer.text
+
+    with engine.connect() as conn:
+        published = conn.execute(sa.select(outbox.c.key, outbox.c.payload)).all()
+    records = [Record("tabloop.feedback", 0, i, row.key, orjson.loads(row.payload))
+               for i, row in enumerate(published)]
+    unreadable = {k: v for k, v in records[0].value.items() if k != "event_id"}
+    records.append(Record("tabloop.feedback", 0, len(records), "u-1", unreadable))
+    join = Join(engine, RewardSpec(), 1)
+    join.add(records)
+    assert join.stats.bad_records == 1  # logged as a warning, without the record's text
+    assert client.delete("/admin/users/u-1").status_code == 200
+
+    assert any(rec.name == "tabloop.access" for rec in caplog.records), "nothing was captured"
+    assert any(rec.name == "trainer.join" and rec.levelname == "WARNING"
+               for rec in caplog.records)
+    for rec in caplog.records:
+        assert SETTLED_MARKER not in rec.getMessage(), rec.name
+        assert SETTLED_MARKER not in repr(vars(rec)), rec.name
+    assert SETTLED_MARKER not in caplog.text

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +140,48 @@ def test_unreadable_records_are_skipped_and_counted_not_fatal(
     assert list(join.pending) == [good["suggestion_id"]]
     assert join.finalize_due(now=utcnow() + LATER) == 1
     assert _rewarded(engine) == {good["suggestion_id"]: "u-1"}
+
+
+def test_code_settled_is_neither_awaited_nor_late_and_changes_no_reward(
+    engine: sa.Engine,
+) -> None:
+    """Two like rollouts, one with code_settled reports (before its rollout reached the join,
+    while pending, and after its reward was final): same due time, same reward, no late event."""
+    from service.events.schemas import parse_event
+    from service.events.service import ingest_events
+
+    join = Join(engine, RewardSpec(), 1)
+    settled_one, plain = _rollout(engine, "u-1"), _rollout(engine, "u-1")
+
+    def feedback(type_: str, r: dict[str, Any], after: float, **kw: Any) -> dict[str, Any]:
+        at = datetime.fromisoformat(r["created_at"]) + timedelta(seconds=after)
+        return parse_event(event(type_, user_id="u-1", suggestion_id=r["suggestion_id"],
+                                 occurred_at=at.isoformat(), **kw))
+
+    def deliver(evs: list[dict[str, Any]]) -> None:
+        result = ingest_events(engine, evs, api_key_id=None, max_event_bytes=16384,
+                               embedded=True)
+        assert result.accepted == len(evs), result
+        join.add([rec(FEEDBACK, "u-1", e) for e in evs])
+
+    deliver([feedback("code_settled", settled_one, 0.5, after_seconds=0.5, text="early")])
+    assert join.early == {}
+    join.add([rec(ROLLOUTS, "u-1", r) for r in (settled_one, plain)])
+    for r in (settled_one, plain):
+        deliver([feedback("accept", r, 1), feedback("code_retained", r, 31, retained_fraction=0.5)])
+    deliver([feedback("code_settled", settled_one, 40, after_seconds=40, text="x = 1")])
+    pending = [join.pending[r["suggestion_id"]] for r in (settled_one, plain)]
+    assert [len(p.events) for p in pending] == [2, 2]
+    waits = [p.due - p.rollout.created_at for p in pending if p.due is not None]
+    assert len(waits) == 2 and waits[0] == waits[1]
+
+    assert join.finalize_due(now=utcnow() + LATER) == 2
+    deliver([feedback("code_settled", settled_one, 3000, after_seconds=3000, text="")])
+    join.finalize_due(now=utcnow() + LATER)
+    with engine.connect() as conn:
+        rows = {r.suggestion_id: r for r in conn.execute(sa.select(rewards)).all()}
+    got, want = rows[settled_one["suggestion_id"]], rows[plain["suggestion_id"]]
+    assert (got.value, got.outcome, got.components) == (want.value, want.outcome, want.components)
+    assert got.outcome == "accepted" and got.value > 0
+    assert got.late_events == want.late_events == 0 and join.stats.late_events == 0
+    assert join.early == {}

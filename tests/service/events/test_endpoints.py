@@ -41,9 +41,9 @@ def test_every_type_is_recorded_with_its_outbox_row(
     evs = [event(t) for t in EVENT_TYPES]
     r = post(client, evs)
     assert r.status_code == 202, r.text
-    assert r.json() == {"accepted": 5, "duplicates": 0, "rejected": []}
+    assert r.json() == {"accepted": len(EVENT_TYPES), "duplicates": 0, "rejected": []}
     ids = [e["event_id"] for e in evs]
-    assert count(engine, events, events.c.event_id.in_(ids)) == 5
+    assert count(engine, events, events.c.event_id.in_(ids)) == len(EVENT_TYPES)
     with engine.connect() as conn:
         rows = conn.execute(sa.select(outbox).where(outbox.c.topic == FEEDBACK)).all()
     payloads = [orjson.loads(r.payload) for r in rows]
@@ -71,6 +71,53 @@ def test_partial_success_reports_bad_events_by_index_and_dead_letters_them(
     assert [orjson.loads(d.raw) for d in dead] == [bad_fraction, "nonsense", bad_type]
     assert all(d.error and d.source == "events" for d in dead)
     assert count(engine, events) == 3
+
+
+def test_code_settled_is_stored_and_queued_with_its_text(
+    client: httpx.Client, engine: sa.Engine
+) -> None:
+    """For any suggestion (the service does not check that it was shown or accepted); after_seconds
+    may be an integer; an empty text is a report too."""
+    settled = event("code_settled", after_seconds=30, text="total / count  # avg")
+    emptied = event("code_settled", after_seconds=2.5, text="")
+    r = post(client, [settled, emptied])
+    assert r.json() == {"accepted": 2, "duplicates": 0, "rejected": []}
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(events).where(events.c.event_id == settled["event_id"])
+        ).one()
+        queued = conn.execute(sa.select(outbox.c.topic, outbox.c.key, outbox.c.payload)).all()
+    assert row.type == "code_settled" and row.suggestion_id == settled["suggestion_id"]
+    assert row.payload["text"] == "total / count  # avg" and row.payload["after_seconds"] == 30
+    messages = {orjson.loads(q.payload)["event_id"]: (q.topic, q.key, orjson.loads(q.payload))
+                for q in queued}
+    topic, key, message = messages[settled["event_id"]]
+    assert (topic, key) == (FEEDBACK, "u-1")
+    assert message == {"schema_version": 1, **settled, "after_seconds": 30.0}
+    assert messages[emptied["event_id"]][2]["text"] == ""
+
+
+def test_bad_code_settled_events_are_rejected_by_index_naming_the_field(
+    client: httpx.Client, engine: sa.Engine
+) -> None:
+    """A batch of only bad code_settled events is still a 202 (the batch contract): each one is
+    reported by index with the field named, and dead-lettered; nothing is recorded."""
+    batch = [
+        event("code_settled", text="x" * 1001),
+        event("code_settled", after_seconds=-1),
+        event("code_settled", suggestion_id=None),
+        event("code_settled", text=17),
+        event("code_settled", text="a\x00b"),
+    ]
+    r = post(client, batch)
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["accepted"] == 0 and body["duplicates"] == 0
+    assert [x["index"] for x in body["rejected"]] == [0, 1, 2, 3, 4]
+    named = [x["error"].split(":")[0] for x in body["rejected"]]
+    assert named == ["text", "after_seconds", "suggestion_id", "text", "text"]
+    assert count(engine, events) == 0 and count(engine, outbox) == 0
+    assert count(engine, dead_letters) == 5
 
 
 def test_duplicates_within_and_across_batches_are_stored_once(
@@ -213,7 +260,7 @@ def test_outbox_rows_follow_batch_order(client: httpx.Client, engine: sa.Engine)
     batch = [event(t, user_id="u-order") for t in EVENT_TYPES * 6]
     batch.insert(7, stored)  # a repeat of a stored event: counted, not queued
     r = post(client, batch)
-    assert r.json() == {"accepted": 30, "duplicates": 1, "rejected": []}
+    assert r.json() == {"accepted": len(EVENT_TYPES) * 6, "duplicates": 1, "rejected": []}
     with engine.connect() as conn:
         rows = conn.execute(sa.select(outbox.c.payload).order_by(outbox.c.id)).all()
     queued = [orjson.loads(r.payload)["event_id"] for r in rows]
@@ -247,4 +294,4 @@ def test_concurrent_batches_sharing_events_store_each_once(
             a, b = pool.map(lambda evs: post(client, evs), [batch, batch[::-1]])
             assert a.status_code == b.status_code == 202, (a.text, b.text)
             assert a.json()["accepted"] + b.json()["accepted"] == len(batch)
-    assert count(engine, events) == count(engine, outbox) == 10 * 20
+    assert count(engine, events) == count(engine, outbox) == 10 * len(EVENT_TYPES) * 4

@@ -38,7 +38,8 @@ extreme_times = st.builds(
 )
 YEAR_ZERO = "0001-01-01T00:00:00+01:00"  # in year 0 once in UTC: was an OverflowError, a 500
 FIELDS = ("event_id", "type", "user_id", "occurred_at", "suggestion_id", "accepted_chars",
-          "after_seconds", "retained_fraction", "from_model", "to_model", "reason", "extra")
+          "after_seconds", "retained_fraction", "text", "from_model", "to_model", "reason",
+          "extra")
 
 
 @st.composite

@@ -51,6 +51,24 @@ def test_each_type_valid(type_: str) -> None:
          "after_seconds: Input should be greater than or equal to 0"),
         ("code_retained", {"after_seconds": 1e300},
          "after_seconds: Input should be less than or equal to"),
+        # code_settled
+        ("code_settled", {"text": "x" * 1001}, "text: String should have at most 1000"),
+        ("code_settled", {"text": 42}, "text: Input should be a valid string"),
+        ("code_settled", {"text": ["x"]}, "text: Input should be a valid string"),
+        ("code_settled", {"text": "a\x00b"}, "text: must not contain NUL"),
+        ("code_settled", {"text": None}, "text: Field required"),
+        ("code_settled", {"suggestion_id": None}, "suggestion_id: Field required"),
+        ("code_settled", {"suggestion_id": "x"}, "suggestion_id: must be a UUID"),
+        ("code_settled", {"after_seconds": None}, "after_seconds: Field required"),
+        ("code_settled", {"after_seconds": -1},
+         "after_seconds: Input should be greater than or equal to 0"),
+        ("code_settled", {"after_seconds": -0.5},
+         "after_seconds: Input should be greater than or equal to 0"),
+        ("code_settled", {"after_seconds": 1e300},
+         "after_seconds: Input should be less than or equal to"),
+        ("code_settled", {"after_seconds": "30"}, "after_seconds: Input should be a valid number"),
+        ("code_settled", {"after_seconds": True}, "after_seconds: Input should be a valid number"),
+        ("code_settled", {"retained_fraction": 0.5}, "retained_fraction: unknown field"),
         # model_switch
         ("model_switch", {"to_model": None}, "to_model: Field required"),
         ("model_switch", {"from_model": ""}, "from_model: String should have at least 1 character"),
@@ -82,3 +100,28 @@ def test_normalizes_ids_and_times() -> None:
 def test_optional_fields_may_be_absent() -> None:
     assert "accepted_chars" not in parse_event(event("accept", accepted_chars=None))
     assert "reason" not in parse_event(event("churn", reason=None))
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"after_seconds": 30}, {"after_seconds": 30.0}),  # an int is a JSON number too
+        ({"after_seconds": 0}, {"after_seconds": 0.0}),
+        ({"after_seconds": 12.5}, {"after_seconds": 12.5}),
+        ({"text": ""}, {"text": ""}),  # the rest of the line was deleted
+        ({"text": "y" * 1000}, {"text": "y" * 1000}),
+        ({"text": "漢" * 1000}, {"text": "漢" * 1000}),  # 1,000 characters, not bytes
+        ({"text": "  ä → 😀\t"}, {"text": "  ä → 😀\t"}),
+    ],
+)
+def test_code_settled_valid(override: dict, expected: dict) -> None:
+    parsed = parse_event(event("code_settled", **override))
+    assert {k: parsed[k] for k in expected} == expected
+    assert isinstance(parsed["after_seconds"], float)
+
+
+@pytest.mark.parametrize("text", ["SECRET-CODE-" + "z" * 1000, "SECRET-CODE-\x00"])
+def test_code_settled_errors_never_echo_the_text(text: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_event(event("code_settled", text=text))
+    assert "text" in str(info.value) and "SECRET-CODE" not in str(info.value)

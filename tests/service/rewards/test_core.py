@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from service.events.schemas import parse_event
+from service.events.schemas import EVENT_TYPES, parse_event
 from service.rewards.core import (
     CLOCK_SKEW_S,
     COMPONENTS,
@@ -431,6 +431,46 @@ def test_settle_churn_received_before_final_counts() -> None:
     assert final == at(300) and churn in counted
 
 
+# --- code_settled: stored for training, never part of the reward ------------------------------
+
+
+def settled(t: float, sid: str = "s1", **kw: Any) -> Feedback:
+    return ev("code_settled", t, sid, after_seconds=t, **kw)
+
+
+SETTLED_CASES = [
+    # (rollout, the other events): adding code_settled events changes nothing
+    pytest.param(ro(shown=False, chars=0), [], id="abstained"),
+    pytest.param(ro(shown=False, chars=0), [ev("churn", 10)], id="abstained-churned"),
+    pytest.param(ro(), [], id="shown-ignored"),
+    pytest.param(ro(), [ev("reject", 5)], id="rejected"),
+    pytest.param(ro(), [ev("accept", 5)], id="accepted-provisional"),
+    pytest.param(ro(), [ev("accept", 5, accepted_chars=7), kept(30, 0.8, 35)],
+                 id="partial-accept-retained"),
+    pytest.param(ro(), [ev("accept", 5), kept(300, 0.5, 305)], id="accepted-final-early"),
+    pytest.param(ro(), [ev("accept", 5), ev("model_switch", 60), ev("churn", 200)],
+                 id="accepted-switched-churned"),
+]
+SETTLED_REPORTS = [settled(1), settled(29), settled(31), settled(305), settled(900),
+                   settled(-10), settled(40, eid="dup"), settled(40, eid="dup")]
+
+
+@pytest.mark.parametrize(("rollout", "events"), SETTLED_CASES)
+def test_code_settled_changes_no_reward(rollout: RolloutInfo, events: list[Feedback]) -> None:
+    """Not counted, not expected, not late: with or without code_settled reports (at any time,
+    duplicated, or about another suggestion) the reward and its final instant are the same."""
+    noise = [*SETTLED_REPORTS, settled(10, "s2"), settled(10, user="u2")]
+    for spec in (DEFAULT, SIM):
+        assert compute_reward(rollout, [*events, *noise], [rollout], spec) == compute_reward(
+            rollout, events, [rollout], spec)
+        assert finalize_at(rollout, [*noise, *events], spec) == finalize_at(rollout, events, spec)
+        assert not any(is_late(e, rollout, spec, received_at=at(10_000), arrived=events)
+                       for e in noise)
+    arrivals = [(e.occurred_at, e) for e in events] + [(at(10_000), e) for e in noise]
+    assert settle(rollout, arrivals, DEFAULT) == settle(
+        rollout, [(e.occurred_at, e) for e in events], DEFAULT)
+
+
 # --- the spec ----------------------------------------------------------------------------------
 
 DESIGN_JSON = {
@@ -524,7 +564,7 @@ def test_sim_windows_smaller_same_rewards() -> None:
 # --- events and rollouts ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("type_", ["accept", "reject", "code_retained", "model_switch", "churn"])
+@pytest.mark.parametrize("type_", EVENT_TYPES)
 def test_from_event_as_published(type_: str) -> None:
     """The feedback topic carries the validated event plus schema_version."""
     published = {"schema_version": 1, **parse_event(event_json(type_, user_id="u-9"))}
@@ -537,6 +577,9 @@ def test_from_event_as_published(type_: str) -> None:
         assert (feedback.after_seconds, feedback.retained_fraction) == (30.0, 0.75)
     if type_ == "accept":
         assert feedback.accepted_chars == 12
+    if type_ == "code_settled":  # the text is not the reward's business
+        assert feedback.suggestion_id == published["suggestion_id"]
+        assert not hasattr(feedback, "text")
     if type_ in ("model_switch", "churn"):
         assert feedback.suggestion_id is None
 
@@ -563,6 +606,8 @@ def test_from_event_offset_zone() -> None:
                      id="bad-time"),
         pytest.param("churn", {"occurred_at": "2026-11-29T12:00:00"}, "with a zone",
                      id="naive-time"),
+        pytest.param("code_settled", {"suggestion_id": None}, "suggestion_id is missing",
+                     id="settled-without-suggestion"),
         pytest.param("churn", {"type": "bounce"}, "type must be one of", id="unknown-type"),
         pytest.param("churn", {"user_id": ""}, "user_id must be a non-empty string",
                      id="empty-user"),

@@ -139,3 +139,37 @@ def _assert_topics_after_relay(settings: Any, engine: sa.Engine, gone: str, kept
         of_gone = [orjson.loads(r.value) for r in records if r.key.decode() == gone]
         assert [v["type"] for v in of_gone] == [USER_PURGED, USER_PURGED]  # one per purge
         assert sum(r.key.decode() == kept for r in records) == kept_n
+
+
+def _holding(engine: sa.Engine, marker: str) -> dict[str, int]:
+    """Rows, per table, whose stored text holds `marker` anywhere."""
+    with engine.connect() as conn:
+        texts = {
+            "events": [orjson.dumps(p).decode()
+                       for p in conn.execute(sa.select(events.c.payload)).scalars()],
+            "outbox": list(conn.execute(sa.select(outbox.c.payload)).scalars()),
+            "dead_letters": list(conn.execute(sa.select(dead_letters.c.raw)).scalars()),
+        }
+    return {name: sum(marker in t for t in rows) for name, rows in texts.items()}
+
+
+def test_purge_removes_settled_text_everywhere(client: httpx.Client, engine: sa.Engine) -> None:
+    """code_settled text is code: after the purge no row holds the purged user's, whether it was
+    recorded (events, outbox) or refused (dead_letters); another user's stays."""
+    gone, kept = f"u-gone-{uuid.uuid4().hex[:8]}", f"u-kept-{uuid.uuid4().hex[:8]}"
+    for user in (gone, kept):
+        marker = f"settled-by-{user}"
+        batch = [
+            event("code_settled", user_id=user, text=f"return {marker}()"),
+            event("code_settled", user_id=user, text=f"{marker} " + "x" * 1000),  # too long
+        ]
+        r = client.post("/v1/events", json={"events": batch})
+        assert r.status_code == 202 and r.json()["accepted"] == 1, r.text
+        assert _holding(engine, marker) == {"events": 1, "outbox": 1, "dead_letters": 1}
+
+    r = client.delete(f"/admin/users/{gone}")
+    assert r.status_code == 200, r.text
+    assert r.json()["removed"] == {"rollouts": 0, "events": 1, "rewards": 0, "outbox": 1,
+                                   "dead_letters": 1}
+    assert _holding(engine, f"settled-by-{gone}") == {"events": 0, "outbox": 0, "dead_letters": 0}
+    assert _holding(engine, f"settled-by-{kept}") == {"events": 1, "outbox": 1, "dead_letters": 1}
