@@ -2,7 +2,8 @@
 
     python benchmarks/simulation.py --mode embedded --minutes 15 --users 16 --seed 0 --out DIR
     python benchmarks/simulation.py --mode full --minutes 15 --users 16 --seed 0 --out DIR \
-        [--baseline DIR/baseline.json] [--reward chars_norm=8 ...] [--paused]
+        [--baseline DIR/baseline.json] [--reward chars_norm=8 ...] [--paused] \
+        [--baseline-minutes 5] [--settled 1.0] [--corpus DIR] [--exact-cursors 1000]
 
 Everything runs on this machine, on 127.0.0.1 only, with TABLOOP_PROFILE=sim (seconds-long
 reward windows, the sim trainer profile) and otherwise default settings, except the per-key
@@ -22,7 +23,21 @@ so two runs can be compared after their databases are gone (`--no-dump` skips it
 
 `--paused` pauses the trainer (POST /admin/training/pause) before the people start: the base
 policy serves the whole run, a control for how much a run's first and last fifths differ
-without any learning.
+without any learning (with --baseline-minutes, how much the baseline phase and the last fifth
+differ).
+
+`--baseline-minutes`, `--settled` and `--corpus` go to `tabloop simulate` (a baseline phase with
+the trainer paused; the share of people sending code_settled; the code people edit).
+
+After the run, the offline exact rest-of-line check (simulator.exact): the base policy (version
+1, the one the service started with) and the last live policy (GET /admin/policies: the current
+deployment's live version), their checkpoints read from the service's database, complete the
+same `--exact-cursors` cursors on fresh lines of the people's code (lines no code_settled was
+sent for during the run), drawn with the run's seed as the people draw them, reject-family
+cursors left out, sampled as served (serving temperature, top-p and confidence stop, a torch
+generator seeded with the run's seed). It goes into DIR/report.json as
+`offline_exact_rest_of_line` and is printed: the exact rate over all cursors (an empty
+completion is a miss) and among non-empty completions, for both policies.
 """
 
 from __future__ import annotations
@@ -63,12 +78,24 @@ def main() -> int:
                         "(an operator's spec; default: the sim profile's)")
     p.add_argument("--paused", action="store_true",
                    help="pause the trainer first: the base policy serves throughout (a control)")
+    p.add_argument("--baseline-minutes", type=float, default=0.0,
+                   help="tabloop simulate --baseline-minutes: first this long with the trainer "
+                   "paused (the run is this plus --minutes)")
+    p.add_argument("--settled", type=float, default=0.0, metavar="SHARE",
+                   help="tabloop simulate --settled: share of people sending code_settled")
+    p.add_argument("--corpus", type=Path, metavar="DIR",
+                   help="tabloop simulate --corpus: people edit the *.py files under DIR")
+    p.add_argument("--exact-cursors", type=int, default=1000,
+                   help="fresh-line cursors for the offline exact rest-of-line check of the base "
+                   "and the last live policy (0: skip)")
     args = p.parse_args()
 
     out = args.out.resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tabloop-sim-"))
+    checkpoints = Path(tempfile.mkdtemp(prefix="tabloop-sim-policies-"))
+    policies: tuple[Path, Path] | None = None
     port = free_port()
     env = clean_env(TABLOOP_PROFILE="sim", TABLOOP_PORT=str(port),
                     TABLOOP_DATA_DIR=str(work / "data"), TABLOOP_LOG_LEVEL="INFO",
@@ -104,8 +131,8 @@ def main() -> int:
                                "TABLOOP_TRAINER_API_KEY": trainer_key,
                                "TABLOOP_TRAINER_API_URL": f"http://127.0.0.1:{port}"}, logs))
         wait_ready(port, "/readyz", procs[0])
-        print(f"{args.mode}: service on :{port}, logs in {logs}; simulating {args.minutes} min",
-              flush=True)
+        print(f"{args.mode}: service on :{port}, logs in {logs}; simulating "
+              f"{args.baseline_minutes} + {args.minutes} min", flush=True)
         if args.reward:
             put_reward_spec(port, token, args.reward)
         if args.paused:
@@ -113,14 +140,19 @@ def main() -> int:
         argv = [sys.executable, "-m", "tabloop.cli", "simulate", "--api",
                 f"http://127.0.0.1:{port}", "--key", token, "--users", str(args.users),
                 "--minutes", str(args.minutes), "--seed", str(args.seed), "--out", str(out),
-                "--no-live"]
+                "--no-live", "--baseline-minutes", str(args.baseline_minutes),
+                "--settled", str(args.settled)]
+        if args.corpus:
+            argv += ["--corpus", str(args.corpus.resolve())]
         if args.baseline:
             argv += ["--baseline-cursors", "0"]
         else:
             argv += ["--baseline-cursors", str(args.baseline_cursors)]
         rc = subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
+        url = env.get("TABLOOP_DATABASE_URL") or f"sqlite:///{work / 'data' / 'tabloop.db'}"
+        if rc == 0 and args.exact_cursors > 0:  # the checkpoints, before the database goes
+            policies = export_policies(port, token, url, checkpoints)
         if not args.no_dump:
-            url = env.get("TABLOOP_DATABASE_URL") or f"sqlite:///{work / 'data' / 'tabloop.db'}"
             dump_tables(url, out / "db")
         for proc in procs:
             if proc.popen.poll() is not None:
@@ -136,10 +168,73 @@ def main() -> int:
         if pg_dir is not None:  # PostgreSQL's data directory (~300 MB after 15 minutes)
             shutil.rmtree(pg_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+        if policies is None:  # no offline check to come
+            shutil.rmtree(checkpoints, ignore_errors=True)
     if rc == 0 and args.baseline:
         rc = subprocess.run([sys.executable, "-m", "simulator.report", str(out / "report.json"),
                              "--baseline", str(args.baseline)], cwd=ROOT, check=False).returncode
+    if policies is not None:
+        try:
+            if rc == 0:
+                exact_check(out, policies, args)
+        finally:
+            shutil.rmtree(checkpoints, ignore_errors=True)
     return rc
+
+
+def export_policies(port: int, token: str, url: str, directory: Path) -> tuple[Path, Path]:
+    """(base, last live): the checkpoints of version 1 and of the current deployment's live
+    version (GET /admin/policies), written from the service's database under `directory`."""
+    import httpx
+    import sqlalchemy as sa
+
+    from service.registry.store import artifact_files, write_files
+
+    r = httpx.get(f"http://127.0.0.1:{port}/admin/policies",
+                  headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    r.raise_for_status()
+    live = int(r.json()["deployment"]["live_version"])
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            for version in sorted({1, live}):
+                write_files(directory / f"v{version}", artifact_files(conn, version))
+    finally:
+        engine.dispose()
+    return directory / "v1", directory / f"v{live}"
+
+
+def exact_check(out: Path, policies: tuple[Path, Path], args: argparse.Namespace) -> None:
+    """The offline exact rest-of-line check (module docstring), into report.json and printed."""
+    import torch
+
+    from simulator.corpus import load_lines
+    from simulator.exact import check
+    from simulator.output import read_settled_lines
+
+    torch.set_num_threads(1)
+    base, last = policies
+    print(f"offline exact rest-of-line check: {base.name} (base) and {last.name} (last live) on "
+          f"{args.exact_cursors} fresh-line cursors ...", flush=True)
+    result = check(base, last, load_lines(args.corpus), read_settled_lines(out),
+                   args.exact_cursors, args.seed)
+    for name in ("base", "last"):  # the temporary copy is gone after the run
+        version = result[name]["policy_version_in_manifest"]
+        result[name]["checkpoint"] = f"policy v{version}, from the service's database"
+    report_path = out / "report.json"
+    report = json.loads(report_path.read_text())
+    report["offline_exact_rest_of_line"] = result
+    report_path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"  {result['sampling']}; {result['fresh_lines']} of {result['lines']} lines fresh")
+    for name in ("base", "last"):
+        r = result[name]
+        print(f"  {name} v{r['policy_version_in_manifest']}: exact {pct(r['exact_rate'])} of "
+              f"{r['cursors']} cursors; {pct(r['exact_rate_non_empty'])} of {r['non_empty']} "
+              "non-empty completions", flush=True)
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def put_reward_spec(port: int, token: str, pairs: list[str]) -> None:

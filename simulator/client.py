@@ -21,7 +21,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -90,6 +90,7 @@ class EventStats:
     accepted: int = 0
     duplicates: int = 0
     rejected: int = 0  # refused one by one (kept in the service's dead letters)
+    rejected_by_type: dict[str, int] = field(default_factory=dict)  # event type -> refused
     dropped: int = 0  # in batches the service refused whole (400/413/422)
     batches: int = 0
 
@@ -171,8 +172,26 @@ class Client:
         except ValueError:
             return r.status_code, None
 
+    async def post(self, path: str, body: Any = None) -> tuple[int, Any]:
+        """(status, JSON body) of an admin POST; (0, None) when the service stayed unavailable."""
+        r = await self.request("POST", path, json=body)
+        if r is None:
+            return 0, None
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, None
+
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def _event_type(batch: list[dict[str, Any]], refused: Any) -> str:
+    """The type of the event a 202's `rejected` entry points at by index ("?" if it does not)."""
+    index = refused.get("index") if isinstance(refused, dict) else None
+    if isinstance(index, int) and 0 <= index < len(batch):
+        return str(batch[index].get("type", "?"))
+    return "?"
 
 
 class EventSender:
@@ -227,6 +246,9 @@ class EventSender:
                 self.stats.duplicates += int(result.get("duplicates", 0))
                 refused = result.get("rejected") or []
                 self.stats.rejected += len(refused)
+                for item in refused:
+                    kind = _event_type(batch, item)
+                    self.stats.rejected_by_type[kind] = self.stats.rejected_by_type.get(kind, 0) + 1
                 if refused:
                     log.warning("the service refused %d event(s), e.g. %s", len(refused),
                                 refused[0])

@@ -1,10 +1,12 @@
-"""The learning curve as it happens: a rich live table on a terminal, else a line per bucket."""
+"""The learning curve as it happens (a rich live table on a terminal, else a line per bucket),
+and the summary printed at the end of a run."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
@@ -15,6 +17,7 @@ from rich.text import Text
 from simulator import report as rpt
 
 if TYPE_CHECKING:
+    from simulator.client import Client
     from simulator.run import SimConfig, Simulation
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -38,8 +41,10 @@ def fmt(v: float | None, spec: str = ".2f") -> str:
 class Display:
     """The learning curve as it happens: a rich live table on a terminal, else a line a bucket."""
 
-    def __init__(self, cfg: SimConfig, admin: bool, console: Console) -> None:
+    def __init__(self, cfg: SimConfig, admin: bool, console: Console,
+                 admin_client: Client | None = None) -> None:
         self.cfg, self.admin, self.console = cfg, admin, console
+        self.admin_client = admin_client  # for the admin API; default: the simulation's client
         self.live = console.is_terminal if cfg.live is None else cfg.live
         self.deployments: list[dict[str, Any]] = []
         self.training: dict[str, Any] = {}
@@ -50,10 +55,11 @@ class Display:
     async def _poll(self, sim: Simulation) -> None:
         if not self.admin:
             return
-        status, body = await sim.client.get("/admin/deployments", limit=200)
+        client = self.admin_client or sim.client
+        status, body = await client.get("/admin/deployments", limit=200)
         if status == 200 and isinstance(body, list):
             self.deployments = rpt.timeline(body, sim.started_at, sim.now() + 1)
-        status, body = await sim.client.get("/admin/training")
+        status, body = await client.get("/admin/training")
         if status == 200 and isinstance(body, dict):
             self.training = body
 
@@ -76,14 +82,19 @@ class Display:
         c, ev, cl = sim.counters, sim.sender.stats, sim.client.stats
         acts = {a: sum(d["action"] == a for d in self.deployments)
                 for a in ("deploy", "promote", "rollback")}
+        phase = ""
+        if self.cfg.baseline_s > 0:
+            phase = ("baseline phase (trainer paused) · " if sim.phase == "baseline"
+                     else "learning phase · ")
         lines = [
-            f"[bold]{self.status}[/] {min(sim.now(), self.cfg.duration_s):.0f}/"
+            f"[bold]{self.status}[/] {phase}{min(sim.now(), self.cfg.duration_s):.0f}/"
             f"{self.cfg.duration_s:.0f} s · {self.cfg.users} seats · {c.people} people · "
             f"{c.away} away · {c.switches} switches · {c.churns} churned · {c.errors} errors",
             f"accept/shown {sparkline([b['accept_rate_of_shown'] for b in buckets])}   "
             f"shown/req {sparkline([b['shown_per_request'] for b in buckets], 0, 0.5)}   "
             f"def/class shown {sparkline([b['family_shown_rate'] for b in buckets], 0, 0.5)}",
             f"events {ev.sent}/{ev.queued} sent · {ev.duplicates} dup · {ev.rejected} refused · "
+            f"{c.settled} settled · "
             f"{cl.retries} retries ({cl.throttled}×429, {cl.unavailable}×503)",
         ]
         if self.admin:
@@ -100,7 +111,8 @@ class Display:
             complete = math.ceil(self.cfg.duration_s / width - 1e-9)
         buckets = self._buckets(sim)
         for b in buckets[self._printed:complete]:
-            print(f"t={b['t0']:6.0f}s requests {b['requests']:4d}  shown/req "
+            phase = "baseline " if b["t1"] <= self.cfg.baseline_s else ""
+            print(f"{phase}t={b['t0']:6.0f}s requests {b['requests']:4d}  shown/req "
                   f"{fmt(b['shown_per_request'])}  accept/shown "
                   f"{fmt(b['accept_rate_of_shown'])}  "
                   f"retained ch/100 {fmt(b['retained_chars_per_100'], '.1f')}  def/class shown "
@@ -128,3 +140,83 @@ class Display:
                 await asyncio.sleep(1.0)
             self.status = "finished"
             live.update(self.render(sim), refresh=True)
+
+
+def change_text(change: float | None, first: float | None, last: float | None, form: str) -> str:
+    """A relative change as a percentage; the difference where there is no ratio (from <= 0)."""
+    if change is not None:
+        return f"{change:+.0%}"
+    if first is not None and last is not None:
+        return f"{last - first:+{form}}"
+    return "-"
+
+
+ROWS = (("accept_rate_of_shown", "accept rate of shown", ".3f"),
+        ("shown_per_request", "shown per request", ".3f"),
+        ("retained_chars_per_100", "retained chars / 100 req", ".1f"),
+        ("reward_per_request", "reward per request", ".4f"))
+
+
+def phase_table(comparison: dict[str, Any]) -> Table:
+    """The learning phase's last fifth against its reference, on all lines and on fresh ones."""
+    reference = ("baseline phase" if comparison["reference"] == "baseline_phase"
+                 else "first fifth")
+    table = Table(title=f"{reference} vs last fifth of the learning phase")
+    for col in ("", reference, "last", "change", f"fresh: {reference}", "fresh: last",
+                "fresh: change"):
+        table.add_column(col, justify="right")
+    both = comparison["all"], comparison["fresh"]
+    table.add_row("requests", *[x for side in both for x in (
+        str(side["reference"]["requests"]), str(side["last_fifth"]["requests"]), "")])
+    for key, label, form in ROWS:
+        cells = []
+        for side in both:
+            a, b = side["reference"][key], side["last_fifth"][key]
+            cells += [fmt(a, form), fmt(b, form), change_text(side["change"][key], a, b, form)]
+        table.add_row(label, *cells)
+    return table
+
+
+def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
+    f = report["fifths"]
+    title = ("first fifth vs last fifth" if not report["phases"]["baseline_s"]
+             else "first fifth vs last fifth of the learning phase")
+    table = Table(title=title)
+    for col in ("", "first", "last", "change", "baseline (best threshold)"):
+        table.add_column(col, justify="right")
+    base = (report.get("baseline") or {}).get("best") or {}
+    for key, label, form in (*ROWS, ("family_shown_rate", "def/class shown rate", ".3f")):
+        first, last = f["first"][key], f["last"][key]
+        table.add_row(label, fmt(first, form), fmt(last, form),
+                      change_text(f["change"].get(key), first, last, form),
+                      fmt(base.get(key), form))
+    console.print(table)
+    comparison = report["phase_comparison"]
+    console.print(phase_table(comparison))
+    console.print(f"  {comparison['note']}", highlight=False)
+    trainer = (report["phases"].get("trainer") or {}).get("note")
+    if trainer:
+        console.print(f"  trainer: {trainer}", highlight=False)
+    settled = report["settled"]
+    by_type = report["totals"]["events"].get("rejected_by_type") or {}
+    refused = " (" + ", ".join(f"{k} {n}" for k, n in sorted(by_type.items())) + ")" if by_type \
+        else ""
+    console.print(f"  gated deploys {fmt(comparison['gated_deploys'], 'd')} (in the baseline "
+                  f"phase {fmt(comparison['gated_deploys_in_baseline_phase'], 'd')}) · errors "
+                  f"{comparison['errors']} · events refused {comparison['events_refused']}"
+                  f"{refused} · lost {comparison['events_lost']} · "
+                  f"code_settled {settled['events']} from {settled['opted_in']}/"
+                  f"{settled['people']} people, {settled['lines']} lines", highlight=False)
+    console.print("  targets, against the " + ("baseline phase" if comparison["reference"]
+                                               == "baseline_phase" else "first fifth") + ":")
+    for t in report["targets"]:
+        mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]n/a[/]"}[t["met"]]
+        value, sure = t["value"], t.get("interval")
+        if isinstance(value, float):
+            value = f"{value:+.0%}"
+        elif isinstance(value, list) and None not in value:
+            value = " -> ".join(f"{v:.1f}" for v in value)
+        sure = f"; 95% interval of the change {sure[0]:+.0%} to {sure[1]:+.0%}" if sure else ""
+        console.print(f"  {mark}  {t['name']}: {value} (target {t['target']}{sure})")
+    console.print(f"report: {out / 'report.json'}  plot: {out / 'learning_curve.png'}  "
+                  f"requests: {out / 'records.jsonl'}")

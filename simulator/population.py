@@ -19,6 +19,11 @@ designing a new signature — the file's name and parameters are not what they w
 suggestion there is wrong and every one is rejected. The family is visible in the prefix (the
 model can learn to stay silent there) and a configurable share of cursors is drawn from it, so
 "shown rate on contexts the people always reject" is a measurable learning signal.
+
+Settled code: a share of people opt in to `code_settled` (`settles`, drawn from its own seeded
+stream, so the people themselves are the same whatever the share). When they move on from a
+line they report what finally stands after the request's cursor: the held-out line's true rest
+(`settled_text`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ Move = Literal["stay", "switch", "churn"]
 
 REJECT_FAMILY_KEYWORDS = ("def ", "async def ", "class ")
 MIN_DELAY_S = 0.15  # nobody reacts faster than this
+SETTLED_TEXT_MAX_CHARS = 1000  # DESIGN.md: a code_settled text is at most 1,000 characters
 
 
 # --- who -----------------------------------------------------------------------------------
@@ -142,6 +148,17 @@ def draw_person(cfg: PopulationConfig, rng: random.Random) -> PersonParams:
     return PersonParams(**values)
 
 
+def settles(seed: int, slot: int, generation: int, share: float) -> bool:
+    """Whether the person in seat `slot`, generation `generation` opted in to code_settled.
+
+    Drawn from its own stream (never from the person's rng), so a run's people, cursors and
+    decisions are the same for every share; share 0 draws nothing at all."""
+    assert 0.0 <= share <= 1.0, f"share must be in [0, 1], got {share}"
+    if share <= 0.0:
+        return False
+    return random.Random(f"settled:{seed}:{slot}:{generation}").random() < share
+
+
 # --- where the cursor is -------------------------------------------------------------------
 
 
@@ -198,6 +215,18 @@ class CursorSource:
             cur = cursor_in_line(rng.choice(self.lines), rng)
             if cur is not None:
                 return cur
+
+
+def line_key(cursor: Cursor) -> tuple[str, int]:
+    """The source line a cursor is on (file path, 0-based line): what fresh-line tracking keys."""
+    return str(cursor.path), cursor.line_no
+
+
+def settled_text(cursor: Cursor) -> str:
+    """What finally stands from the cursor to the end of its line: the held-out line's true rest,
+    cut to SETTLED_TEXT_MAX_CHARS (NUL characters, which the service refuses in code text, left
+    out)."""
+    return cursor.rest_of_line.replace("\x00", "")[:SETTLED_TEXT_MAX_CHARS]
 
 
 def request_context(cursor: Cursor) -> tuple[str, str]:

@@ -1,5 +1,39 @@
 """What a simulation run measured: per-request records, time buckets, first vs last fifth, the
-issue's targets, and the plot. Pure functions of the records (the plot aside)."""
+issue's targets, and the plot. Pure functions of the records (the plot aside).
+
+report.json (written by `tabloop simulate`; keys are stable, new ones are only added):
+
+- `config`: the run's settings (api, users, minutes, baseline_minutes, duration_s = the whole run
+  in seconds, baseline and learning phases together, settled_share, corpus (null: the stdlib's
+  held-out split), seed, bucket_s, population, reward_spec and where it came from, machine).
+- `totals`: `metrics` of every request, the simulator's counters (people, switches, churns,
+  errors = completion requests with no answer, settled = code_settled events sent,
+  settled_people = people who opted in), `events` (the sender's queued, sent, accepted,
+  duplicates, rejected = refused one by one in a 202, rejected_by_type, dropped = in batches
+  refused whole, pending = never delivered) and `http` (retries, 429s, 503s).
+- `phases`: `baseline_s`, `learning_s` and `trainer` (paused_before, paused_by_simulator,
+  paused_at_s, resumed_at_s, note).
+- `buckets`: `metrics` per `bucket_s` window of the whole run, plus `fresh_*` rates of the
+  requests on fresh lines.
+- `fifths`: the learning phase's fifths (the whole run's when there is no baseline phase):
+  `parts`, `first`, `last`, `change` (relative, last vs first) and `interval` (95% bootstrap).
+- `phase_comparison` (simulator.phases): `reference` ("baseline_phase" or "first_fifth"),
+  `note`, `reference_window_s`, `last_window_s`, then `all` and `fresh` (requests on lines
+  with no code_settled sent earlier in the run), each with `reference` and `last_fifth`
+  (requests, shown, accepted, shown_per_request, accept_rate_of_shown, retained_chars_per_100,
+  reward_per_request), `change` (relative), `difference` and `interval`; and `gated_deploys`,
+  `gated_deploys_in_baseline_phase`, `deploy_counts`, `errors`, `events_refused`,
+  `events_lost` (dropped + never delivered).
+- `by_version`, `deployments` (the timeline, `t` seconds into the run), `deploy_counts`,
+  `gated_deploys`, `training` (GET /admin/training after the run), `baseline` (the offline
+  base-policy baseline), `comparison` (the last fifth against it), `targets` (against the
+  baseline phase when there is one, else the first fifth), `settled` (share, people, opted_in,
+  events, lines: distinct source lines reported).
+- `offline_exact_rest_of_line`: added by benchmarks/simulation.py (see simulator.exact).
+
+records.jsonl holds one RequestRecord per request; settled_lines.json the [path, line] of every
+line a code_settled was sent for.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +73,10 @@ class RequestRecord:
     retained_chars: float  # accepted_chars * retained fraction
     reward: float  # the reward's decision part, as the service computes it (no switch/churn)
     latency_ms: float
+    phase: str = "learning"  # baseline (trainer paused) | learning (simulator.phases)
+    fresh: bool = True  # no code_settled had been sent for this source line before the request
+    path: str = ""  # the source file of the cursor's line
+    line_no: int = -1  # the cursor's line in it, 0-based
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -93,10 +131,18 @@ def split_by_time(records: Sequence[RequestRecord], width_s: float, duration_s: 
     return [(k * width_s, min(duration_s, (k + 1) * width_s), p) for k, p in enumerate(parts)]
 
 
+FRESH_KEYS = ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100")
+
+
 def bucketize(records: Sequence[RequestRecord], bucket_s: float,
               duration_s: float) -> list[dict[str, Any]]:
-    return [{"t0": t0, "t1": t1, **metrics(part)}
-            for t0, t1, part in split_by_time(records, bucket_s, duration_s)]
+    """`metrics` per window, plus `fresh_<rate>` of FRESH_KEYS over its fresh-line requests."""
+    out = []
+    for t0, t1, part in split_by_time(records, bucket_s, duration_s):
+        fresh = metrics([r for r in part if r.fresh])
+        out.append({"t0": t0, "t1": t1, **metrics(part),
+                    **{f"fresh_{k}": fresh[k] for k in FRESH_KEYS}})
+    return out
 
 
 def by_version(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
@@ -260,39 +306,60 @@ _MARKS = {"deploy": ("tab:blue", ":", "canary deploy"), "promote": ("tab:green",
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """A PNG of the learning curve, deployments marked, the baseline as dashed lines."""
+    """A PNG of the learning curve, deployments marked, the baseline as dashed lines; the baseline
+    phase shaded, with its means as dotted lines, and the fresh-line curves when people sent
+    code_settled."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     buckets = report["buckets"]
+    cfg = report["config"]
     x = [(b["t0"] + b["t1"]) / 2 / 60 for b in buckets]
     base = (report.get("baseline") or {}).get("best") or {}
+    phases = report.get("phases") or {}
+    baseline_s = float(phases.get("baseline_s") or 0.0)
+    duration_s = float(cfg.get("duration_s", 60 * cfg["minutes"]))
+    learning_s = float(phases.get("learning_s") or duration_s - baseline_s)
+    comparison = report.get("phase_comparison") or {}
+    reference = ((comparison.get("all") or {}).get("reference") or {}
+                 if comparison.get("reference") == "baseline_phase" else {})
+    fresh = bool(cfg.get("settled_share")) and bool(buckets) and "fresh_shown_per_request" in \
+        buckets[0]
     panels = [
-        ("accept rate of shown", [("all", "accept_rate_of_shown")],
+        ("accept rate of shown", [("all", "accept_rate_of_shown")]
+         + ([("fresh lines", "fresh_accept_rate_of_shown")] if fresh else []),
          base.get("accept_rate_of_shown")),
         ("shown per request", [("all", "shown_per_request"),
                                ("def/class (always rejected)", "family_shown_rate")],
          base.get("shown_per_request")),
-        ("retained chars / 100 requests", [("all", "retained_chars_per_100")],
+        ("retained chars / 100 requests", [("all", "retained_chars_per_100")]
+         + ([("fresh lines", "fresh_retained_chars_per_100")] if fresh else []),
          base.get("retained_chars_per_100")),
         ("reward per request (decision part)", [("all", "reward_per_request")],
          base.get("reward_per_request")),
     ]
+    fifth_label = "fifth of the learning phase" if baseline_s > 0 else "fifth of the run"
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 10), sharex=True)
     for ax, (title, series, baseline) in zip(axes, panels, strict=True):
+        if baseline_s > 0:
+            ax.axvspan(0, baseline_s / 60, color="grey", alpha=0.12,
+                       label="baseline phase (trainer paused)")
         for i, (label, key) in enumerate(series):
-            ys = [b[key] if b[key] is not None else math.nan for b in buckets]
+            ys = [b[key] if b.get(key) is not None else math.nan for b in buckets]
             line, = ax.plot(x, ys, marker="o", markersize=3, linewidth=1, alpha=0.8,
-                            label=f"{label}, per {report['config']['bucket_s']:g} s")
+                            label=f"{label}, per {cfg['bucket_s']:g} s",
+                            color="tab:purple" if key.startswith("fresh_") else None)
             parts = (report.get("fifths") or {}).get("parts")
-            if parts:  # each fifth's mean, the figures the targets compare
-                width = report["config"].get("duration_s", 60 * report["config"]["minutes"]) / 5
-                xs = [k * width / 60 for k in range(6)]
+            if parts and key in parts[0]:  # each fifth's mean, the figures the targets compare
+                xs = [(baseline_s + k * learning_s / 5) / 60 for k in range(6)]
                 ys5 = [p[key] if p[key] is not None else math.nan for p in parts]
                 ax.step(xs, ys5 + ys5[-1:], where="post", color=line.get_color(), linewidth=2.5,
-                        alpha=0.45, label="fifth of the run" if i == 0 else None)
+                        alpha=0.45, label=None if i else fifth_label)
+            if reference.get(key) is not None:
+                ax.axhline(reference[key], color=line.get_color(), linestyle=":", linewidth=1.2,
+                           label="baseline phase mean" if i == 0 else None)
         if baseline is not None:
             ax.axhline(baseline, color="grey", linestyle="--", linewidth=1,
                        label="base policy, best fixed threshold")
@@ -313,8 +380,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
             handles.setdefault(label, h)
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8,
                frameon=False)
-    cfg = report["config"]
-    fig.suptitle(f"tabloop simulate: {cfg['users']} users, {cfg['minutes']} min, "
+    phase = f"{baseline_s / 60:g} min baseline + " if baseline_s > 0 else ""
+    fig.suptitle(f"tabloop simulate: {cfg['users']} users, {phase}{cfg['minutes']} min, "
                  f"seed {cfg['seed']}", fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """`tabloop simulate`: a population of simulated editors against a running service.
 
-    tabloop simulate --api http://127.0.0.1:8000 --key TOKEN --users 16 --minutes 10 --seed 0
+    tabloop simulate --api http://127.0.0.1:8000 --key TOKEN --users 16 --minutes 10 --seed 0 \
+        [--baseline-minutes 5] [--settled 0.5] [--corpus DIR]
 
 Each seat holds one person (simulator.population) who types, asks for a completion at a cursor
 inside a real held-out line, judges the suggestion by the code, accepts / rejects / ignores it,
@@ -8,10 +9,23 @@ reports retention at the reward spec's checks, switches models after bad runs an
 suggestions stay useless (a new person takes the seat). The reward windows come from
 GET /admin/reward-spec (the sim profile's defaults when the key may not read it).
 
-Order of a run: read the spec; run the people for --minutes while a live table shows the
-learning curve; stop asking; let every pending decision and retention report fire and deliver
-them; read the deployment timeline; run the offline baseline; write report.json and
-learning_curve.png under --out.
+With --baseline-minutes M the trainer is paused first and the live policy serves the people for
+M minutes (the baseline phase), then the trainer is resumed for --minutes (the learning phase);
+the report compares the learning phase's last fifth with the baseline phase (simulator.phases).
+
+With --settled SHARE that share of people (drawn per person from the seed) report code_settled:
+when they move on from a request's line — at their next request, or when they switch away,
+leave or the run stops — they send what finally stands after its cursor (the held-out line's
+true rest, at most 1,000 characters), shown or abstained, accepted or not, with after_seconds
+counted from the request. A request is on a *fresh line* when no code_settled had been sent for
+its source line (file and line number) earlier in the run; the report compares fresh lines apart.
+
+Order of a run: read the spec; pause the trainer (--baseline-minutes); run the people for the
+baseline and learning phases while a live table shows the learning curve, resuming the trainer
+in between; stop asking; let every pending decision and retention report fire and deliver them;
+read the deployment timeline; run the offline baseline; write report.json, records.jsonl,
+settled_lines.json and learning_curve.png under --out. A trainer the simulator paused is
+resumed whatever ends the run.
 """
 
 from __future__ import annotations
@@ -22,24 +36,25 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import random
 import signal
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
+from simulator import phases
 from simulator import report as rpt
 from simulator.client import ApiError, Client, EventSender
-from simulator.display import Display, fmt
+from simulator.corpus import CorpusError, load_lines
+from simulator.display import Display
+from simulator.output import build_report, write_outputs
 from simulator.population import (
     CursorSource,
     Decision,
@@ -50,11 +65,15 @@ from simulator.population import (
     decision_reward,
     draw_person,
     in_reject_family,
+    line_key,
     request_context,
     retention_delays,
+    settled_text,
+    settles,
     step,
     think_time,
 )
+from trainer.corpus import Cursor
 
 log = logging.getLogger("tabloop.simulate")
 
@@ -64,7 +83,11 @@ class SimConfig:
     api: str  # the service's base URL
     key: str  # an API key with ingest (and, for the spec and deployments, admin) scope
     users: int = 16  # seats: people active at once
-    minutes: float = 10.0  # how long people keep asking for completions
+    minutes: float = 10.0  # the learning phase: how long people ask with the trainer running
+    baseline_minutes: float = 0.0  # before it, with the trainer paused (needs the admin scope)
+    settled_share: float = 0.0  # share of people who send code_settled
+    corpus: Path | None = None  # the *.py files people edit; None: the stdlib's held-out split
+    admin_key: str | None = None  # for the admin API when `key` lacks the admin scope
     seed: int = 0  # people, cursors and decisions are all drawn from it
     bucket_s: float | None = None  # report bucket width; default: the run split in ~30
     out: Path = Path("simulation")  # report.json and learning_curve.png go here
@@ -79,8 +102,13 @@ class SimConfig:
     poll_s: float = 5.0  # how often the display reads the deployment timeline
 
     @property
+    def baseline_s(self) -> float:
+        return self.baseline_minutes * 60.0
+
+    @property
     def duration_s(self) -> float:
-        return self.minutes * 60.0
+        """The whole run: baseline and learning phases."""
+        return (self.baseline_minutes + self.minutes) * 60.0
 
     @property
     def bucket_width_s(self) -> float:
@@ -121,15 +149,19 @@ class Counters:
     away: int = 0  # seats whose person is on another model right now
     errors: int = 0  # completion requests that got no answer after retries
     retention_reports: int = 0
+    settled: int = 0  # code_settled events sent
+    settled_people: int = 0  # people who opted in to code_settled
 
 
 class Simulation:
     def __init__(self, cfg: SimConfig, spec: dict[str, Any], source: CursorSource, client: Client,
-                 sender: EventSender) -> None:
+                 sender: EventSender, trainer: phases.TrainerControl | None = None) -> None:
         self.cfg, self.spec, self.source = cfg, spec, source
         self.client, self.sender = client, sender
+        self.trainer = trainer  # resumed when the baseline phase ends (None: no baseline phase)
         self.records: list[rpt.RequestRecord] = []
         self.counters = Counters()
+        self.settled_lines: set[tuple[str, int]] = set()  # (path, line) with a code_settled sent
         self.stop = asyncio.Event()  # people stop asking
         self.interrupted = asyncio.Event()  # Ctrl-C: end early, still deliver and report
         self.duration_s = cfg.duration_s  # shortened when interrupted
@@ -142,6 +174,10 @@ class Simulation:
 
     def now(self) -> float:
         return time.monotonic() - self._t0
+
+    @property
+    def phase(self) -> phases.Phase:
+        return phases.phase_at(self.now(), self.cfg.baseline_s)
 
     def _event(self, type_: str, user_id: str, **fields: Any) -> dict[str, Any]:
         return {"event_id": str(uuid.uuid4()), "type": type_, "user_id": user_id,
@@ -170,21 +206,35 @@ class Simulation:
             rng = random.Random(f"{self.cfg.seed}:{slot}:{generation}")
             person = draw_person(self.cfg.population, rng)
             self.counters.people += 1
+            opted_in = settles(self.cfg.seed, slot, generation, self.cfg.settled_share)
+            self.counters.settled_people += opted_in
             user_id = f"sim{self.cfg.seed}-{slot}-{generation}"
-            if await self.person(user_id, person, rng) != "churn":
+            if await self.person(user_id, person, rng, opted_in) != "churn":
                 return
             generation += 1
 
-    async def person(self, user_id: str, person: PersonParams, rng: random.Random) -> str:
+    async def person(self, user_id: str, person: PersonParams, rng: random.Random,
+                     opted_in: bool = False) -> str:
         session = Session()
+        # the last request's line, reported (code_settled) when the person moves on from it
+        unsettled: tuple[str, Cursor, float] | None = None
+
+        def move_on() -> None:
+            nonlocal unsettled
+            if unsettled is not None:
+                self._settle(user_id, *unsettled)
+                unsettled = None
+
         while True:
             await self._pause(think_time(person, rng))
+            move_on()
             if self.stop.is_set():
                 return "stop"
             cursor = self.source.draw(rng, self.cfg.population.reject_family_share)
             prefix, suffix = request_context(cursor)
             family = in_reject_family(prefix)
             t = self.now()
+            fresh = line_key(cursor) not in self.settled_lines
             resp = await self.client.complete({
                 "user_id": user_id, "session_id": f"{user_id}-s", "workspace_id": "sim",
                 "language": "python", "file_path": cursor.path.name, "prefix": prefix[-8000:],
@@ -197,12 +247,16 @@ class Simulation:
             decision = None
             if resp["shown"] and text:
                 decision = decide(person, text, cursor.rest_of_line, family, self.max_delay_s, rng)
-            self._record(t, user_id, resp, family, text, decision)
+            self._record(t, user_id, resp, family, text, decision, cursor, fresh)
+            if opted_in:
+                unsettled = (resp["suggestion_id"], cursor, t)
             if decision is None:
                 continue
             await asyncio.sleep(decision.delay_s)  # looking at it; finishes even when stopping
             self._feedback(user_id, resp["suggestion_id"], decision, self.now() - shown_at)
             session, move = step(session, person, decision.action == "accept")
+            if move != "stay":
+                move_on()  # leaving the editor: the line stands as it is
             if move == "switch":
                 self.counters.switches += 1
                 self.sender.add(self._event("model_switch", user_id, from_model="tabloop",
@@ -215,8 +269,16 @@ class Simulation:
                 self.sender.add(self._event("churn", user_id, reason="suggestions stayed useless"))
                 return "churn"
 
+    def _settle(self, user_id: str, suggestion_id: str, cursor: Cursor, t: float) -> None:
+        """Report what finally stands after the cursor of the request sent at `t`."""
+        self.sender.add(self._event("code_settled", user_id, suggestion_id=suggestion_id,
+                                    after_seconds=round(max(0.0, self.now() - t), 3),
+                                    text=settled_text(cursor)))
+        self.settled_lines.add(line_key(cursor))
+        self.counters.settled += 1
+
     def _record(self, t: float, user_id: str, resp: dict[str, Any], family: bool, text: str,
-                decision: Decision | None) -> None:
+                decision: Decision | None, cursor: Cursor, fresh: bool) -> None:
         accepted = decision is not None and decision.action == "accept"
         chars = decision.accepted_chars if decision is not None and accepted else 0
         self.records.append(rpt.RequestRecord(
@@ -226,7 +288,9 @@ class Simulation:
             action=decision.action if decision else "abstained", accepted_chars=chars,
             retained_chars=chars * decision.retained_fraction if decision and accepted else 0.0,
             reward=decision_reward(self.spec, len(text), decision),
-            latency_ms=float(resp.get("latency_ms", 0.0))))
+            latency_ms=float(resp.get("latency_ms", 0.0)),
+            phase=phases.phase_at(t, self.cfg.baseline_s), fresh=fresh, path=str(cursor.path),
+            line_no=cursor.line_no))
 
     def _feedback(self, user_id: str, suggestion_id: str, d: Decision, after_s: float) -> None:
         if d.action == "ignore":
@@ -251,10 +315,18 @@ class Simulation:
         if not task.cancelled() and task.exception() is not None:
             self.interrupted.set()
 
+    async def end_baseline_phase(self) -> None:
+        """At the end of the baseline phase, resume the trainer (if the simulator paused it)."""
+        await self._pause(self.cfg.baseline_s - self.now())
+        if self.trainer is not None and not self.stop.is_set():
+            await self.trainer.resume(self.now())
+
     async def run(self, display: Display) -> None:
         sender_stop = asyncio.Event()
         sender_task = asyncio.create_task(self.sender.run(sender_stop))
+        # the seats, and the switch from the baseline phase to the learning phase
         seats = [asyncio.create_task(self.seat(i)) for i in range(self.cfg.users)]
+        seats.append(asyncio.create_task(self.end_baseline_phase()))
         for task in (sender_task, *seats):
             task.add_done_callback(self._end_early_on_error)
         display_task = asyncio.create_task(display.run(self))
@@ -286,91 +358,27 @@ class Simulation:
             await display_task
 
 
-# --- the report --------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}
-
-
-def build_report(cfg: SimConfig, sim: Simulation, spec_source: str,
-                 deployments: list[dict[str, Any]] | None, training: dict[str, Any] | None,
-                 baseline: dict[str, Any] | None) -> dict[str, Any]:
-    summary = rpt.fifths(sim.records, sim.duration_s)
-    return {
-        "config": {"api": cfg.api, "users": cfg.users, "minutes": cfg.minutes, "seed": cfg.seed,
-                   "duration_s": sim.duration_s,
-                   "bucket_s": cfg.bucket_width_s, "max_new_tokens": cfg.max_new_tokens,
-                   "population": cfg.population.to_dict(), "reward_spec": sim.spec,
-                   "reward_spec_source": spec_source, "started_at": utc_z(sim.started_at),
-                   "machine": machine(), "argv": sys.argv[1:] if sys.argv else []},
-        "totals": {**rpt.metrics(sim.records), **asdict(sim.counters),
-                   "completions": len(sim.records), "events": sim.sender.summary(),
-                   "http": asdict(sim.client.stats)},
-        "buckets": rpt.bucketize(sim.records, cfg.bucket_width_s, sim.duration_s),
-        "fifths": summary,
-        "by_version": rpt.by_version(sim.records),
-        "deployments": deployments,
-        "deploy_counts": None if deployments is None else {
-            a: sum(d["action"] == a for d in deployments)
-            for a in ("deploy", "promote", "rollback")},
-        "gated_deploys": None if deployments is None else rpt.gated_deploys(deployments),
-        "training": training,
-        "baseline": baseline,
-        "comparison": rpt.compare(summary, baseline),
-        "targets": rpt.targets(summary, deployments),
-    }
-
-
-def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
-    f = report["fifths"]
-    table = Table(title="first fifth vs last fifth")
-    for col in ("", "first", "last", "change", "baseline (best threshold)"):
-        table.add_column(col, justify="right")
-    base = (report.get("baseline") or {}).get("best") or {}
-    for key, label, form in (("accept_rate_of_shown", "accept rate of shown", ".3f"),
-                             ("shown_per_request", "shown per request", ".3f"),
-                             ("retained_chars_per_100", "retained chars / 100 req", ".1f"),
-                             ("reward_per_request", "reward per request", ".4f"),
-                             ("family_shown_rate", "def/class shown rate", ".3f")):
-        ch, first, last = f["change"].get(key), f["first"][key], f["last"][key]
-        if ch is not None:
-            change = f"{ch:+.0%}"
-        elif first is not None and last is not None:  # no ratio from <= 0: the difference
-            change = f"{last - first:+{form}}"
-        else:
-            change = "-"
-        table.add_row(label, fmt(first, form), fmt(last, form), change, fmt(base.get(key), form))
-    console.print(table)
-    for t in report["targets"]:
-        mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]n/a[/]"}[t["met"]]
-        value, sure = t["value"], t.get("interval")
-        if isinstance(value, float):
-            value = f"{value:+.0%}"
-        elif isinstance(value, list) and None not in value:
-            value = " -> ".join(f"{v:.1f}" for v in value)
-        sure = f"; 95% interval of the change {sure[0]:+.0%} to {sure[1]:+.0%}" if sure else ""
-        console.print(f"  {mark}  {t['name']}: {value} (target {t['target']}{sure})")
-    console.print(f"report: {out / 'report.json'}  plot: {out / 'learning_curve.png'}  "
-                  f"requests: {out / 'records.jsonl'}")
-
-
 async def simulate(cfg: SimConfig, console: Console) -> dict[str, Any]:
-    from trainer.corpus import heldout_lines
-
     client = Client(cfg.api, cfg.key, seed=cfg.seed)
+    admin_client = Client(cfg.api, cfg.admin_key, seed=cfg.seed) if cfg.admin_key else None
+    control: phases.TrainerControl | None = None
+    sim: Simulation | None = None
     try:
-        spec, spec_source = await fetch_spec(client)
+        spec, spec_source = await fetch_spec(admin_client or client)
         admin = not spec_source.startswith("sim defaults")
         console.print(f"reward spec: {spec_source}: decision window {spec['decision_window_s']} s, "
                       f"retention checks {spec['retention_checks_s']} s, horizon "
                       f"{spec['horizon_s']} s", highlight=False)
-        source = CursorSource(list(heldout_lines()))
+        source = CursorSource(load_lines(cfg.corpus))
+        if cfg.corpus is not None:
+            console.print(f"corpus: {len(source.lines)} lines under {cfg.corpus}",
+                          highlight=False)
+        control = await phases.start(cfg.baseline_minutes, cfg.minutes,
+                                     (admin_client or client) if admin else None, console)
         sender = EventSender(client, batch_size=cfg.event_batch_size,
                              flush_interval_s=cfg.flush_interval_s)
-        sim = Simulation(cfg, spec, source, client, sender)
-        display = Display(cfg, admin, console)
+        sim = Simulation(cfg, spec, source, client, sender, control)
+        display = Display(cfg, admin, console, admin_client)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, sim.interrupted.set)
         loop.add_signal_handler(signal.SIGTERM, sim.interrupted.set)
@@ -379,15 +387,21 @@ async def simulate(cfg: SimConfig, console: Console) -> dict[str, Any]:
         finally:
             loop.remove_signal_handler(signal.SIGINT)
             loop.remove_signal_handler(signal.SIGTERM)
+            await phases.resume(control, sim.now(), console)
         deployments = training = None
         if admin:
-            status, body = await client.get("/admin/deployments", limit=1000)
+            reader = admin_client or client
+            status, body = await reader.get("/admin/deployments", limit=1000)
             if status == 200:
                 deployments = rpt.timeline(body, sim.started_at, sim.now() + 1)
-            status, body = await client.get("/admin/training")
+            status, body = await reader.get("/admin/training")
             training = body if status == 200 else None
     finally:
+        if sim is None:  # failed before the people started: still never leave it paused
+            await phases.resume(control, 0.0, console)
         await client.aclose()
+        if admin_client is not None:
+            await admin_client.aclose()
     baseline = None
     if cfg.baseline_json:
         baseline = json.loads(cfg.baseline_json.read_text())
@@ -395,18 +409,14 @@ async def simulate(cfg: SimConfig, console: Console) -> dict[str, Any]:
         from simulator import baseline as bl
 
         checkpoint = cfg.baseline_checkpoint or default_checkpoint()
-        console.print(f"baseline: the base policy on {cfg.baseline_cursors} held-out cursors ...")
+        console.print(f"baseline: the base policy on {cfg.baseline_cursors} cursors of the "
+                      "people's code ...")
         baseline = await asyncio.to_thread(bl.run, checkpoint, source, cfg.population, spec,
                                            cfg.baseline_cursors, cfg.seed,
                                            max_new_tokens=cfg.max_new_tokens)
-    report = build_report(cfg, sim, spec_source, deployments, training, baseline)
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    with (cfg.out / "records.jsonl").open("w") as f:
-        for r in sim.records:
-            f.write(json.dumps(asdict(r)) + "\n")
-    rpt.plot(report, cfg.out / "learning_curve.png")
-    print_summary(console, report, cfg.out)
+    report = build_report(cfg, sim, spec_source, deployments, training, baseline,
+                          None if control is None else control.state)
+    write_outputs(cfg, sim, report, console)
     return report
 
 
@@ -428,8 +438,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", default=os.environ.get("TABLOOP_SIMULATE_KEY"),
                    help="API key (ingest; admin to read the reward spec and deployments); "
                    "default $TABLOOP_SIMULATE_KEY")
+    p.add_argument("--admin-key", help="a key with the admin scope for the admin API (the "
+                   "spec, deployments, pausing the trainer) when --key lacks it")
     p.add_argument("--users", type=int, default=16, help="people active at once (default 16)")
-    p.add_argument("--minutes", type=float, default=10.0, help="run length (default 10)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="the learning phase: minutes with the trainer running (default 10)")
+    p.add_argument("--baseline-minutes", type=float, default=0.0,
+                   help="first pause the trainer for this many minutes (the live policy serves "
+                   "unchanged), then resume it for --minutes; the report compares the last fifth "
+                   "with this phase. Needs the admin scope (default 0: no baseline phase)")
+    p.add_argument("--settled", type=float, default=0.0, metavar="SHARE",
+                   help="share of people (0-1) who send code_settled when they move on from a "
+                   "line; the report also compares fresh lines apart (default 0)")
+    p.add_argument("--corpus", type=Path, metavar="DIR",
+                   help="edit every *.py under DIR (tests left out) instead of the standard "
+                   "library's held-out files, e.g. a package the policy never trained on")
     p.add_argument("--seed", type=int, default=0, help="seeds people, cursors and decisions")
     p.add_argument("--out", type=Path, default=Path("simulation"),
                    help="report directory (default ./simulation)")
@@ -460,6 +483,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         given = {**given, "reject_family_share": args.reject_family_share}
     population = PopulationConfig.from_dict(given)
     return SimConfig(api=args.api, key=args.key, users=args.users, minutes=args.minutes,
+                     baseline_minutes=args.baseline_minutes, settled_share=args.settled,
+                     corpus=args.corpus, admin_key=args.admin_key,
                      seed=args.seed, bucket_s=args.bucket_s, out=args.out, population=population,
                      max_new_tokens=args.max_new_tokens, baseline_cursors=args.baseline_cursors,
                      baseline_checkpoint=args.baseline_checkpoint,
@@ -473,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--key is required (or set TABLOOP_SIMULATE_KEY)")
     if args.users < 1 or args.minutes <= 0:
         parser.error("--users must be >= 1 and --minutes > 0")
+    if args.baseline_minutes < 0:
+        parser.error("--baseline-minutes must be >= 0")
+    if not 0.0 <= args.settled <= 1.0:
+        parser.error("--settled must be a share in [0, 1]")
+    if args.corpus is not None and not args.corpus.is_dir():
+        parser.error(f"--corpus {args.corpus}: not a directory")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -486,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as e:
         print(f"tabloop simulate: the service refused: {e}", file=sys.stderr)
         return 1
+    except CorpusError as e:
+        print(f"tabloop simulate: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0

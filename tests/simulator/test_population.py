@@ -11,6 +11,7 @@ import pytest
 
 from simulator.population import (
     MIN_DELAY_S,
+    SETTLED_TEXT_MAX_CHARS,
     CursorSource,
     Decision,
     PersonParams,
@@ -23,9 +24,12 @@ from simulator.population import (
     family_cursor,
     in_reject_family,
     judge,
+    line_key,
     matched_fraction,
     request_context,
     retention_delays,
+    settled_text,
+    settles,
     step,
     think_time,
 )
@@ -276,3 +280,59 @@ def test_population_from_dict(given: dict, field: str, expected: object) -> None
 def test_population_from_dict_refuses(given: dict) -> None:
     with pytest.raises(ValueError):
         PopulationConfig.from_dict(given)
+
+
+# --- code_settled ----------------------------------------------------------------------------
+
+def test_nobody_settles_at_share_zero() -> None:
+    assert not any(settles(seed, slot, gen, 0.0)
+                   for seed in range(3) for slot in range(16) for gen in range(3))
+
+
+def test_everybody_settles_at_share_one() -> None:
+    assert all(settles(0, slot, gen, 1.0) for slot in range(16) for gen in range(3))
+
+
+def test_settles_is_pinned_per_seat_and_generation() -> None:
+    # the opt-in stream of seed 0 (seat by seat): changing it changes every run with --settled
+    assert [settles(0, slot, 0, 0.5) for slot in range(8)] == [
+        False, False, True, False, True, False, False, True]
+    assert [settles(0, slot, 1, 0.5) for slot in range(8)] == [
+        True, False, True, False, False, False, True, False]
+
+
+def test_a_larger_share_keeps_everyone_already_opted_in() -> None:
+    for low, high in ((0.1, 0.3), (0.3, 0.9)):
+        for slot in range(32):
+            assert not settles(0, slot, 0, low) or settles(0, slot, 0, high)
+
+
+def test_the_first_person_of_a_seed_is_pinned() -> None:
+    # a seat's person and cursors come from its own rng (seed:seat:generation), which the opt-in
+    # draw never touches: pinned here, so a seed replays the same people at every share
+    rng = random.Random("0:0:0")
+    person = draw_person(PopulationConfig(), rng)
+    assert (person.accept_correct, person.switch_after, person.useless_window) == (
+        pytest.approx(0.88842727388753), 8, 30)
+
+
+@pytest.mark.parametrize(("line", "col", "expected"), [
+    pytest.param("x = compute(a, b)", 4, "compute(a, b)", id="rest-of-line"),
+    pytest.param("x = 1  ", 4, "1  ", id="trailing-space-kept"),
+    pytest.param("s = '" + "a" * 1500 + "'", 4, ("'" + "a" * 1500)[:SETTLED_TEXT_MAX_CHARS],
+                 id="cut-to-1000"),
+    pytest.param("s = 'a\x00b'", 4, "'ab'", id="no-nul"),
+])
+def test_settled_text(line: str, col: int, expected: str) -> None:
+    cursor = cursor_at(CorpusLine(Path("pkg/m.py"), 0, (line, "y = 2")), col)
+    assert settled_text(cursor) == expected
+    assert len(settled_text(cursor)) <= SETTLED_TEXT_MAX_CHARS
+
+
+def test_line_key_is_file_and_line() -> None:
+    lines = ("a", "b", "c", "value = 10")
+    a = cursor_at(CorpusLine(Path("pkg/m.py"), 3, lines), 3)
+    b = cursor_at(CorpusLine(Path("pkg/m.py"), 3, lines), 7)
+    assert line_key(a) == line_key(b) == ("pkg/m.py", 3)  # any column of the same line
+    assert line_key(cursor_at(CorpusLine(Path("pkg/m.py"), 2, lines), 0)) == ("pkg/m.py", 2)
+    assert line_key(cursor_at(CorpusLine(Path("pkg/n.py"), 3, lines), 3)) == ("pkg/n.py", 3)

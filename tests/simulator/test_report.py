@@ -248,3 +248,33 @@ def test_change_intervals_need_a_ratio_in_every_resample() -> None:
     iv = change_intervals(first, last)
     assert iv["accept_rate_of_shown"] is None and iv["shown_per_request"] is None
     assert change_intervals([], []) == dict.fromkeys(iv)
+
+
+def test_bucketize_rates_fresh_lines_apart() -> None:
+    from dataclasses import replace
+
+    records = [rec(1, "accept", chars=4, accepted=4, retained=4.0),
+               replace(rec(2, "reject", chars=4), fresh=False), rec(3)]
+    b = bucketize(records, 10, 10)[0]
+    assert b["accept_rate_of_shown"] == 0.5 and b["fresh_accept_rate_of_shown"] == 1.0
+    assert b["fresh_shown_per_request"] == 0.5
+    assert b["fresh_retained_chars_per_100"] == pytest.approx(200.0)
+
+
+def test_plot_shades_the_baseline_phase_and_draws_fresh_lines(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from simulator.phases import learning_comparison, learning_records, phase_at
+
+    records = [replace(rec(t, "accept" if t % 3 == 0 else "abstained", chars=5, accepted=5,
+                           retained=5), phase=phase_at(t, 20), fresh=t % 2 == 0)
+               for t in range(60)]
+    report = {"config": {"users": 2, "minutes": 40 / 60, "seed": 0, "bucket_s": 10,
+                         "duration_s": 60, "settled_share": 1.0},
+              "phases": {"baseline_s": 20.0, "learning_s": 40.0},
+              "buckets": bucketize(records, 10, 60),
+              "fifths": fifths(learning_records(records, 20), 40),
+              "phase_comparison": learning_comparison(records, 20, 60),
+              "deployments": [{"t": 30, "action": "deploy"}]}
+    plot(report, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,101 @@
+"""What a run writes under --out: report.json (its keys: simulator.report's docstring),
+records.jsonl (one request a line), settled_lines.json (the [path, line] of every line a
+code_settled was sent for) and learning_curve.png; then the summary it prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from simulator import phases
+from simulator import report as rpt
+from simulator.display import print_summary
+
+if TYPE_CHECKING:
+    from simulator.run import SimConfig, Simulation
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}
+
+
+def build_report(cfg: SimConfig, sim: Simulation, spec_source: str,
+                 deployments: list[dict[str, Any]] | None, training: dict[str, Any] | None,
+                 baseline: dict[str, Any] | None,
+                 trainer: phases.TrainerPhases | None = None) -> dict[str, Any]:
+    """report.json (its keys: simulator.report's docstring)."""
+    baseline_s = cfg.baseline_s
+    learning_s = phases.learning_span(baseline_s, sim.duration_s)
+    summary = rpt.fifths(phases.learning_records(sim.records, baseline_s), learning_s)
+    events = sim.sender.summary()
+    gated = None if deployments is None else rpt.gated_deploys(deployments)
+    deploy_counts = None if deployments is None else {
+        a: sum(d["action"] == a for d in deployments) for a in ("deploy", "promote", "rollback")}
+    versus = (phases.targets_summary(sim.records, baseline_s, sim.duration_s) if baseline_s > 0
+              else summary)
+    return {
+        "config": {"api": cfg.api, "users": cfg.users, "minutes": cfg.minutes,
+                   "baseline_minutes": cfg.baseline_minutes, "seed": cfg.seed,
+                   "duration_s": sim.duration_s, "settled_share": cfg.settled_share,
+                   "corpus": None if cfg.corpus is None else str(cfg.corpus.resolve()),
+                   "bucket_s": cfg.bucket_width_s, "max_new_tokens": cfg.max_new_tokens,
+                   "population": cfg.population.to_dict(), "reward_spec": sim.spec,
+                   "reward_spec_source": spec_source,
+                   "started_at": sim.started_at.isoformat().replace("+00:00", "Z"),
+                   "machine": machine(), "argv": sys.argv[1:] if sys.argv else []},
+        "totals": {**rpt.metrics(sim.records), **asdict(sim.counters),
+                   "completions": len(sim.records), "events": events,
+                   "http": asdict(sim.client.stats)},
+        "phases": {"baseline_s": baseline_s, "learning_s": learning_s,
+                   "trainer": None if trainer is None else asdict(trainer)},
+        "buckets": rpt.bucketize(sim.records, cfg.bucket_width_s, sim.duration_s),
+        "fifths": summary,
+        "phase_comparison": {
+            **phases.learning_comparison(sim.records, baseline_s, sim.duration_s),
+            "gated_deploys": gated,
+            "gated_deploys_in_baseline_phase": phases.baseline_phase_deploys(deployments,
+                                                                             baseline_s),
+            "deploy_counts": deploy_counts, "errors": sim.counters.errors,
+            "events_refused": events["rejected"],
+            "events_lost": events["dropped"] + events["pending"]},
+        "by_version": rpt.by_version(sim.records),
+        "deployments": deployments,
+        "deploy_counts": deploy_counts,
+        "gated_deploys": gated,
+        "training": training,
+        "baseline": baseline,
+        "comparison": rpt.compare(summary, baseline),
+        "targets": rpt.targets(versus, deployments),
+        "settled": {"share": cfg.settled_share, "people": sim.counters.people,
+                    "opted_in": sim.counters.settled_people, "events": sim.counters.settled,
+                    "lines": len(sim.settled_lines)},
+    }
+
+
+def write_outputs(cfg: SimConfig, sim: Simulation, report: dict[str, Any],
+                  console: Console) -> None:
+    """The run's files under cfg.out, then the printed summary."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    with (cfg.out / "records.jsonl").open("w") as f:
+        for r in sim.records:
+            f.write(json.dumps(asdict(r)) + "\n")
+    (cfg.out / "settled_lines.json").write_text(json.dumps(sorted(sim.settled_lines)))
+    rpt.plot(report, cfg.out / "learning_curve.png")
+    print_summary(console, report, cfg.out)
+
+
+def read_settled_lines(out: Path) -> set[tuple[str, int]]:
+    """The (path, line) keys a run wrote to settled_lines.json (empty when it has none)."""
+    path = out / "settled_lines.json"
+    if not path.is_file():
+        return set()
+    return {(str(p), int(n)) for p, n in json.loads(path.read_text())}
