@@ -3,7 +3,7 @@
     python benchmarks/learning.py [--rounds 10] [--rollouts 640] [--eval 600] [--seed 0]
         [--set gate_hidden_lr_mult=30 --set epochs=2 ...] [--reward chars_exponent=1.0 ...]
         [--temperature 0.3] [--stop-logprob=-inf] [--checkpoint DIR] [--out FILE]
-        [--items FILE]
+        [--items FILE] [--settled SHARE] [--corpus DIR]
 
 No service, no clock: each round samples `--rollouts` completions from the current policy on
 held-out cursors drawn as `tabloop simulate` draws them (serving temperature and nucleus,
@@ -19,6 +19,17 @@ are expectations, not one noisy draw. A 15-minute simulation makes about 10 such
 round's line also gives the mean length of all completions (shown or not: the language model's
 part), and a second line the same gate made greedy (shown iff p(show) >= 1/2).
 
+With `--settled SHARE` that share of the rollouts comes with the text the person settled on
+(the line's real rest after the cursor, as an opted-in editor's `code_settled` reports it), for
+the update's supervised term (`settled_epochs`; earlier rounds' settled rollouts are replayed to
+it up to `settled_replay`, as the trainer reads them back). The people edit four fifths of the
+lines (by a hash of file and line number); the evaluation cursors lie on the other fifth, so
+every figure is on *fresh lines*, whose settled text no update ever saw: learning must
+generalize, not memorize. Each round also reports the exact rest-of-line rate of the sampled
+completions (the completion is the whole rest of the line), shown or not: the language model's
+part. `--corpus DIR` takes the people's code from the `*.py` files under DIR instead of the
+standard library's held-out files (a corpus the base policy never trained on).
+
 What it leaves out: the canary (every candidate is kept), rollouts from older versions
 (staleness), model switches and churn. Use it to compare update rules in minutes, with the
 same seed; the simulation (benchmarks/simulation.py) stays the measure of the whole loop.
@@ -29,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import hashlib
 import json
 import random
 import sys
@@ -50,7 +62,7 @@ from simulator.population import (  # noqa: E402
     decision_reward,
     draw_person,
 )
-from trainer.corpus import heldout_lines  # noqa: E402
+from trainer.corpus import exact_match, heldout_lines, lines_of  # noqa: E402
 from trainer.loop import TrainerConfig  # noqa: E402
 from trainer.update import Batch, carry_state, make_optimizer, update  # noqa: E402
 
@@ -64,6 +76,12 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         if item.partition("=")[0] not in names:
             raise SystemExit(f"--set {item}: UpdateConfig has no field {item.partition('=')[0]!r}")
     return parse_pairs(items)
+
+
+def is_eval_line(path: Path, line_no: int) -> bool:
+    """One line in five, by a hash of its file and number: the evaluation's fresh lines."""
+    digest = hashlib.sha256(f"{path}:{line_no}".encode()).digest()
+    return digest[0] % 5 == 0
 
 
 def main() -> int:
@@ -87,6 +105,10 @@ def main() -> int:
                         "round of [p_show, chars, def/class, accept, accepted_chars, "
                         "retained_chars, reward]; with the language model frozen the "
                         "completions are the same each round, so decisions can be followed)")
+    p.add_argument("--settled", type=float, default=0.0, metavar="SHARE",
+                   help="share of rollouts with a settled text (code_settled), default 0")
+    p.add_argument("--corpus", type=Path, help="the people's code: *.py under DIR "
+                   "(default: the standard library's held-out files)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -94,7 +116,14 @@ def main() -> int:
     cfg = replace(TrainerConfig.for_profile("sim").update, **parse_set(args.set))
     spec = sim_reward_spec(args.reward)
     population = PopulationConfig()
-    source = CursorSource(list(heldout_lines()))
+    if args.corpus:
+        lines = list(lines_of(sorted(p for p in args.corpus.rglob("*.py") if p.is_file())))
+    else:
+        lines = list(heldout_lines())
+    # fresh lines: the evaluation's fifth of the lines is never edited by the people
+    fresh = [is_eval_line(cl.path, cl.line_no) for cl in lines]
+    source = CursorSource([cl for cl, f in zip(lines, fresh, strict=True) if not f])
+    eval_source = CursorSource([cl for cl, f in zip(lines, fresh, strict=True) if f])
     model, tokenizer, _ = load_checkpoint(args.checkpoint)
     ref, _, _ = load_checkpoint(args.checkpoint)
     model.eval()
@@ -103,18 +132,21 @@ def main() -> int:
     rng = random.Random(f"learning:{args.seed}")
     people = [draw_person(population, rng) for _ in range(16)]
     panel = [draw_person(population, rng) for _ in range(args.panel)]
-    eval_cursors = [source.draw(rng, population.reject_family_share) for _ in range(args.eval)]
+    eval_cursors = [eval_source.draw(rng, population.reject_family_share)
+                    for _ in range(args.eval)]
     sample_gen = torch.Generator().manual_seed(args.seed)
 
     def evaluate() -> dict[str, Any]:
         g = torch.Generator().manual_seed(10_000 + args.seed)  # the same draws every round
         judge_rng = random.Random(f"judge:{args.seed}")
-        items = []
+        items, exact = [], 0
         with torch.no_grad():
             for c in eval_cursors:
-                items.append(complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g,
-                                                 temperature=args.temperature,
-                                                 stop_logprob=args.stop_logprob)[1])
+                comp, item = complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g,
+                                                temperature=args.temperature,
+                                                stop_logprob=args.stop_logprob)
+                items.append(item)
+                exact += bool(comp.text.strip()) and exact_match(comp.text, c.rest_of_line)
         scored.append([dataclasses.astuple(s) for s in items])
         m = at_threshold(items, None)
         m["greedy"] = at_threshold(items, 0.5)  # the same gate, shown iff p(show) >= 1/2
@@ -124,12 +156,14 @@ def main() -> int:
         m["mean_shown_chars"] = sum(s.p_show * s.chars for s in items) / weight if weight else 0.0
         # the language model alone: how long its completions are, shown or not
         m["mean_chars"] = sum(s.chars for s in items) / len(items) if items else 0.0
+        m["exact_rate"] = exact / len(items) if items else 0.0
         return m
 
     print(f"update config: {cfg}", flush=True)
     print(f"reward spec: {spec}", flush=True)
     state = None
     replay: list[tuple[Any, float]] = []  # earlier rounds' shown rollouts, newest first (gate_fit)
+    settled_replay: list[tuple[Any, float, str]] = []  # earlier settled rollouts, newest first
     history: list[dict[str, Any]] = []
     scored: list[list[tuple[Any, ...]]] = []
     first = evaluate()
@@ -137,10 +171,12 @@ def main() -> int:
     print(_line(0, first, first, {}), flush=True)
     for r in range(1, args.rounds + 1):
         t0 = time.perf_counter()
-        actions, rewards = [], []
+        actions, rewards, settled = [], [], []
         with torch.no_grad():
             for _ in range(args.rollouts):
                 c = source.draw(rng, population.reject_family_share)
+                opted_in = args.settled and rng.random() < args.settled
+                settled.append(c.rest_of_line if opted_in else None)
                 comp, family = complete_cursor(model, tokenizer, c, sample_gen,
                                                 temperature=args.temperature,
                                                 stop_logprob=args.stop_logprob)
@@ -156,8 +192,15 @@ def main() -> int:
         opt = make_optimizer(candidate, cfg)
         carry_state(opt, state)
         earlier = Batch.of(*zip(*replay, strict=True)) if replay else None
-        metrics = update(candidate, ref, tokenizer, Batch.of(actions[:n_train], rewards[:n_train]),
-                         opt, cfg, replay=earlier)
+        earlier_settled = (Batch.of(*zip(*settled_replay, strict=True))
+                           if settled_replay else None)
+        metrics = update(candidate, ref, tokenizer,
+                         Batch.of(actions[:n_train], rewards[:n_train], settled[:n_train]),
+                         opt, cfg, replay=earlier, settled_replay=earlier_settled)
+        settled_replay = [(a, rw, t) for a, rw, t in zip(actions[:n_train], rewards[:n_train],
+                                                          settled[:n_train], strict=True)
+                          if t is not None][::-1] + settled_replay
+        settled_replay = settled_replay[: cfg.settled_replay]
         replay = [(a, rw) for a, rw in zip(actions[:n_train], rewards[:n_train], strict=True)
                   if a.shown][::-1] + replay
         replay = replay[: cfg.gate_fit_replay]
@@ -188,7 +231,8 @@ def _line(r: int, m: dict[str, Any], first: dict[str, Any], metrics: dict[str, f
             f"retained {m['retained_chars_per_100']:.1f} ({rel('retained_chars_per_100')}) "
             f"reward {m['reward_per_request']:.4f} family {m['family_shown_rate']:.3f} "
             f"chars {m['mean_shown_chars']:.2f} (all {m['mean_chars']:.2f}) "
-            f"all-shown retained {m['retained_all_per_100']:.1f}{extra}"
+            f"all-shown retained {m['retained_all_per_100']:.1f} "
+            f"exact {m['exact_rate']:.3f} ({rel('exact_rate')}){extra}"
             f"\n    greedy (shown iff p(show) >= 1/2): shown {rel('greedy', 'shown_per_request')} "
             f"accept {rel('greedy', 'accept_rate_of_shown')} "
             f"retained {rel('greedy', 'retained_chars_per_100')} "

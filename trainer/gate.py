@@ -1,8 +1,11 @@
 """The gate before deploy: no regression on held-out code, no drop in estimated reward.
 
 Two checks on a candidate against the live policy:
-- held-out code likelihood (mean cross-entropy on a fixed sample of the held-out split) may not
-  rise by more than `max_heldout_regression` nats/token;
+- held-out code likelihood (mean cross-entropy on a fixed sample of generic code) may not rise
+  by more than `max_heldout_regression` nats/token against the live policy, nor by more than
+  `max_heldout_regression_base` against the base policy: the language model learns from the
+  people's code (settled text, rewards), and the second bound keeps the sum of many small
+  steps from forgetting code in general;
 - the candidate's reward estimated off-policy on recent logged rollouts — self-normalized
   importance sampling with clipped weights — may not fall below the live policy's on-policy
   mean by more than `max_reward_drop`. The effective sample size is reported with it.
@@ -24,6 +27,7 @@ from service.policy.tokenizer import CodeTokenizer
 @dataclass(frozen=True)
 class GateConfig:
     max_heldout_regression: float = 0.05  # nats/token the candidate may lose on held-out code
+    max_heldout_regression_base: float = 0.15  # ... and in all, against the base policy
     max_reward_drop: float = 0.02  # estimated reward the candidate may lose against live
     weight_clip: float = 5.0  # importance weights are clipped to [0, weight_clip]
     min_ess_fraction: float = 0.1  # the estimate needs an effective sample size of this share
@@ -82,9 +86,11 @@ def check(
     behaviour_logp: torch.Tensor,
     rewards: torch.Tensor,
     cfg: GateConfig,
+    base: GPT | None = None,
 ) -> GateResult:
     loss_live = heldout_loss(live, heldout)
     loss_cand = heldout_loss(candidate, heldout)
+    loss_base = loss_live if base is None or base is live else heldout_loss(base, heldout)
     reward_live = float(rewards.mean()) if rewards.numel() else float("nan")
     logp_new = score_actions(candidate, tokenizer, actions).total if actions else torch.empty(0)
     est, ess = snis(logp_new, behaviour_logp, rewards, cfg.weight_clip)
@@ -103,6 +109,8 @@ def check(
 
     if loss_cand > loss_live + cfg.max_heldout_regression:
         return result(False, f"held-out loss {loss_cand:.3f} vs live {loss_live:.3f}")
+    if loss_cand > loss_base + cfg.max_heldout_regression_base:
+        return result(False, f"held-out loss {loss_cand:.3f} vs base {loss_base:.3f}")
     need = max(cfg.min_ess, cfg.min_ess_fraction * len(actions))
     if ess < need:
         return result(False, f"effective sample size {ess:.1f} < {need:.1f}")
@@ -114,9 +122,18 @@ def check(
 def heldout_sample(
     tokenizer: CodeTokenizer, text: str, rows: int, length: int, seed: int = 0
 ) -> torch.Tensor:
-    """A fixed sample of `rows` windows of `length`+1 tokens from held-out text."""
-    ids = torch.tensor(tokenizer.encode(text[: rows * length * 8]), dtype=torch.long)
-    assert ids.numel() > length + 1, "held-out text too short for the gate sample"
+    """A fixed sample of `rows` windows of `length`+1 tokens, one from each of `rows` equal
+    stretches of `text` (so it spans the whole corpus, not its first files), each window
+    starting at a random line start in its stretch."""
     g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - length - 1, (rows,), generator=g)
-    return torch.stack([ids[s : s + length + 1] for s in starts.tolist()])
+    span = len(text) // rows
+    windows = []
+    for r in range(rows):
+        stretch = text[r * span : (r + 1) * span]
+        cut = int(torch.randint(0, max(1, len(stretch) - length * 8), (1,), generator=g))
+        start = stretch.find("\n", cut) + 1
+        ids = tokenizer.encode(stretch[start : start + length * 8])
+        if len(ids) > length:
+            windows.append(torch.tensor(ids[: length + 1], dtype=torch.long))
+    assert windows, "held-out text too short for the gate sample"
+    return torch.stack(windows)

@@ -26,6 +26,7 @@ from kafka.errors import KafkaError
 
 from service.config import Settings
 from service.db import StandbyLock, blob_transaction
+from service.events.settled import CODE_SETTLED, settled_texts
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
 from service.policy.model import GPT
 from service.policy.tokenizer import CodeTokenizer
@@ -36,6 +37,7 @@ from service.stream.topics import FEEDBACK, ROLLOUTS
 from service.tables import TRAINER_STATE_NAME as STATE_NAME
 from service.tables import (
     deployments,
+    events,
     policies,
     reward_specs,
     rewards,
@@ -234,6 +236,29 @@ class Trainer:
                 ).all()
             )
 
+    def _settled_replay_rows(self) -> list[sa.Row]:
+        """Rollouts already trained on that have a settled text, newest first: the supervised
+        term reads them again (settled_replay), each with its own text only."""
+        limit = self.cfg.update.settled_replay
+        if not self.cfg.update.settled_epochs or limit <= 0:
+            return []
+        has_text = sa.select(events.c.suggestion_id).where(events.c.type == CODE_SETTLED)
+        with self.engine.connect() as conn:
+            return list(
+                conn.execute(
+                    _ROLLOUT_ROWS.where(
+                        rewards.c.trained_at.is_not(None), rollouts.c.suggestion_id.in_(has_text)
+                    )
+                    .order_by(rewards.c.rollout_created_at.desc())
+                    .limit(limit)
+                ).all()
+            )
+
+    def _with_settled(self, rows: list[sa.Row]) -> Batch:
+        """The rows as a batch, each with the text its person settled on (None: no report)."""
+        texts = settled_texts(self.engine, suggestion_ids=[r.suggestion_id for r in rows])
+        return Batch.of(rows, [r.value for r in rows], [texts.get(r.suggestion_id) for r in rows])
+
     def _batch_rows(self, dep: Deployment) -> list[sa.Row]:
         with self.engine.connect() as conn:
             recent = conn.execute(
@@ -279,10 +304,14 @@ class Trainer:
         model.requires_grad_(True)
         optimizer = make_optimizer(model, self.cfg.update)
         carry_state(optimizer, self._optimizer_state)
-        batch = Batch.of(train_rows, [r.value for r in train_rows])
+        batch = self._with_settled(train_rows)
         earlier = self._replay_rows()
         replay = Batch.of(earlier, [r.value for r in earlier]) if earlier else None
-        metrics = update(model, ref_model, tokenizer, batch, optimizer, self.cfg.update, replay)
+        earlier_settled = self._settled_replay_rows()
+        settled = self._with_settled(earlier_settled) if earlier_settled else None
+        metrics = update(
+            model, ref_model, tokenizer, batch, optimizer, self.cfg.update, replay, settled
+        )
         self._optimizer_state = copy.deepcopy(optimizer.state_dict())
         UPDATES.inc()
         model.eval()
@@ -297,6 +326,7 @@ class Trainer:
             torch.tensor([r.logprob_total for r in gate_rows]),
             torch.tensor([r.value for r in gate_rows]),
             self.cfg.gate,
+            base=ref_model,
         )
         ids = [r.suggestion_id for r in train_rows]
         now = utcnow()
@@ -445,14 +475,16 @@ class Trainer:
         return self._policies[version]
 
     def _heldout(self, tokenizer: CodeTokenizer, model: GPT) -> torch.Tensor:
-        """The gate's fixed held-out sample (made once per tokenizer and context size)."""
+        """The gate's fixed sample of generic code (made once per tokenizer and context size):
+        the standard library's training split, which the people never edit, so the check
+        measures forgetting, not what the people's own code taught."""
         length = min(self.cfg.heldout_len, model.config.block_size - 1)
         key = (tokenizer.to_json().__hash__(), length)
         if getattr(self, "_heldout_key", None) != key:
             from trainer.corpus import read_corpus
 
             self._heldout_tokens = heldout_sample(
-                tokenizer, read_corpus("heldout"), self.cfg.heldout_rows, length
+                tokenizer, read_corpus("train"), self.cfg.heldout_rows, length
             )
             self._heldout_key = key
         return self._heldout_tokens

@@ -75,6 +75,14 @@ class UpdateConfig:
     # above gate_fit_sharpness: the sharpness grows with the verdicts, as
     # sqrt(verdicts / gate_fit_min_shown), up to this (exploration fades as the evidence grows)
     gate_fit_sharpness_max: float = 0.0
+    # the supervised term on settled text (settled_passes): after the policy-gradient epochs,
+    # this many passes (0: off) over the batch's rollouts that have a settled text and the
+    # earlier ones the caller replays, each step minimizing the mean token NLL of what the
+    # person actually wrote after that rollout's cursor, at learning_rate x settled_lr_mult
+    settled_epochs: int = 0
+    settled_lr_mult: float = 1.0
+    settled_replay: int = 0  # earlier rollouts with a settled text the trainer replays
+    settled_max_tokens: int = 32  # target tokens per settled text (serving's max_new_tokens)
 
 
 @dataclass
@@ -85,6 +93,8 @@ class Batch:
     # the same per part, for per-part ratios: each action's token log-probs and its decision's
     behaviour_token_logp: Sequence[Sequence[float]] | None = None
     behaviour_decision_logp: torch.Tensor | None = None  # (B,)
+    # what finally stood after each rollout's cursor (code_settled), None where nobody said
+    settled: Sequence[str | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.actions)
@@ -97,9 +107,15 @@ class Batch:
             assert len(self.behaviour_token_logp) == n, "one token list per action"
             assert self.behaviour_decision_logp is not None
             assert self.behaviour_decision_logp.shape == (n,), "one decision log-prob per action"
+        assert self.settled is None or len(self.settled) == n, "one settled text (or None) each"
 
     @classmethod
-    def of(cls, actions: Sequence[Any], rewards: Sequence[float]) -> Batch:
+    def of(
+        cls,
+        actions: Sequence[Any],
+        rewards: Sequence[float],
+        settled: Sequence[str | None] | None = None,
+    ) -> Batch:
         """From logged rollouts (Completions or rollout rows): totals and per-part log-probs."""
         return cls(
             actions=actions,
@@ -107,6 +123,7 @@ class Batch:
             rewards=torch.tensor([float(r) for r in rewards]),
             behaviour_token_logp=[list(a.token_logprobs) for a in actions],
             behaviour_decision_logp=torch.tensor([float(a.decision_logprob) for a in actions]),
+            settled=settled,
         )
 
     def select(self, idx: list[int]) -> Batch:
@@ -120,6 +137,7 @@ class Batch:
             behaviour_decision_logp=(
                 None if self.behaviour_decision_logp is None else self.behaviour_decision_logp[idx]
             ),
+            settled=None if self.settled is None else [self.settled[i] for i in idx],
         )
 
 
@@ -263,6 +281,87 @@ def pg_loss(
     return loss, metrics
 
 
+def settled_targets(
+    tokenizer: CodeTokenizer, actions: Sequence[Action], texts: Sequence[str | None],
+    max_tokens: int,
+) -> list[tuple[int, list[int]]]:
+    """(index, target token ids) for each action that has a settled text: the tokens the policy
+    should have sampled after its own context, i.e. the healed bytes it re-emits, the settled
+    text and the newline that ends the line (cut to `max_tokens` and to the context's block)."""
+    out = []
+    for i, (a, text) in enumerate(zip(actions, texts, strict=True)):
+        if text is None:
+            continue
+        ids = tokenizer.encode(a.heal_text + text.rstrip("\r\n") + "\n")[:max_tokens]
+        if ids:
+            out.append((i, ids))
+    return out
+
+
+def settled_nll(
+    model: GPT, actions: Sequence[Action], targets: Sequence[tuple[int, list[int]]]
+) -> torch.Tensor:
+    """Mean token NLL (model distribution, temperature 1) of each target after its action's
+    context, over all target tokens: the supervised loss on settled text, (). Differentiable."""
+    assert targets, "no settled text"
+    block = model.config.block_size
+    seqs, spans = [], []
+    for i, ids in targets:
+        ctx = list(actions[i].context_token_ids)
+        ids = ids[: block - len(ctx)]
+        seqs.append(ctx + ids)
+        spans.append((len(ctx), len(ids)))
+    idx = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        idx[b, : len(seq)] = torch.tensor(seq)
+    rows = [b for b, (_, n) in enumerate(spans) for _ in range(n)]
+    cols = [c - 1 + j for c, n in spans for j in range(n)]
+    tgt = torch.tensor([t for seq, (c, n) in zip(seqs, spans, strict=True) for t in seq[c:c + n]])
+    logits = model.logits(model.hidden(idx)[rows, cols]).float()
+    return F.cross_entropy(logits, tgt)
+
+
+def settled_passes(
+    model: GPT, tokenizer: CodeTokenizer, batch: Batch, replay: Batch | None,
+    optimizer: torch.optim.Optimizer, cfg: UpdateConfig,
+) -> dict[str, float]:
+    """`cfg.settled_epochs` passes of minibatch steps on the settled-text NLL of `batch` and
+    `replay` (each text is evidence only for the rollout whose cursor it follows). The learning
+    rate is the optimizer's times settled_lr_mult for these steps; the gate gets no gradient."""
+    parts = [b for b in (batch, replay) if b is not None and b.settled is not None]
+    examples = [(b.actions[i], ids) for b in parts
+                for i, ids in settled_targets(tokenizer, b.actions, b.settled or [],
+                                              cfg.settled_max_tokens)]
+    if not examples or cfg.settled_epochs <= 0:
+        return {"settled/examples": float(len(examples))}
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] *= cfg.settled_lr_mult
+    lm = [p for n, p in model.named_parameters() if not n.startswith("gate.") and p.requires_grad]
+    first = last = 0.0
+    try:
+        for epoch in range(cfg.settled_epochs):
+            order = torch.randperm(len(examples)).tolist()
+            total, steps = 0.0, 0
+            for start in range(0, len(order), cfg.minibatch_size):
+                mb = [examples[i] for i in order[start : start + cfg.minibatch_size]]
+                loss = settled_nll(model, [a for a, _ in mb],
+                                   [(j, ids) for j, (_, ids) in enumerate(mb)])
+                model.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(lm, cfg.max_grad_norm or float("inf"))
+                optimizer.step()
+                total, steps = total + loss.item(), steps + 1
+            if epoch == 0:
+                first = total / steps
+            last = total / steps
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+    return {"settled/examples": float(len(examples)), "settled/nll_first": first,
+            "settled/nll_last": last}
+
+
 def make_optimizer(model: GPT, cfg: UpdateConfig) -> torch.optim.AdamW:
     """AdamW, no weight decay (the KL term is the regulariser), three groups: the language model
     at cfg.learning_rate; the gate's hidden-state projection at gate_hidden_lr_mult times that;
@@ -327,10 +426,13 @@ def update(
     optimizer: torch.optim.Optimizer,
     cfg: UpdateConfig,
     replay: Batch | None = None,
+    settled_replay: Batch | None = None,
 ) -> dict[str, float]:
     """`cfg.epochs` passes of shuffled minibatches over `batch`; the mean metrics of the steps.
-    Then the gate passes, or with `cfg.gate_fit` the gate's fit on the shown rollouts of `batch`
-    and `replay` (earlier batches' rollouts with their rewards).
+    Then the settled-text passes (`cfg.settled_epochs`, on `batch` and `settled_replay`: earlier
+    rollouts with the text people settled on), then the gate passes, or with `cfg.gate_fit` the
+    gate's fit on the shown rollouts of `batch` and `replay` (earlier batches' rollouts with
+    their rewards).
 
     The optimizer (and its learning rate) is the caller's, kept across batches (`make_optimizer`
     builds the usual one); ref_model is only read, never differentiated. Advantages use the
@@ -358,6 +460,9 @@ def update(
                 for k, v in metrics.items():
                     totals[k] += v
                 steps += 1
+        settled: dict[str, float] = {}
+        if cfg.settled_epochs and not cfg.train_gate_only:
+            settled = settled_passes(model, tokenizer, batch, settled_replay, optimizer, cfg)
         gate: dict[str, float] = {}
         if cfg.gate_fit:
             gate = fit_gate_to_rewards(
@@ -367,7 +472,7 @@ def update(
         if cfg.gate_epochs and not gate.get("gate_fit/fitted"):
             gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg))
     model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
-    return {**{k: v / steps for k, v in totals.items()}, **gate}
+    return {**{k: v / steps for k, v in totals.items()}, **settled, **gate}
 
 
 def gate_passes(

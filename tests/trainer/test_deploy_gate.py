@@ -1,15 +1,21 @@
-"""The pure decisions around a deploy: the canary verdict and the off-policy estimate."""
+"""The decisions around a deploy: the canary verdict, the off-policy estimate, and the whole
+deploy check on a tiny policy against empty and poisoned batches."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 
 import pytest
 import torch
 
+from service.policy.model import GPT
+from service.policy.sampling import Completion, complete
+from service.policy.tokenizer import CodeTokenizer
 from trainer.deploy import ArmStats, CanaryConfig, canary_verdict
-from trainer.gate import snis
+from trainer.gate import GateConfig, check, heldout_sample, snis
+from trainer.update import Batch, UpdateConfig, make_optimizer, update
 
 CFG = CanaryConfig(min_rollouts=100, timeout_s=600, min_shown=20, reward_tolerance=0.02,
                    accept_tolerance=0.05, z=0.0)  # z 0: roll back on any drop past tolerance
@@ -83,3 +89,92 @@ def test_snis_weights_toward_what_the_new_policy_prefers_and_clips() -> None:
 def test_snis_empty() -> None:
     est, ess = snis(torch.empty(0), torch.empty(0), torch.empty(0), clip=5.0)
     assert math.isnan(est) and ess == 0.0
+
+
+# --- the whole check on a real (tiny) policy ---------------------------------------------
+GATE = GateConfig()
+PROMPT = "import json\n\n\ndef load(path):\n    with open(path) as f:\n        return json."
+
+
+def _logged(model: GPT, tokenizer: CodeTokenizer, n: int) -> list[Completion]:
+    """n rollouts of `model` at p(show) = 1/2 (its gate's bias 0, hidden weights 0)."""
+    with torch.no_grad():
+        model.gate.features.weight.zero_()
+        model.gate.features.bias.zero_()
+    gen = torch.Generator().manual_seed(0)
+    return [complete(model, tokenizer, PROMPT, "", 6, 0.8, 0.95, gen, stop_logprob=None)
+            for _ in range(n)]
+
+
+def _heldout(tokenizer: CodeTokenizer, small_code: list[str]) -> torch.Tensor:
+    return heldout_sample(tokenizer, "\n".join(small_code), rows=8, length=48)
+
+
+def test_an_empty_batch_cannot_pass_the_gate(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """No logged rollouts to estimate the candidate on: no evidence, no deploy."""
+    result = check(copy.deepcopy(tiny_model), tiny_model, tiny_tokenizer,
+                   _heldout(tiny_tokenizer, small_code), [], torch.empty(0), torch.empty(0), GATE)
+    assert not result.passed
+    assert "effective sample size" in result.reason
+
+
+def test_poisoned_settled_text_cannot_pass_the_gate(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """A batch whose settled texts are garbage, pushed hard: the language model forgets code,
+    and the held-out check stops it, whatever its reward estimate says."""
+    comps = _logged(tiny_model, tiny_tokenizer, 16)
+    rewards = [0.5 if c.shown else 0.0 for c in comps]
+    poison = ["}}}{{{ ~~~ ^^^ ???? ;;;; @@@@"] * len(comps)
+    candidate = copy.deepcopy(tiny_model)
+    cfg = UpdateConfig(learning_rate=1e-2, kl_coef=0.0, settled_epochs=20, minibatch_size=16)
+    update(candidate, tiny_model, tiny_tokenizer, Batch.of(comps, rewards, poison),
+           make_optimizer(candidate, cfg), cfg)
+    result = check(candidate, tiny_model, tiny_tokenizer, _heldout(tiny_tokenizer, small_code),
+                   comps, torch.tensor([c.logprob_total for c in comps]), torch.tensor(rewards),
+                   replace(GATE, max_reward_drop=10.0))
+    assert not result.passed
+    assert result.reason.startswith("held-out loss")
+
+
+def test_small_steps_that_add_up_to_forgetting_fail_against_the_base(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """Each candidate within the bound against its live parent, but far from the base: the
+    base bound stops the drift that a live-only check would let through step by step."""
+    heldout = _heldout(tiny_tokenizer, small_code)
+    drifted = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        drifted.wte.weight.add_(0.2 * torch.randn_like(drifted.wte.weight))
+    comps = _logged(tiny_model, tiny_tokenizer, 8)
+    logp = torch.tensor([c.logprob_total for c in comps])
+    rewards = torch.zeros(len(comps))
+    lenient = replace(GATE, max_heldout_regression=0.0, max_reward_drop=10.0, min_ess=0.0,
+                      min_ess_fraction=0.0)
+    # the drifted model as its own live parent passes; against the base it does not
+    assert check(drifted, drifted, tiny_tokenizer, heldout, comps, logp, rewards,
+                 lenient, base=drifted).passed
+    result = check(drifted, drifted, tiny_tokenizer, heldout, comps, logp, rewards,
+                   replace(lenient, max_heldout_regression_base=0.0), base=tiny_model)
+    assert not result.passed
+    assert "vs base" in result.reason
+
+
+def test_poisoned_rewards_cannot_pass_the_gate(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """A candidate that learned to show everything, judged on logged rollouts where showing was
+    punished: its estimated reward falls below live's and it is not deployed."""
+    comps = _logged(tiny_model, tiny_tokenizer, 40)
+    assert any(c.shown for c in comps) and not all(c.shown for c in comps)
+    rewards = torch.tensor([-0.25 if c.shown else 0.0 for c in comps])
+    candidate = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        candidate.gate.features.bias.fill_(5.0)  # shows nearly everything
+    result = check(candidate, tiny_model, tiny_tokenizer, _heldout(tiny_tokenizer, small_code),
+                   comps, torch.tensor([c.logprob_total for c in comps]), rewards,
+                   replace(GATE, min_ess_fraction=0.0))
+    assert not result.passed
+    assert result.reason.startswith("estimated reward")

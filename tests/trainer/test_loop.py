@@ -46,8 +46,9 @@ def now_z() -> str:
     return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
 
 
-def drive(url: str, token: str, n: int, seed: int) -> list[str]:
-    """n completions from 12 users; accept shown suggestions that end a call, reject others."""
+def drive(url: str, token: str, n: int, seed: int, settled: bool = False) -> list[str]:
+    """n completions from 12 users; accept shown suggestions that end a call, reject others;
+    with `settled`, a code_settled report for every request (shown or not)."""
     rng = random.Random(seed)
     ids = []
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as c:
@@ -62,6 +63,18 @@ def drive(url: str, token: str, n: int, seed: int) -> list[str]:
                 assert r.status_code == 200, r.text
                 body = r.json()
                 ids.append(body["suggestion_id"])
+                if settled:
+                    evs.append(
+                        {
+                            "event_id": str(uuid.uuid4()),
+                            "type": "code_settled",
+                            "user_id": user,
+                            "suggestion_id": body["suggestion_id"],
+                            "occurred_at": now_z(),
+                            "after_seconds": 1.5,
+                            "text": "x)",
+                        }
+                    )
                 if body["shown"]:
                     good = body["text"].rstrip().endswith((")", ":"))
                     evs.append(
@@ -125,8 +138,11 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
             max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
         ),
         poll_timeout_s=0.2,
-        # the gate's fit on the shown verdicts (the sim profile's), on however few there are
-        update=UpdateConfig(gate_fit=True, gate_fit_min_shown=0),
+        # the gate's fit on the shown verdicts (the sim profile's), on however few there are,
+        # and the supervised term on settled text with its replay
+        update=UpdateConfig(
+            gate_fit=True, gate_fit_min_shown=0, settled_epochs=1, settled_replay=1000
+        ),
     )
     engine = make_engine(settings)
     stop = threading.Event()
@@ -134,7 +150,7 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
     thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
     thread.start()
     try:
-        sent = drive(svc.url, ingest, 120, seed=1)
+        sent = drive(svc.url, ingest, 120, seed=1, settled=True)
         wait_for(
             lambda: count(engine, deployments, deployments.c.action == "deploy") >= 1,
             120,
@@ -176,6 +192,15 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
         ).scalars().all()
     assert expected and sorted(r.suggestion_id for r in replay) == sorted(expected)
     assert "gate_fit/shown" in candidate.summary["update"]
+    # the supervised term read the batch's settled texts, each for its own rollout
+    assert candidate.summary["update"]["settled/examples"] == candidate.summary["rollouts"]
+    settled_replay = trainer._settled_replay_rows()
+    assert settled_replay and {r.suggestion_id for r in settled_replay} <= set(sent)
+    with engine.connect() as conn:
+        trained = set(conn.execute(
+            sa.select(rewards.c.suggestion_id).where(rewards.c.trained_at.is_not(None))
+        ).scalars())
+    assert {r.suggestion_id for r in settled_replay} <= trained
     engine.dispose()
 
 

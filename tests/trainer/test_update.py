@@ -24,6 +24,8 @@ from trainer.update import (
     kl_to_reference,
     make_optimizer,
     pg_loss,
+    settled_nll,
+    settled_targets,
     update,
 )
 
@@ -762,3 +764,81 @@ def test_gate_fit_waits_for_enough_verdicts(tiny_model: GPT, tiny_tokenizer: Cod
                    make_optimizer(model, cfg), cfg)
         assert m["gate_fit/fitted"] == fitted
         assert ("gate/steps" in m) == (not fitted)
+
+
+# --- settled text ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("heal", "texts", "max_tokens", "expected"),
+    [
+        ("", [None], 32, []),  # nobody said what stands: nothing to learn
+        ("", [""], 32, [(0, "\n")]),  # the line ended at the cursor: the stop alone
+        ("js", ["on.dumps(x)"], 32, [(0, "json.dumps(x)\n")]),  # healed bytes re-emitted first
+        ("", [None, "x)\r\n"], 32, [(1, "x)\n")]),  # one line ending, whatever the client's
+    ],
+    ids=["none", "empty", "healed", "index-and-line-ending"],
+)
+def test_settled_targets(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, heal: str, texts: list[str | None],
+    max_tokens: int, expected: list[tuple[int, str]],
+) -> None:
+    comp = dataclasses.replace(_shown_completion(tiny_model, tiny_tokenizer, True), heal_text=heal)
+    got = settled_targets(tiny_tokenizer, [comp] * len(texts), texts, max_tokens)
+    assert [(i, tiny_tokenizer.decode(ids)) for i, ids in got] == expected
+
+
+def test_settled_targets_are_cut_to_max_tokens(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    comp = _shown_completion(tiny_model, tiny_tokenizer, True)
+    [(_, ids)] = settled_targets(tiny_tokenizer, [comp], ["x = " + "a + " * 40 + "b"], 5)
+    assert len(ids) == 5
+
+
+def test_update_moves_tokens_toward_settled_text_and_away_from_rejected_suggestion(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """A shown suggestion the person rejected, then settled on other text: after one update the
+    settled text is likelier after that context and the rejected tokens less likely."""
+    rejected = _shown_completion(tiny_model, tiny_tokenizer, True)
+    settled = "dumps(obj, indent=2)"
+    assert not settled.startswith(rejected.text)
+    others = _rollouts(tiny_model, tiny_tokenizer, PROMPTS[1:], 2, seed=5)
+    comps = [rejected, *others]
+    rewards = [-0.25] + [0.1] * len(others)
+    batch = Batch.of(comps, rewards, [settled] + [None] * len(others))
+    [(_, target)] = settled_targets(tiny_tokenizer, [rejected], [settled], 32)
+
+    def logps() -> tuple[float, float]:
+        with torch.no_grad():
+            to_settled = -settled_nll(tiny_model, [rejected], [(0, target)]).item() * len(target)
+            to_rejected = score_actions(tiny_model, tiny_tokenizer, [rejected]).tokens.item()
+        return to_settled, to_rejected
+
+    settled_before, rejected_before = logps()
+    cfg = UpdateConfig(learning_rate=3e-3, kl_coef=0.0, settled_epochs=3)
+    metrics = update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
+                     make_optimizer(tiny_model, cfg), cfg)
+    settled_after, rejected_after = logps()
+    assert metrics["settled/examples"] == 1
+    assert settled_after > settled_before + 1.0
+    assert rejected_after < rejected_before
+
+
+def test_settled_text_is_evidence_only_for_its_own_rollout(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """The supervised term reads each text after its own rollout's context: a rollout without
+    one contributes nothing, and with train_gate_only the language model never moves."""
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS[:2], 1)
+    batch = Batch.of(comps, [0.0, 0.0], [None, None])
+    cfg = UpdateConfig(learning_rate=1e-2, kl_coef=0.0, settled_epochs=2)
+    before = _params(tiny_model)
+    metrics = update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
+                     make_optimizer(tiny_model, cfg), cfg)
+    assert metrics["settled/examples"] == 0
+    assert all(torch.equal(before[n], p) for n, p in _params(tiny_model).items())
+    frozen = dataclasses.replace(cfg, train_gate_only=True)
+    batch = Batch.of(comps, [0.0, 0.0], ["x = 1", "y = 2"])
+    update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
+           make_optimizer(tiny_model, frozen), frozen)
+    assert all(torch.equal(before[n], p) for n, p in _params(tiny_model).items())
