@@ -56,13 +56,15 @@ def snis(
     size (sum w)^2 / sum w^2, with weights exp(logp_new - logp_behaviour) clipped to [0, clip]."""
     if rewards.numel() == 0:
         return float("nan"), 0.0
-    w = torch.exp((logp_new - logp_behaviour).clamp(max=math.log(clip))).clamp(max=clip)
-    total = float(w.sum())
-    if total <= 0:
+    log_w = (logp_new - logp_behaviour).double().clamp(max=math.log(clip))
+    w = torch.exp(log_w).clamp(max=clip)
+    total, squares = float(w.sum()), float((w * w).sum())
+    # a candidate that gives the logged actions ~no probability: weights (or their squares)
+    # underflow to 0, and there is no evidence for it at all
+    if total <= 0 or squares <= 0:
         return float("nan"), 0.0
-    estimate = float((w * rewards).sum()) / total
-    ess = total**2 / float((w * w).sum())
-    return estimate, ess
+    estimate = float((w * rewards.double()).sum()) / total
+    return estimate, total**2 / squares
 
 
 @torch.no_grad()

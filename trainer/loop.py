@@ -103,19 +103,21 @@ class TrainerConfig:
                 # half the users: twice the canary's evidence per second, and after a
                 # promotion half of the next batch is the new live policy's own rollouts
                 canary_fraction=0.5,
-                # the gate set by a fit on every shown verdict so far (fit_gate_to_rewards),
-                # sharpened 3x once 300 are in, growing as sqrt(verdicts / 300) up to 10x
-                # (docs/TRAINER.md); until then four more passes on the gate alone
-                # per batch; the language model stays frozen: a few hundred rewards move it
-                # too little to help and keep moving the gate's inputs under it
-                # (docs/RESULTS.md, sessions 7 and 11)
+                # the language model learns from the rewards (policy gradient on the tokens)
+                # and from settled text: one pass over the batch's and the 640 newest
+                # earlier settled rollouts at 10x the learning rate (docs/TRAINER.md); the
+                # gate is set by a fit on every shown verdict so far (fit_gate_to_rewards),
+                # sharpened 3x once 300 are in, growing as sqrt(verdicts / 300) up to 10x;
+                # until then four more passes on the gate alone per batch
                 update=UpdateConfig(
                     minibatch_size=64,
                     gate_epochs=4,
-                    train_gate_only=True,
                     gate_fit=True,
                     gate_fit_sharpness=3.0,
                     gate_fit_sharpness_max=10.0,
+                    settled_epochs=1,
+                    settled_lr_mult=10.0,
+                    settled_replay=640,
                 ),
                 canary=CanaryConfig(
                     min_rollouts=60,

@@ -79,9 +79,9 @@ class UpdateConfig:
     # this many passes (0: off) over the batch's rollouts that have a settled text and the
     # earlier ones the caller replays, each step minimizing the mean token NLL of what the
     # person actually wrote after that rollout's cursor, at learning_rate x settled_lr_mult
-    settled_epochs: int = 0
-    settled_lr_mult: float = 1.0
-    settled_replay: int = 0  # earlier rollouts with a settled text the trainer replays
+    settled_epochs: int = 1
+    settled_lr_mult: float = 3.0
+    settled_replay: int = 4096  # earlier rollouts with a settled text the trainer replays
     settled_max_tokens: int = 32  # target tokens per settled text (serving's max_new_tokens)
 
 

@@ -178,3 +178,12 @@ def test_poisoned_rewards_cannot_pass_the_gate(
                    replace(GATE, min_ess_fraction=0.0))
     assert not result.passed
     assert result.reason.startswith("estimated reward")
+
+
+def test_snis_with_vanishing_weights_has_no_evidence() -> None:
+    """Tiny weights whose squares underflow float32 are still weights (equal ones: ESS n); ones
+    that underflow altogether leave no evidence: no estimate, ESS 0, never a division by 0."""
+    est, ess = snis(torch.full((4,), -60.0), torch.zeros(4), torch.ones(4), clip=5.0)
+    assert est == pytest.approx(1.0) and ess == pytest.approx(4.0)
+    est, ess = snis(torch.full((4,), -2000.0), torch.zeros(4), torch.ones(4), clip=5.0)
+    assert math.isnan(est) and ess == 0.0
