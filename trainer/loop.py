@@ -92,6 +92,7 @@ class TrainerConfig:
     update: UpdateConfig = field(default_factory=UpdateConfig)
     heldout_rows: int = 24  # the gate's held-out code sample
     heldout_len: int = 128
+    generic_rows: int = 512  # windows of generic code for the settled passes' pretraining mix
     poll_timeout_s: float = 0.5
     heartbeat_s: float = 1.0
 
@@ -105,7 +106,7 @@ class TrainerConfig:
                 canary_fraction=0.5,
                 # the language model learns from the rewards (policy gradient on the tokens)
                 # and from settled text: one pass over the batch's and the 640 newest
-                # earlier settled rollouts at 10x the learning rate (docs/TRAINER.md); the
+                # earlier settled rollouts, mixed with generic code (docs/TRAINER.md); the
                 # gate is set by a fit on every shown verdict so far (fit_gate_to_rewards),
                 # sharpened 3x once 300 are in, growing as sqrt(verdicts / 300) up to 10x;
                 # until then four more passes on the gate alone per batch
@@ -116,7 +117,6 @@ class TrainerConfig:
                     gate_fit_sharpness=3.0,
                     gate_fit_sharpness_max=10.0,
                     settled_epochs=1,
-                    settled_lr_mult=10.0,
                     settled_replay=640,
                 ),
                 canary=CanaryConfig(
@@ -312,7 +312,8 @@ class Trainer:
         earlier_settled = self._settled_replay_rows()
         settled = self._with_settled(earlier_settled) if earlier_settled else None
         metrics = update(
-            model, ref_model, tokenizer, batch, optimizer, self.cfg.update, replay, settled
+            model, ref_model, tokenizer, batch, optimizer, self.cfg.update, replay, settled,
+            self._generic(tokenizer, model) if self.cfg.update.generic_mix > 0 else None,
         )
         self._optimizer_state = copy.deepcopy(optimizer.state_dict())
         UPDATES.inc()
@@ -490,6 +491,20 @@ class Trainer:
             )
             self._heldout_key = key
         return self._heldout_tokens
+
+    def _generic(self, tokenizer: CodeTokenizer, model: GPT) -> torch.Tensor:
+        """Windows of generic code for the settled passes' pretraining mix: the training split,
+        as pretraining saw it (another seed than the gate's sample, which it must not train)."""
+        length = min(self.cfg.heldout_len, model.config.block_size - 1)
+        key = (tokenizer.to_json().__hash__(), length)
+        if getattr(self, "_generic_key", None) != key:
+            from trainer.corpus import read_corpus
+
+            self._generic_tokens = heldout_sample(
+                tokenizer, read_corpus("train"), self.cfg.generic_rows, length, seed=1
+            )
+            self._generic_key = key
+        return self._generic_tokens
 
     def _follow_spec(self, join: Join) -> None:
         """Pick up a reward spec put since the last look (the check is one indexed max())."""

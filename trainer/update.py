@@ -45,6 +45,7 @@ from service.policy.model import GPT
 from service.policy.sampling import Action, score_actions
 from service.policy.tokenizer import CodeTokenizer
 
+EMBEDDINGS = ("wte.weight", "wpe.weight")  # token (tied to the output layer), position
 LOG_RATIO_CLAMP = 10.0  # |log pi_ref/pi| above this is clamped in the k3 KL (keeps it finite)
 
 
@@ -80,9 +81,19 @@ class UpdateConfig:
     # earlier ones the caller replays, each step minimizing the mean token NLL of what the
     # person actually wrote after that rollout's cursor, at learning_rate x settled_lr_mult
     settled_epochs: int = 1
-    settled_lr_mult: float = 3.0
+    settled_lr_mult: float = 1.0
     settled_replay: int = 4096  # earlier rollouts with a settled text the trainer replays
     settled_max_tokens: int = 32  # target tokens per settled text (serving's max_new_tokens)
+    # PPO's pretraining mix: each settled-text step also minimizes generic_mix x the next-token
+    # loss on generic_rows windows of generic code (the caller's sample), so that learning the
+    # people's code does not unlearn code in general (0: off)
+    generic_mix: float = 1.0
+    generic_rows: int = 16
+    # the token embeddings (tied to the output layer) and positions stay as pretrained: with
+    # Adam every one of the 4096 output rows moves by about the learning rate at each step,
+    # however small its gradient, and a few such steps raise generic code's loss by tenths of
+    # a nat
+    train_embeddings: bool = False
 
 
 @dataclass
@@ -323,11 +334,13 @@ def settled_nll(
 
 def settled_passes(
     model: GPT, tokenizer: CodeTokenizer, batch: Batch, replay: Batch | None,
-    optimizer: torch.optim.Optimizer, cfg: UpdateConfig,
+    optimizer: torch.optim.Optimizer, cfg: UpdateConfig, generic: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """`cfg.settled_epochs` passes of minibatch steps on the settled-text NLL of `batch` and
-    `replay` (each text is evidence only for the rollout whose cursor it follows). The learning
-    rate is the optimizer's times settled_lr_mult for these steps; the gate gets no gradient."""
+    `replay` (each text is evidence only for the rollout whose cursor it follows), plus
+    cfg.generic_mix times the next-token loss on cfg.generic_rows random windows of `generic`
+    (N, T+1) when given. The learning rate is the optimizer's times settled_lr_mult for these
+    steps; the gate gets no gradient."""
     parts = [b for b in (batch, replay) if b is not None and b.settled is not None]
     examples = [(b.actions[i], ids) for b in parts
                 for i, ids in settled_targets(tokenizer, b.actions, b.settled or [],
@@ -338,7 +351,8 @@ def settled_passes(
     for g in optimizer.param_groups:
         g["lr"] *= cfg.settled_lr_mult
     lm = [p for n, p in model.named_parameters() if not n.startswith("gate.") and p.requires_grad]
-    first = last = 0.0
+    first = last = generic_total = 0.0
+    n_steps = 0
     try:
         for epoch in range(cfg.settled_epochs):
             order = torch.randperm(len(examples)).tolist()
@@ -347,19 +361,26 @@ def settled_passes(
                 mb = [examples[i] for i in order[start : start + cfg.minibatch_size]]
                 loss = settled_nll(model, [a for a, _ in mb],
                                    [(j, ids) for j, (_, ids) in enumerate(mb)])
+                total, steps = total + loss.item(), steps + 1
+                if generic is not None and cfg.generic_mix > 0:
+                    rows = generic[torch.randint(0, len(generic), (cfg.generic_rows,))]
+                    _, generic_loss = model(rows[:, :-1], rows[:, 1:])
+                    assert generic_loss is not None
+                    loss = loss + cfg.generic_mix * generic_loss
+                    generic_total += generic_loss.item()
                 model.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(lm, cfg.max_grad_norm or float("inf"))
                 optimizer.step()
-                total, steps = total + loss.item(), steps + 1
             if epoch == 0:
                 first = total / steps
             last = total / steps
+            n_steps += steps
     finally:
         for g, lr in zip(optimizer.param_groups, lrs, strict=True):
             g["lr"] = lr
     return {"settled/examples": float(len(examples)), "settled/nll_first": first,
-            "settled/nll_last": last}
+            "settled/nll_last": last, "settled/generic_nll": generic_total / n_steps}
 
 
 def make_optimizer(model: GPT, cfg: UpdateConfig) -> torch.optim.AdamW:
@@ -400,10 +421,16 @@ def carry_state(optimizer: torch.optim.Optimizer, state: dict[str, Any] | None) 
 
 
 @contextlib.contextmanager
-def _updating(model: GPT, ref_model: GPT, gate_only: bool) -> Iterator[None]:
-    """Dropout off for both models, and with gate_only the LM frozen; restored afterwards."""
+def _updating(
+    model: GPT, ref_model: GPT, gate_only: bool, freeze_embeddings: bool = False
+) -> Iterator[None]:
+    """Dropout off for both models, with gate_only the LM frozen, with freeze_embeddings the
+    token and position embeddings; restored afterwards."""
     modes = (model.training, ref_model.training)
-    frozen = [p for n, p in model.named_parameters() if gate_only and not n.startswith("gate.")]
+    frozen = [
+        p for n, p in model.named_parameters()
+        if (gate_only and not n.startswith("gate.")) or (freeze_embeddings and n in EMBEDDINGS)
+    ]
     frozen = [p for p in frozen if p.requires_grad]
     model.eval()
     ref_model.eval()
@@ -427,12 +454,14 @@ def update(
     cfg: UpdateConfig,
     replay: Batch | None = None,
     settled_replay: Batch | None = None,
+    generic: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """`cfg.epochs` passes of shuffled minibatches over `batch`; the mean metrics of the steps.
     Then the settled-text passes (`cfg.settled_epochs`, on `batch` and `settled_replay`: earlier
     rollouts with the text people settled on), then the gate passes, or with `cfg.gate_fit` the
     gate's fit on the shown rollouts of `batch` and `replay` (earlier batches' rollouts with
-    their rewards).
+    their rewards). `generic`: windows of generic code for the settled passes' pretraining mix.
+    Unless cfg.train_embeddings, the token and position embeddings get no update.
 
     The optimizer (and its learning rate) is the caller's, kept across batches (`make_optimizer`
     builds the usual one); ref_model is only read, never differentiated. Advantages use the
@@ -444,7 +473,7 @@ def update(
     adv = advantages(batch.rewards, cfg.baseline, cfg.normalize_advantages)
     totals: dict[str, float] = defaultdict(float)
     steps = 0
-    with _updating(model, ref_model, cfg.train_gate_only):
+    with _updating(model, ref_model, cfg.train_gate_only, not cfg.train_embeddings):
         for _ in range(cfg.epochs):
             order = torch.randperm(n)
             for start in range(0, n, cfg.minibatch_size):
@@ -462,7 +491,8 @@ def update(
                 steps += 1
         settled: dict[str, float] = {}
         if cfg.settled_epochs and not cfg.train_gate_only:
-            settled = settled_passes(model, tokenizer, batch, settled_replay, optimizer, cfg)
+            settled = settled_passes(model, tokenizer, batch, settled_replay, optimizer, cfg,
+                                     generic)
         gate: dict[str, float] = {}
         if cfg.gate_fit:
             gate = fit_gate_to_rewards(

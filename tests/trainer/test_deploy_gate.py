@@ -6,10 +6,12 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from service.policy.checkpoint import load_checkpoint
 from service.policy.model import GPT
 from service.policy.sampling import Completion, complete
 from service.policy.tokenizer import CodeTokenizer
@@ -93,6 +95,7 @@ def test_snis_empty() -> None:
 
 # --- the whole check on a real (tiny) policy ---------------------------------------------
 GATE = GateConfig()
+BASE = Path(__file__).resolve().parents[2] / "service" / "policy" / "base"
 PROMPT = "import json\n\n\ndef load(path):\n    with open(path) as f:\n        return json."
 
 
@@ -120,20 +123,24 @@ def test_an_empty_batch_cannot_pass_the_gate(
     assert "effective sample size" in result.reason
 
 
-def test_poisoned_settled_text_cannot_pass_the_gate(
-    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
-) -> None:
-    """A batch whose settled texts are garbage, pushed hard: the language model forgets code,
-    and the held-out check stops it, whatever its reward estimate says."""
-    comps = _logged(tiny_model, tiny_tokenizer, 16)
+def test_poisoned_settled_text_cannot_pass_the_gate() -> None:
+    """The shipped base policy, and a batch whose settled texts are garbage pushed hard: the
+    language model forgets code, and the held-out check stops it, whatever its reward estimate
+    says."""
+    from trainer.corpus import read_corpus
+
+    base, tokenizer, _ = load_checkpoint(BASE)
+    comps = _logged(base, tokenizer, 16)
     rewards = [0.5 if c.shown else 0.0 for c in comps]
     poison = ["}}}{{{ ~~~ ^^^ ???? ;;;; @@@@"] * len(comps)
-    candidate = copy.deepcopy(tiny_model)
-    cfg = UpdateConfig(learning_rate=1e-2, kl_coef=0.0, settled_epochs=20, minibatch_size=16)
-    update(candidate, tiny_model, tiny_tokenizer, Batch.of(comps, rewards, poison),
+    candidate = copy.deepcopy(base)
+    candidate.requires_grad_(True)
+    cfg = UpdateConfig(learning_rate=1e-3, kl_coef=0.0, settled_epochs=5, minibatch_size=4)
+    update(candidate, base, tokenizer, Batch.of(comps, rewards, poison),
            make_optimizer(candidate, cfg), cfg)
-    result = check(candidate, tiny_model, tiny_tokenizer, _heldout(tiny_tokenizer, small_code),
-                   comps, torch.tensor([c.logprob_total for c in comps]), torch.tensor(rewards),
+    heldout = heldout_sample(tokenizer, read_corpus("train"), rows=8, length=64)
+    result = check(candidate, base, tokenizer, heldout, comps,
+                   torch.tensor([c.logprob_total for c in comps]), torch.tensor(rewards),
                    replace(GATE, max_reward_drop=10.0))
     assert not result.passed
     assert result.reason.startswith("held-out loss")

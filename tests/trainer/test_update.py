@@ -521,10 +521,11 @@ def test_carry_state_continues_adam_on_a_copy(
     second = make_optimizer(nxt, slower)
     carry_state(second, state)
     assert [g["lr"] for g in second.param_groups] == pytest.approx([1e-5, 1e-4, 1e-3])
-    p = next(nxt.parameters())
+    p = dict(nxt.named_parameters())["h.0.ln_1.weight"]  # the embeddings stay as they are
     moved = second.state[p]
     assert float(moved["step"]) == 1.0
-    assert torch.equal(moved["exp_avg"], first.state_dict()["state"][0]["exp_avg"])
+    was = first.state[dict(tiny_model.named_parameters())["h.0.ln_1.weight"]]
+    assert torch.equal(moved["exp_avg"], was["exp_avg"])
     update(nxt, copy.deepcopy(tiny_model), tiny_tokenizer, batch, second, slower)
     assert float(second.state[p]["step"]) == 2.0
 
@@ -822,6 +823,52 @@ def test_update_moves_tokens_toward_settled_text_and_away_from_rejected_suggesti
     assert metrics["settled/examples"] == 1
     assert settled_after > settled_before + 1.0
     assert rejected_after < rejected_before
+
+
+def test_embeddings_stay_as_pretrained_unless_asked(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """Token and position embeddings get no update by default; train_embeddings moves them."""
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 2)
+    batch = Batch.of(comps, [0.75 if c.shown else -0.25 for c in comps], ["x)"] * len(comps))
+    for train_embeddings in (False, True):
+        model = copy.deepcopy(tiny_model)
+        before = _params(model)
+        cfg = UpdateConfig(learning_rate=1e-2, train_embeddings=train_embeddings)
+        update(model, tiny_model, tiny_tokenizer, batch, make_optimizer(model, cfg), cfg)
+        after = _params(model)
+        assert not torch.equal(before["h.0.ln_1.weight"], after["h.0.ln_1.weight"])
+        for name in ("wte.weight", "wpe.weight"):
+            assert torch.equal(before[name], after[name]) != train_embeddings, name
+
+
+def test_generic_mix_holds_generic_code_while_settled_text_is_learned(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """The pretraining mix: the same settled-text steps with generic code mixed in lose less
+    on generic code than without, and still learn the settled text."""
+    from trainer.gate import heldout_loss, heldout_sample
+
+    generic = heldout_sample(tiny_tokenizer, "\n".join(small_code), rows=32, length=48, seed=1)
+    probe = heldout_sample(tiny_tokenizer, "\n".join(small_code), rows=8, length=48, seed=2)
+    comps = _rollouts(tiny_model, tiny_tokenizer, PROMPTS, 4)
+    texts = ["}}}{{{ ~~~ ^^^ ???? ;;;; @@@@"] * len(comps)
+    [(_, target)] = settled_targets(tiny_tokenizer, comps[:1], texts[:1], 32)
+    losses = {}
+    for mix in (0.0, 1.0):
+        torch.manual_seed(0)
+        model = copy.deepcopy(tiny_model)
+        cfg = UpdateConfig(learning_rate=3e-3, kl_coef=0.0, settled_epochs=6, minibatch_size=8,
+                           generic_mix=mix, generic_rows=16)
+        update(model, tiny_model, tiny_tokenizer, Batch.of(comps, [0.0] * len(comps), texts),
+               make_optimizer(model, cfg), cfg, generic=generic)
+        with torch.no_grad():
+            learned = settled_nll(model, comps[:1], [(0, target)]).item()
+        losses[mix] = (heldout_loss(model, probe), learned)
+    with torch.no_grad():
+        untrained = settled_nll(tiny_model, comps[:1], [(0, target)]).item()
+    assert losses[1.0][0] < losses[0.0][0]
+    assert losses[1.0][1] < untrained - 0.1
 
 
 def test_settled_text_is_evidence_only_for_its_own_rollout(
