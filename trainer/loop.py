@@ -105,7 +105,7 @@ class TrainerConfig:
                 # promotion half of the next batch is the new live policy's own rollouts
                 canary_fraction=0.5,
                 # the language model learns from the rewards (policy gradient on the tokens)
-                # and from settled text: one pass over the batch's and the 640 newest
+                # and from settled text: one pass over the batch's and the 320 newest
                 # earlier settled rollouts, mixed with generic code (docs/TRAINER.md); the
                 # gate is set by a fit on every shown verdict so far (fit_gate_to_rewards),
                 # sharpened 3x once 300 are in, growing as sqrt(verdicts / 300) up to 10x;
@@ -117,7 +117,7 @@ class TrainerConfig:
                     gate_fit_sharpness=3.0,
                     gate_fit_sharpness_max=10.0,
                     settled_epochs=1,
-                    settled_replay=640,
+                    settled_replay=320,
                 ),
                 canary=CanaryConfig(
                     min_rollouts=60,

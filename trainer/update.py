@@ -87,7 +87,7 @@ class UpdateConfig:
     # PPO's pretraining mix: each settled-text step also minimizes generic_mix x the next-token
     # loss on generic_rows windows of generic code (the caller's sample), so that learning the
     # people's code does not unlearn code in general (0: off)
-    generic_mix: float = 1.0
+    generic_mix: float = 4.0
     generic_rows: int = 16
     # the token embeddings (tied to the output layer) and positions stay as pretrained: with
     # Adam every one of the 4096 output rows moves by about the learning rate at each step,
