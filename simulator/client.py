@@ -164,23 +164,11 @@ class Client:
 
     async def get(self, path: str, **params: Any) -> tuple[int, Any]:
         """(status, JSON body) of an admin GET; (0, None) when the service stayed unavailable."""
-        r = await self.request("GET", path, params=params or None)
-        if r is None:
-            return 0, None
-        try:
-            return r.status_code, r.json()
-        except ValueError:
-            return r.status_code, None
+        return _status_and_json(await self.request("GET", path, params=params or None))
 
     async def post(self, path: str, body: Any = None) -> tuple[int, Any]:
         """(status, JSON body) of an admin POST; (0, None) when the service stayed unavailable."""
-        r = await self.request("POST", path, json=body)
-        if r is None:
-            return 0, None
-        try:
-            return r.status_code, r.json()
-        except ValueError:
-            return r.status_code, None
+        return _status_and_json(await self.request("POST", path, json=body))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -272,3 +260,13 @@ class EventSender:
 
     def summary(self) -> dict[str, Any]:
         return {**asdict(self.stats), "pending": self.pending}
+
+
+def _status_and_json(r: httpx.Response | None) -> tuple[int, Any]:
+    """(status, JSON body or None), or (0, None) for no response."""
+    if r is None:
+        return 0, None
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, None

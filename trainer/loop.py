@@ -223,20 +223,23 @@ class Trainer:
         log.info("trainer stopped")
 
     # -- training --------------------------------------------------------------------------
+    def _trained_rows(self, *where: Any, limit: int) -> list[sa.Row]:
+        """Rollouts already trained on (rewards.trained_at set) that match `where`, newest
+        first, at most `limit`: what the gate's fit and the settled-text term read again."""
+        with self.engine.connect() as conn:
+            return list(
+                conn.execute(
+                    _ROLLOUT_ROWS.where(rewards.c.trained_at.is_not(None), *where)
+                    .order_by(rewards.c.rollout_created_at.desc())
+                    .limit(limit)
+                ).all()
+            )
+
     def _replay_rows(self) -> list[sa.Row]:
         """Shown rollouts already trained on, newest first, for the gate's fit (gate_fit)."""
         if not self.cfg.update.gate_fit or self.cfg.update.gate_fit_replay <= 0:
             return []
-        with self.engine.connect() as conn:
-            return list(
-                conn.execute(
-                    _ROLLOUT_ROWS.where(
-                        rollouts.c.shown.is_(True), rewards.c.trained_at.is_not(None)
-                    )
-                    .order_by(rewards.c.rollout_created_at.desc())
-                    .limit(self.cfg.update.gate_fit_replay)
-                ).all()
-            )
+        return self._trained_rows(rollouts.c.shown.is_(True), limit=self.cfg.update.gate_fit_replay)
 
     def _settled_replay_rows(self) -> list[sa.Row]:
         """Rollouts already trained on that have a settled text, newest first: the supervised
@@ -245,16 +248,7 @@ class Trainer:
         if not self.cfg.update.settled_epochs or limit <= 0:
             return []
         has_text = sa.select(events.c.suggestion_id).where(events.c.type == CODE_SETTLED)
-        with self.engine.connect() as conn:
-            return list(
-                conn.execute(
-                    _ROLLOUT_ROWS.where(
-                        rewards.c.trained_at.is_not(None), rollouts.c.suggestion_id.in_(has_text)
-                    )
-                    .order_by(rewards.c.rollout_created_at.desc())
-                    .limit(limit)
-                ).all()
-            )
+        return self._trained_rows(rollouts.c.suggestion_id.in_(has_text), limit=limit)
 
     def _with_settled(self, rows: list[sa.Row]) -> Batch:
         """The rows as a batch, each with the text its person settled on (None: no report)."""
