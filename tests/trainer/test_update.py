@@ -14,6 +14,7 @@ import torch
 from service.policy.model import GPT
 from service.policy.sampling import Completion, complete, score_actions
 from service.policy.tokenizer import CodeTokenizer
+from trainer.settled import settled_nll, settled_targets
 from trainer.update import (
     Batch,
     UpdateConfig,
@@ -24,8 +25,6 @@ from trainer.update import (
     kl_to_reference,
     make_optimizer,
     pg_loss,
-    settled_nll,
-    settled_targets,
     update,
 )
 
