@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     # Partitions for the topics the relay creates (keyed by user_id).
     kafka_topic_partitions: int = Field(6, ge=1, le=1024)
     kafka_replication_factor: int = Field(1, ge=1, le=16)
-    # Consumer group timeouts (the RUNBOOK's values work with Tansu and Apache Kafka alike).
+    # Consumer group timeouts (these values work with Tansu and Apache Kafka alike).
     kafka_session_timeout_ms: int = Field(6000, ge=1000)
     kafka_heartbeat_interval_ms: int = Field(1000, ge=100)
 

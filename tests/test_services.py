@@ -22,7 +22,7 @@ from tests.services import (
     kafka_ready,
 )
 
-# consumer-group settings for Tansu (RUNBOOK): it holds a JoinGroup for half the session
+# consumer-group settings for Tansu: it holds a JoinGroup for half the session
 GROUP_KW = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
 
 

@@ -1,6 +1,6 @@
 """The trainer's loop: consume, join, finalize rewards, commit, then train or watch the canary.
 
-Always in the same order (STYLE.md): poll the log; add records to the join; write the rewards
+Always in the same order: poll the log; add records to the join; write the rewards
 that are final; commit offsets (what was read is durable: rollouts and events are in the
 database and rewards were just written); heartbeat; then, unless paused, either judge the
 canary in flight or — with a full batch of untrained rewards from recent versions — take a

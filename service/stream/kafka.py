@@ -1,4 +1,4 @@
-"""kafka-python clients configured the one way tabloop uses them (see RUNBOOK.md for the why)."""
+"""kafka-python clients configured the one way tabloop uses them (docs/OPERATIONS.md)."""
 
 from __future__ import annotations
 
