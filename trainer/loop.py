@@ -251,8 +251,13 @@ class Trainer:
         return self._trained_rows(rollouts.c.suggestion_id.in_(has_text), limit=limit)
 
     def _with_settled(self, rows: list[sa.Row]) -> Batch:
-        """The rows as a batch, each with the text its person settled on (None: no report)."""
-        texts = settled_texts(self.engine, suggestion_ids=[r.suggestion_id for r in rows])
+        """The rows as a batch, each with the text its person settled on (None: no report, or
+        the settled-text term is off and nothing is read)."""
+        texts = (
+            settled_texts(self.engine, suggestion_ids=[r.suggestion_id for r in rows])
+            if self.cfg.update.settled_epochs
+            else {}
+        )
         return Batch.of(rows, [r.value for r in rows], [texts.get(r.suggestion_id) for r in rows])
 
     def _batch_rows(self, dep: Deployment) -> list[sa.Row]:
