@@ -138,7 +138,7 @@ def main() -> int:
         if args.paused:
             pause_trainer(port, token)
         argv = [sys.executable, "-m", "tabloop.cli", "simulate", "--api",
-                f"http://127.0.0.1:{port}", "--key", token, "--users", str(args.users),
+                f"http://127.0.0.1:{port}", "--users", str(args.users),
                 "--minutes", str(args.minutes), "--seed", str(args.seed), "--out", str(out),
                 "--no-live", "--baseline-minutes", str(args.baseline_minutes),
                 "--settled", str(args.settled)]
@@ -148,7 +148,9 @@ def main() -> int:
             argv += ["--baseline-cursors", "0"]
         else:
             argv += ["--baseline-cursors", str(args.baseline_cursors)]
-        rc = subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
+        # the key by environment, not argv: argv shows in `ps` and in report.json
+        rc = subprocess.run(argv, cwd=ROOT, env={**env, "TABLOOP_SIMULATE_KEY": token},
+                            check=False).returncode
         url = env.get("TABLOOP_DATABASE_URL") or f"sqlite:///{work / 'data' / 'tabloop.db'}"
         if rc == 0 and args.exact_cursors > 0:  # the checkpoints, before the database goes
             policies = export_policies(port, token, url, checkpoints)

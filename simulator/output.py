@@ -22,6 +22,21 @@ if TYPE_CHECKING:
     from simulator.run import SimConfig, Simulation
 
 
+SECRET_FLAGS = ("--key", "--admin-key")
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """The command line as the report keeps it: API keys replaced, so a report can be shared."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        flag, eq, _ = arg.partition("=")
+        if flag in SECRET_FLAGS and eq:
+            out[i] = f"{flag}=<redacted>"
+        elif arg in SECRET_FLAGS and i + 1 < len(out):
+            out[i + 1] = "<redacted>"
+    return out
+
+
 def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}
@@ -50,7 +65,7 @@ def build_report(cfg: SimConfig, sim: Simulation, spec_source: str,
                    "population": cfg.population.to_dict(), "reward_spec": sim.spec,
                    "reward_spec_source": spec_source,
                    "started_at": sim.started_at.isoformat().replace("+00:00", "Z"),
-                   "machine": machine(), "argv": sys.argv[1:] if sys.argv else []},
+                   "machine": machine(), "argv": redacted(sys.argv[1:])},
         "totals": {**rpt.metrics(sim.records), **asdict(sim.counters),
                    "completions": len(sim.records), "events": events,
                    "http": asdict(sim.client.stats)},
