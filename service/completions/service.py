@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 import torch
+from starlette.concurrency import run_in_threadpool
 
 from service.completions.schemas import CompleteRequest
 from service.completions.serving import LoadedPolicy
 from service.config import Settings
+from service.deps import AppContext
+from service.errors import Unavailable, Unprocessable
 from service.metrics import COMPLETE_SECONDS, COMPLETIONS
 from service.outbox import outbox_row
 from service.policy.sampling import Completion, complete
@@ -93,3 +98,43 @@ def record_rollout(engine: sa.Engine, record: dict[str, Any], *, embedded: bool)
     COMPLETIONS.labels(
         version=str(record["policy_version"]), shown="true" if record["shown"] else "false"
     ).inc()
+
+
+@dataclass(frozen=True)
+class Served:
+    """A recorded rollout, as every completion API answers it."""
+
+    suggestion_id: str
+    policy_version: int
+    text: str  # empty when the policy abstains
+    shown: bool
+    latency_ms: float
+    stop_reason: str
+
+
+async def serve(ctx: AppContext, req: CompleteRequest) -> Served:
+    """One rollout of the policy routed for `req.user_id` (live or canary), recorded with its
+    outbox row before it is answered. The native, Tabby and OpenAI-style APIs all end here."""
+    settings = ctx.settings
+    if req.max_new_tokens > settings.max_new_tokens_limit:
+        raise Unprocessable(f"max_new_tokens: at most {settings.max_new_tokens_limit}")
+    if not ctx.health.db_usable():
+        raise Unavailable(
+            "the database is unavailable", headers={"Retry-After": str(settings.retry_after_s)}
+        )
+    policy = ctx.policies.route(req.user_id)
+    loop = asyncio.get_running_loop()
+    completion, latency_ms = await loop.run_in_executor(
+        ctx.inference, sample, policy, req, settings
+    )
+    suggestion_id = str(uuid.uuid4())
+    record = rollout_record(suggestion_id, req, policy.version, completion, latency_ms)
+    await run_in_threadpool(record_rollout, ctx.engine, record, embedded=settings.embedded)
+    return Served(
+        suggestion_id=suggestion_id,
+        policy_version=policy.version,
+        text=record["text"] if completion.shown else "",
+        shown=completion.shown,
+        latency_ms=latency_ms,
+        stop_reason=completion.stop_reason,
+    )
