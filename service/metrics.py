@@ -51,3 +51,9 @@ COMPLETE_SECONDS = Histogram(
     "Time spent sampling a completion (model only).",
     buckets=(0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0),
 )
+UNSUPPORTED_LANGUAGE = Counter(
+    "tabloop_complete_unsupported_language_total",
+    "Requests in a language the routed policy was not trained on: abstained without a model "
+    "call, by language id (other: an id outside the known list).",
+    ["language"],
+)

@@ -147,6 +147,9 @@ rollouts = sa.Table(
     sa.Column("top_p", sa.Float(), nullable=True),
     sa.Column("stop_reason", sa.String(16), nullable=False),
     sa.Column("latency_ms", sa.Float(), nullable=False),
+    # The client sends a `view` event when it displays a suggestion (Tabby clients, or
+    # /v1/complete with reports_views): unviewed, a shown suggestion is no reject. NULL: false.
+    sa.Column("reports_views", sa.Boolean(), nullable=True),
     sa.Index("ix_rollouts_user_id_created_at", "user_id", "created_at"),
     sa.Index("ix_rollouts_policy_version_created_at", "policy_version", "created_at"),
 )
@@ -208,7 +211,8 @@ rewards = sa.Table(
     sa.Column("policy_version", sa.Integer(), nullable=False),
     sa.Column("rollout_created_at", UTCDateTime(), nullable=False),
     sa.Column("value", sa.Float(), nullable=False),
-    sa.Column("outcome", sa.String(16), nullable=False),  # abstained|accepted|rejected|ignored
+    # abstained|accepted|rejected|ignored|unviewed (service/rewards/core.py OUTCOMES)
+    sa.Column("outcome", sa.String(16), nullable=False),
     sa.Column("components", JSONType, nullable=False),
     sa.Column("spec_version", sa.Integer(), nullable=False),
     sa.Column("finalized_at", UTCDateTime(), nullable=False),

@@ -40,7 +40,6 @@ import random
 import signal
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -180,8 +179,8 @@ class Simulation:
         return phases.phase_at(self.now(), self.cfg.baseline_s)
 
     def _event(self, type_: str, user_id: str, **fields: Any) -> dict[str, Any]:
-        return {"event_id": str(uuid.uuid4()), "type": type_, "user_id": user_id,
-                "occurred_at": utc_z(), **fields}
+        # the sender gives it its event_id when it is added
+        return {"type": type_, "user_id": user_id, "occurred_at": utc_z(), **fields}
 
     def _later(self, delay_s: float, make: Callable[[], dict[str, Any]]) -> None:
         """Send an event made `delay_s` from now (a retention check); counted until sent."""

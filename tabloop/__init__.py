@@ -1,1 +1,2 @@
-"""tabloop: the command line that wires the service and the trainer into processes."""
+"""tabloop: the command line that wires the service and the trainer into processes, and
+`tabloop.client`, the Python client for editor plugins."""

@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 REQUIRED: dict[str, dict[str, Any]] = {
+    "view": {"suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140"},
     "accept": {"suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140", "accepted_chars": 12},
     "reject": {"suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140"},
     "code_retained": {

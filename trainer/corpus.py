@@ -1,4 +1,5 @@
-"""The code corpus: the Python standard library of the running interpreter, split by file.
+"""The code corpus: the Python standard library of the running interpreter, or a directory of an
+operator's own code (`tabloop pretrain --corpus DIR`), split by file.
 
 Which files: every `*.py` under `sysconfig.get_paths()["stdlib"]`, except
 - tests: any path part `test`, `tests` or `idle_test` (this covers `idlelib/idle_test` and
@@ -13,11 +14,22 @@ Which files: every `*.py` under `sysconfig.get_paths()["stdlib"]`, except
 The split is by file and deterministic: a file is held out when the SHA-256 of its path relative
 to the stdlib root (POSIX form) falls in the first `HELDOUT_PER_MILLE` of 1000 buckets (~5%).
 Held-out files are for evaluation and simulation only; pretraining asserts it never reads one.
+
+A directory corpus (`directory_files`) takes every text file under it, whatever its extension,
+except: files in VCS, virtual-environment, cache and dependency directories (`SKIPPED_DIRS`, and
+any directory holding a `pyvenv.cfg`) and in any hidden directory; hidden files (`.env` and the
+like); lock files and minified bundles (`SKIPPED_SUFFIXES`); files over `MAX_FILE_BYTES`; binary
+files (a NUL byte, or not UTF-8, in the first `SNIFF_BYTES`). Its split is the same hash of the
+path relative to DIR; when no file falls in the held-out buckets (a corpus of a few dozen files
+or fewer), the file with the lowest bucket is held out, so there is always something to
+evaluate on.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import os
 import random
 import re
 import sysconfig
@@ -35,6 +47,14 @@ DATA_LINE_FRACTION = 0.6  # share of bare-literal lines that marks a data table 
 DATA_MIN_LINES = 100  # ... when there are at least this many of them
 FILE_SEPARATOR = "\n<|eof|>\n"  # between files in read_corpus(); the tokenizer's <|eof|>
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages"})
+# directory corpora: never code of the operator's own
+SKIPPED_DIRS = frozenset({
+    ".git", ".hg", ".svn", ".venv", "venv", "node_modules", "__pycache__",
+    "site-packages", "dist-packages", ".tox", ".nox", ".mypy_cache", ".pytest_cache",
+    ".ruff_cache", "bower_components",
+})
+SKIPPED_SUFFIXES = (".lock", "-lock.json", "-lock.yaml", ".min.js", ".min.css", ".map")
+SNIFF_BYTES = 8192  # bytes read to tell text from binary
 
 # A line that is only a literal, optionally "key: value", a trailing comma and a comment.
 _KEY = r"""(?:[rbuRBU]{0,2}(?P<q1>['"]).*?(?P=q1)|0x[0-9a-fA-F]+|-?\d+(?:\.\d*)?|None|[()\[\]{}])"""
@@ -62,10 +82,15 @@ def is_data_file(text: str) -> bool:
     return literal >= DATA_MIN_LINES and literal >= DATA_LINE_FRACTION * len(lines)
 
 
+def heldout_bucket(rel: PurePosixPath | str) -> int:
+    """The relative path's bucket in [0, 1000): sha256 of its POSIX form."""
+    digest = hashlib.sha256(str(PurePosixPath(rel)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 1000
+
+
 def is_heldout(rel: PurePosixPath | str) -> bool:
     """Deterministic ~5% file-level split on the hash of the relative path."""
-    digest = hashlib.sha256(str(PurePosixPath(rel)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") % 1000 < HELDOUT_PER_MILLE
+    return heldout_bucket(rel) < HELDOUT_PER_MILLE
 
 
 def read_text(path: Path) -> str:
@@ -89,6 +114,54 @@ def corpus_files(split: Split, root: Path | None = None) -> list[Path]:
     assert split in ("train", "heldout"), f"unknown split {split!r}"
     want = split == "heldout"
     return [p for p, held in _all_files(root or stdlib_root()) if held == want]
+
+
+def is_text_file(path: Path) -> bool:
+    """No NUL byte and valid UTF-8 in the first SNIFF_BYTES (a character cut at the end is fine)."""
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if b"\0" in head:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def is_skipped_file(name: str) -> bool:
+    """Hidden files, lock files and minified bundles of a directory corpus."""
+    return name.startswith(".") or name.endswith(SKIPPED_SUFFIXES)
+
+
+@cache
+def _directory_files(root: Path) -> tuple[tuple[Path, bool], ...]:
+    found: list[Path] = []
+    for here, dirs, names in os.walk(root):
+        dirs[:] = [
+            d for d in dirs
+            if d not in SKIPPED_DIRS and not d.startswith(".")
+            and not (Path(here) / d / "pyvenv.cfg").exists()  # a virtual environment by any name
+        ]
+        for name in names:
+            path = Path(here) / name
+            if is_skipped_file(name) or path.is_symlink() or not path.is_file():
+                continue
+            if path.stat().st_size > MAX_FILE_BYTES or not is_text_file(path):
+                continue
+            found.append(path)
+    rels = {p: PurePosixPath(p.relative_to(root).as_posix()) for p in found}
+    held = {p for p in found if is_heldout(rels[p])}
+    if not held and len(found) >= 2:  # a small corpus: hold out the lowest bucket
+        held = {min(found, key=lambda p: (heldout_bucket(rels[p]), str(rels[p])))}
+    return tuple((p, p in held) for p in sorted(found))
+
+
+def directory_files(split: Split, root: Path) -> list[Path]:
+    """A directory corpus's split: its text files (module docstring), sorted by path."""
+    assert split in ("train", "heldout"), f"unknown split {split!r}"
+    want = split == "heldout"
+    return [p for p, held in _directory_files(Path(root).resolve()) if held == want]
 
 
 def read_corpus(split: Split, root: Path | None = None) -> str:

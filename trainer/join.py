@@ -33,8 +33,9 @@ from trainer.metrics import BAD_RECORDS, LATE_EVENTS, PURGED_ROLLOUTS, REWARDS_F
 log = logging.getLogger(__name__)
 
 # What the join holds per rollout. code_settled is not among them: the reward never reads it, so
-# it neither moves a rollout's due time nor counts as late (docs/REWARD.md).
-SUGGESTION_EVENTS = ("accept", "reject", "code_retained")
+# it neither moves a rollout's due time nor counts as late (docs/REWARD.md). A view is: arriving
+# after the reward is final, it would have turned an unviewed rollout into an ignored one.
+SUGGESTION_EVENTS = ("view", "accept", "reject", "code_retained")
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Join:
                     rollouts.c.created_at,
                     rollouts.c.shown,
                     rollouts.c.text,
+                    rollouts.c.reports_views,
                     rollouts.c.policy_version,
                 )
                 .outerjoin(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)

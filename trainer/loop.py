@@ -29,8 +29,10 @@ from service.db import StandbyLock, blob_transaction
 from service.events.settled import CODE_SETTLED, settled_texts
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
 from service.policy.model import GPT
+from service.policy.sampling import STOP_LANGUAGE
 from service.policy.tokenizer import CodeTokenizer
 from service.registry.store import Deployment, artifact_files, current_deployment, write_files
+from service.rewards.core import UNVIEWED
 from service.rewards.store import current_spec
 from service.stream.consumer import open_consumer
 from service.stream.topics import FEEDBACK, ROLLOUTS
@@ -62,7 +64,11 @@ log = logging.getLogger(__name__)
 
 TRAINER_LOCK_ID = 0x7AB1_00B1  # pg_advisory_lock key held by the active trainer (relay: ...B0)
 
-# a rollout with its finalized reward: what an update reads
+# a rollout with its finalized reward: what an update reads. A request in a language the policy
+# was not trained on is left out: nothing was sampled and the policy made no choice, so it has
+# nothing to teach (and its reward of 0 would only shift the baseline).
+# An unviewed suggestion (shown to a client that reports views, never viewed) is left out too:
+# nobody judged it, and its reward of 0 would teach the gate that showing is worth nothing.
 _ROLLOUT_ROWS = sa.select(
     rollouts.c.suggestion_id,
     rollouts.c.context_token_ids,
@@ -76,7 +82,9 @@ _ROLLOUT_ROWS = sa.select(
     rollouts.c.decision_logprob,
     rollouts.c.policy_version,
     rewards.c.value,
-).join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
+).join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id).where(
+    rollouts.c.stop_reason != STOP_LANGUAGE, rewards.c.outcome != UNVIEWED
+)
 
 
 @dataclass
@@ -153,6 +161,7 @@ class Trainer:
         self.cfg = cfg or TrainerConfig.for_settings(settings)
         self.state: dict[str, Any] = {"state": "starting", "history": []}
         self._policies: dict[int, tuple[GPT, CodeTokenizer]] = {}
+        self._languages: dict[int, tuple[str, ...]] = {}  # per version: its base's languages
         self._last_heartbeat = 0.0
         self.paused = False
         self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
@@ -357,6 +366,7 @@ class Trainer:
                 parent=dep.live_version,
                 summary=summary,
                 overwrite=True,
+                languages=self._languages[dep.live_version],
             )
             version = self.client.register(ckpt, dep.live_version, summary)
         self._mark_trained(ids, version)
@@ -405,7 +415,11 @@ class Trainer:
                 sa.func.sum(sa.case((rewards.c.outcome == "accepted", 1), else_=0)),
                 sa.func.avg(rewards.c.value),
                 sa.func.avg(rewards.c.value * rewards.c.value),
-            ).where(rewards.c.policy_version == version, rewards.c.rollout_created_at >= since)
+            ).where(
+                rewards.c.policy_version == version,
+                rewards.c.rollout_created_at >= since,
+                rewards.c.outcome != UNVIEWED,  # nobody saw it: no evidence either way
+            )
         ).one()
         mean = float(row[3] or 0.0)
         return ArmStats(
@@ -466,9 +480,10 @@ class Trainer:
             if not (directory / "manifest.json").exists():
                 with blob_transaction(self.engine) as conn:
                     write_files(directory, artifact_files(conn, version))
-            model, tokenizer, _ = load_checkpoint(directory)
+            model, tokenizer, manifest = load_checkpoint(directory)
             model.requires_grad_(False)
             self._policies[version] = (model, tokenizer)
+            self._languages[version] = manifest.languages
             if len(self._policies) > 4:  # keep the base and the recent ones
                 base = self._base_version()
                 for v in sorted(self._policies)[:-3]:

@@ -1,4 +1,9 @@
-"""Pretrain the base policy on the standard library's code: `tabloop pretrain --out DIR ...`.
+"""Pretrain the base policy on code: `tabloop pretrain --out DIR [--corpus SRC] ...`.
+
+The corpus is the Python standard library, or with `--corpus` a directory of the operator's own
+code (any extensions, trainer/corpus.py); the manifest lists the languages its files' extensions
+name. A share `fim_rate` of the training rows is fill-in-the-middle (trainer/fim.py), which
+gives the tokenizer the FIM sentinels and makes the checkpoint read the suffix when serving.
 
 One loop in nanoGPT order (learning rate, evaluate/save, update, log, stop check), on the train
 split only. The budget is wall-clock minutes (or an exact iteration count): the cosine schedule
@@ -17,10 +22,11 @@ import json
 import logging
 import math
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,17 +36,18 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
+from service.policy.languages import languages_of_paths
 from service.policy.model import GATE_FEATURES, GPT, ModelConfig, configure_optimizer, init_gate
 from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete, score_actions
 from service.policy.tokenizer import CodeTokenizer, train_tokenizer
-from trainer.corpus import (
-    Cursor,
-    corpus_files,
-    cursors_from,
-    is_heldout,
-    prefix_match,
-    read_text,
-    stdlib_root,
+from trainer.corpus import Cursor, cursors_from, prefix_match, read_text
+from trainer.fim import FimSource
+from trainer.pretrain_data import (
+    CorpusError,
+    corpus_split,
+    get_batch,
+    tokenize_files,
+    tokenize_texts,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,11 @@ ACCEPT_REWARD, REJECT_PENALTY, CHARS_NORM, CHARS_EXPONENT = 0.75, 0.25, 20.0, 0.
 @dataclass
 class PretrainConfig:
     out_dir: Path  # checkpoint directory to write (resume state goes to out_dir/resume)
+    corpus: Path | None = None  # a directory of code to train on (None: the standard library)
+    # share of training rows in fill-in-the-middle order (0: left to right only, and the
+    # tokenizer has no sentinels); Bavarian et al. 2022 train with 0.5
+    fim_rate: float = 0.5
+    fim_max_new_tokens: int = 32  # longest FIM middle (serving's default max_new_tokens)
     minutes: float = 20.0  # wall-clock budget of the training loop
     seed: int = 0  # seeds init, data order, gate-fitting samples
     resume: bool = False  # continue from out_dir/resume if it exists
@@ -111,38 +123,9 @@ def show_offset() -> tuple[float, float]:
 
 
 # --- data --------------------------------------------------------------------------------
-@dataclass
-class TokenData:
-    tokens: np.ndarray  # uint16 stream, each file preceded by <|eof|>
-    n_bytes: int  # UTF-8 bytes of the text it encodes
-    files: int
-
-
-def tokenize_files(tokenizer: CodeTokenizer, paths: Sequence[Path]) -> TokenData:
-    texts = [read_text(p) for p in paths]
-    chunks = [
-        np.array([tokenizer.eof_id] + ids, dtype=np.uint16) for ids in tokenizer.encode_batch(texts)
-    ]
-    assert tokenizer.vocab_size <= 65536, "token ids must fit uint16"
-    return TokenData(np.concatenate(chunks), sum(len(t.encode()) for t in texts), len(paths))
-
-
 def split_files(cfg: PretrainConfig) -> tuple[list[Path], list[Path]]:
-    train, heldout = corpus_files("train"), corpus_files("heldout")
-    if cfg.max_files is not None:
-        train, heldout = train[: cfg.max_files], heldout[: max(1, cfg.max_files // 10)]
-    root = stdlib_root()
-    assert not set(train) & set(heldout), "a file is in both splits"
-    for p in train:  # the held-out split must never be trained on
-        assert not is_heldout(PurePosixPath(p.relative_to(root).as_posix())), f"{p} is held out"
-    return train, heldout
-
-
-def get_batch(data: np.ndarray, block: int, batch: int, gen: torch.Generator):
-    ix = torch.randint(len(data) - block - 1, (batch,), generator=gen).tolist()
-    x = torch.from_numpy(np.stack([data[i : i + block] for i in ix]).astype(np.int64))
-    y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + block] for i in ix]).astype(np.int64))
-    return x, y
+    """The train and held-out files of the configured corpus (the stdlib, or cfg.corpus)."""
+    return corpus_split(cfg.corpus, cfg.max_files)
 
 
 @torch.no_grad()
@@ -150,7 +133,8 @@ def heldout_loss(
     model: GPT, data: np.ndarray, block: int, max_windows: int | None = None, batch: int = 16
 ) -> float:
     """Mean next-token loss (nats) over non-overlapping windows (evenly spaced subset)."""
-    starts = list(range(0, len(data) - block - 1, block))
+    # a stream shorter than one window (a small corpus's held-out files) is one shorter window
+    starts = list(range(0, max(len(data) - block - 1, 1), block))
     if max_windows is not None and len(starts) > max_windows:
         starts = [starts[i * len(starts) // max_windows] for i in range(max_windows)]
     was_training = model.training
@@ -285,23 +269,36 @@ def pretrain(cfg: PretrainConfig) -> Path:
     if state_dir.exists() and not cfg.resume:
         raise FileExistsError(f"{state_dir} exists: pass resume=True (--resume) or remove it")
     resuming = cfg.resume and (state_dir / "state.json").exists()
+    assert 0.0 <= cfg.fim_rate <= 1.0, "fim_rate must be in [0, 1]"
 
     train_paths, heldout_paths = split_files(cfg)
+    languages = languages_of_paths(train_paths)
+    train_texts = [read_text(p) for p in train_paths]
     if resuming:
         tokenizer = CodeTokenizer.from_json((state_dir / "tokenizer.json").read_text())
     else:
         t0 = time.perf_counter()
-        tokenizer = train_tokenizer((read_text(p) for p in train_paths), cfg.vocab_size)
+        tokenizer = train_tokenizer(train_texts, cfg.vocab_size, fim=cfg.fim_rate > 0)
         log.info("tokenizer: %d tokens in %.1fs", tokenizer.vocab_size, time.perf_counter() - t0)
-    train = tokenize_files(tokenizer, train_paths)
+    train = tokenize_texts(tokenizer, train_texts)
     heldout = tokenize_files(tokenizer, heldout_paths)
     log.info(
-        "train %d files %d tokens, held-out %d files %d tokens",
+        "train %d files %d tokens, held-out %d files %d tokens, languages %s",
         train.files,
         len(train.tokens),
         heldout.files,
         len(heldout.tokens),
+        ", ".join(languages) or "none named by an extension",
     )
+    block = cfg.model.block_size
+    if len(train.tokens) <= block + 1:
+        raise CorpusError(
+            f"the training files hold {len(train.tokens)} tokens: fewer than one window of "
+            f"{block + 1}"
+        )
+    fim = None
+    if cfg.fim_rate > 0:
+        fim = FimSource(tokenizer, train_texts, train.tokens, train.starts, cfg.fim_max_new_tokens)
 
     mcfg = ModelConfig.from_dict(dict(cfg.model.to_dict(), vocab_size=tokenizer.vocab_size))
     torch.manual_seed(cfg.seed)
@@ -322,7 +319,6 @@ def pretrain(cfg: PretrainConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     log.info("model: %d parameters", model.num_params())
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.amp else contextlib.nullcontext()
-    block = mcfg.block_size
 
     def snapshot() -> None:
         meta = {
@@ -380,7 +376,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
                 last_save = time.perf_counter()
 
             t0 = time.perf_counter()
-            x, y = get_batch(train.tokens, block, cfg.batch_size, gen)
+            x, y = get_batch(train.tokens, block, cfg.batch_size, gen, fim, cfg.fim_rate)
             with autocast:
                 _, loss = model(x, y)
             assert loss is not None
@@ -439,37 +435,52 @@ def pretrain(cfg: PretrainConfig) -> Path:
         summary=summary,
         dtype="bfloat16",
         overwrite=True,
+        languages=languages,
     )
     if not cfg.keep_state:
         shutil.rmtree(state_dir, ignore_errors=True)
     return out
 
 
-def refit_gate(ckpt: Path, examples: int, seed: int) -> dict[str, float]:
+def refit_gate(
+    ckpt: Path, examples: int, seed: int, corpus: Path | None = None
+) -> dict[str, float]:
     """Fit the gate of the checkpoint at `ckpt` again from its initial state, on `examples`
     train-split completions sampled as serving samples them now (after a change to sampling,
     such as the confidence stop), keeping the language model; rewrites the checkpoint in
-    place, with its version, and records the fit in the summary as `gate_refit`."""
+    place, with its version, and records the fit in the summary as `gate_refit`. The cursors
+    come from `corpus`, else the corpus the checkpoint was pretrained on."""
     model, tokenizer, manifest = load_checkpoint(ckpt)
     init_gate(model.gate, model.config.gate_scale, model.config.gate_threshold)
-    train_paths, _ = split_files(PretrainConfig(out_dir=ckpt))
+    if corpus is None:
+        trained_on = manifest.summary.get("config", {}).get("corpus")
+        corpus = None if trained_on is None else Path(trained_on)
+    train_paths, _ = split_files(PretrainConfig(out_dir=ckpt, corpus=corpus))
     fit = fit_gate(model, tokenizer, cursors_from(train_paths, examples, seed), seed)
     summary = {**manifest.summary, "gate_refit": {**fit, "seed": seed}}
     save_checkpoint(ckpt, model, tokenizer, version=manifest.version, parent=manifest.parent,
-                    summary=summary, dtype=manifest.weights_dtype, overwrite=True)
+                    summary=summary, dtype=manifest.weights_dtype, overwrite=True,
+                    languages=manifest.languages)
     return fit
 
 
 def _config_json(cfg: PretrainConfig) -> dict[str, Any]:
     d = asdict(cfg)
     d["out_dir"] = str(cfg.out_dir)
+    d["corpus"] = None if cfg.corpus is None else str(cfg.corpus)
     return d
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`tabloop pretrain --out DIR --minutes M --seed S [--resume]` (the CLI forwards argv)."""
+    """`tabloop pretrain --out DIR [--corpus SRC] --minutes M --seed S [--resume]` (the CLI
+    forwards argv)."""
     p = argparse.ArgumentParser(prog="tabloop pretrain", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    p.add_argument("--corpus", type=Path, default=None,
+                   help="a directory of code to train on, any file extensions (default: the "
+                        "Python standard library)")
+    p.add_argument("--fim-rate", type=float, default=PretrainConfig.fim_rate,
+                   help="share of fill-in-the-middle training rows (0: left to right only)")
     p.add_argument("--minutes", type=float, default=20.0, help="training-loop budget")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/resume")
@@ -485,11 +496,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.refit_gate:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        fit = refit_gate(args.out, PretrainConfig.gate_examples, args.seed)
+        try:
+            fit = refit_gate(args.out, PretrainConfig.gate_examples, args.seed, args.corpus)
+        except CorpusError as e:
+            print(f"tabloop pretrain: {e}", file=sys.stderr)
+            return 2
         print(f"gate refitted in {args.out}: {fit}")
         return 0
+    if not 0.0 <= args.fim_rate <= 1.0:
+        p.error("--fim-rate must be between 0 and 1")
     cfg = PretrainConfig(
         out_dir=args.out,
+        corpus=args.corpus,
+        fim_rate=args.fim_rate,
         minutes=args.minutes,
         seed=args.seed,
         resume=args.resume,
@@ -499,7 +518,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         learning_rate=args.lr,
         progress=not args.no_progress,
     )
-    out = pretrain(cfg)
+    try:
+        out = pretrain(cfg)
+    except CorpusError as e:
+        print(f"tabloop pretrain: {e}", file=sys.stderr)
+        return 2
     print(f"checkpoint written to {out}")
     return 0
 

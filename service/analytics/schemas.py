@@ -39,7 +39,10 @@ class Row(BaseModel):
     suggestions: int = Field(description="rollouts served (every /v1/complete call)")
     shown: int = Field(description="rollouts where the policy showed a suggestion")
     shown_rate: float = Field(description="shown / suggestions")
-    shown_finalized: int = Field(description="shown rollouts with a finalized reward")
+    shown_finalized: int = Field(
+        description="shown rollouts with a finalized reward, unviewed ones (from a client that "
+        "reports views, never viewed) left out"
+    )
     accepted: int = Field(description="rollouts whose finalized reward says accepted")
     accept_rate: float | None = Field(
         description="accepted / shown_finalized; null when no shown rollout is final yet"

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 
 from service.analytics.schemas import BucketRow, MetricsOut, Row
 from service.errors import Unprocessable
+from service.rewards.core import UNVIEWED
 from service.tables import rewards, rollouts, utcnow
 
 DEFAULT_WINDOW_S = 3600
@@ -166,6 +167,8 @@ def metrics(
     in_window = sa.and_(r.c.created_at >= start, r.c.created_at < end)
 
     final = w.c.suggestion_id.is_not(None)
+    # an unviewed suggestion was neither accepted nor rejected by anyone: not in the accept rate
+    judged = sa.and_(r.c.shown, final, w.c.outcome != UNVIEWED)
     accepted = w.c.outcome == "accepted"
     chars = sa.func.round(w.c.components["share"].as_float() * sa.func.length(r.c.text))
     retention = w.c.components["retention"].as_float()
@@ -175,7 +178,7 @@ def metrics(
             r.c.policy_version,
             sa.func.count().label("suggestions"),
             sa.func.sum(sa.case((r.c.shown, 1), else_=0)).label("shown"),
-            sa.func.sum(sa.case((sa.and_(r.c.shown, final), 1), else_=0)).label("shown_finalized"),
+            sa.func.sum(sa.case((judged, 1), else_=0)).label("shown_finalized"),
             sa.func.sum(sa.case((accepted, 1), else_=0)).label("accepted"),
             sa.func.sum(sa.case((accepted, chars), else_=0)).label("accepted_chars"),
             sa.func.sum(sa.case((accepted, chars * retention), else_=0)).label("retained_chars"),

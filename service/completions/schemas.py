@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+)
 
 from service.events.schemas import NoNul, UserId
 
@@ -45,6 +53,11 @@ class CompleteRequest(BaseModel):
     prefix: Annotated[StrictStr, Field(max_length=1_000_000), NoNul]
     suffix: Annotated[StrictStr, Field(max_length=1_000_000), NoNul] = ""
     max_new_tokens: Annotated[StrictInt, BeforeValidator(_integral)] = Field(32, ge=1)
+    reports_views: StrictBool = Field(
+        False,
+        description="This client sends a `view` event when it displays a suggestion; then a shown "
+        "suggestion it never reports viewed is not counted as a silent reject (docs/REWARD.md)",
+    )
 
 
 class CompleteResponse(BaseModel):

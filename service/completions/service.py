@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +18,10 @@ from service.completions.serving import LoadedPolicy
 from service.config import Settings
 from service.deps import AppContext
 from service.errors import Unavailable, Unprocessable
-from service.metrics import COMPLETE_SECONDS, COMPLETIONS
+from service.metrics import COMPLETE_SECONDS, COMPLETIONS, UNSUPPORTED_LANGUAGE
 from service.outbox import outbox_row
-from service.policy.sampling import Completion, complete
+from service.policy.languages import metric_label, request_language, supports
+from service.policy.sampling import Completion, complete, unsupported_language
 from service.stream.topics import ROLLOUTS
 from service.tables import outbox, rollouts, utcnow
 
@@ -46,15 +48,39 @@ def sample(
     return completion, elapsed * 1000
 
 
+def abstain_for_language(language: str | None, settings: Settings) -> tuple[Completion, float]:
+    """A request in a language the policy was not trained on: no model call, an abstention
+    recorded like any rollout (stop_reason "language"; the trainer never trains on it)."""
+    started = time.perf_counter()
+    UNSUPPORTED_LANGUAGE.labels(language=metric_label(language or "")).inc()
+    completion = unsupported_language(settings.temperature, settings.top_p)
+    return completion, (time.perf_counter() - started) * 1000
+
+
 def _storable(text: str) -> str:
     """Byte-level tokens can spell NUL, which PostgreSQL text refuses; token ids stay exact."""
     return text.replace("\x00", "\ufffd")
 
 
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """`text` up to (not including) the earliest of the `stop` strings; True if one was found.
+
+    The sampled tokens are the action and stay whole; the cut is what a client that asked for
+    stop strings is shown, so it is also the rollout's text, which the reward measures."""
+    ends = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return (text[: min(ends)], True) if ends else (text, False)
+
+
 def rollout_record(
-    suggestion_id: str, req: CompleteRequest, version: int, c: Completion, latency_ms: float
+    suggestion_id: str,
+    req: CompleteRequest,
+    version: int,
+    c: Completion,
+    latency_ms: float,
+    text: str | None = None,
 ) -> dict[str, Any]:
-    """The rollout as stored and as published on `tabloop.rollouts` (plus schema_version)."""
+    """The rollout as stored and as published on `tabloop.rollouts` (plus schema_version).
+    `text`: the suggestion as the client shows it, when that is not all of `c.text`."""
     return {
         "suggestion_id": suggestion_id,
         "user_id": req.user_id,
@@ -67,7 +93,7 @@ def rollout_record(
         "heal_text": c.heal_text,  # from the prefix, which is NUL-free
         "token_ids": c.token_ids,
         "token_logprobs": c.token_logprobs,
-        "text": _storable(c.text),
+        "text": _storable(c.text if text is None else text),
         "shown": c.shown,
         "gate_prob_show": c.gate_prob_show,
         "decision_logprob": c.decision_logprob,
@@ -76,6 +102,7 @@ def rollout_record(
         "top_p": c.top_p,
         "stop_reason": c.stop_reason,
         "latency_ms": round(latency_ms, 3),
+        "reports_views": req.reports_views,
     }
 
 
@@ -109,12 +136,21 @@ class Served:
     text: str  # empty when the policy abstains
     shown: bool
     latency_ms: float
+    # the sampler's ("newline", "eof", "length", "confidence"), "language" when the policy was
+    # not trained on the request's language, or "stop_sequence" when one of the client's stop
+    # strings cut the text
     stop_reason: str
+    context_tokens: int = 0  # prompt tokens the policy read
+    sampled_tokens: int = 0  # tokens it sampled (also when it abstained)
 
 
-async def serve(ctx: AppContext, req: CompleteRequest) -> Served:
+async def serve(ctx: AppContext, req: CompleteRequest, *, stop: Sequence[str] = ()) -> Served:
     """One rollout of the policy routed for `req.user_id` (live or canary), recorded with its
-    outbox row before it is answered. The native, Tabby and OpenAI-style APIs all end here."""
+    outbox row before it is answered. The native, Tabby and OpenAI-style APIs all end here.
+
+    `stop`: strings that end the suggestion for this client (OpenAI's `stop`). The text is cut
+    before the earliest one, and the rollout records the cut text: what was shown is what the
+    reward measures. The tokens and their log-probabilities are recorded whole."""
     settings = ctx.settings
     if req.max_new_tokens > settings.max_new_tokens_limit:
         raise Unprocessable(f"max_new_tokens: at most {settings.max_new_tokens_limit}")
@@ -123,12 +159,17 @@ async def serve(ctx: AppContext, req: CompleteRequest) -> Served:
             "the database is unavailable", headers={"Retry-After": str(settings.retry_after_s)}
         )
     policy = ctx.policies.route(req.user_id)
-    loop = asyncio.get_running_loop()
-    completion, latency_ms = await loop.run_in_executor(
-        ctx.inference, sample, policy, req, settings
-    )
+    language = request_language(req.language, req.file_path)
+    if supports(policy.languages, language):
+        loop = asyncio.get_running_loop()
+        completion, latency_ms = await loop.run_in_executor(
+            ctx.inference, sample, policy, req, settings
+        )
+    else:
+        completion, latency_ms = abstain_for_language(language, settings)
     suggestion_id = str(uuid.uuid4())
-    record = rollout_record(suggestion_id, req, policy.version, completion, latency_ms)
+    text, cut = cut_at_stop(completion.text, stop)
+    record = rollout_record(suggestion_id, req, policy.version, completion, latency_ms, text)
     await run_in_threadpool(record_rollout, ctx.engine, record, embedded=settings.embedded)
     return Served(
         suggestion_id=suggestion_id,
@@ -136,5 +177,7 @@ async def serve(ctx: AppContext, req: CompleteRequest) -> Served:
         text=record["text"] if completion.shown else "",
         shown=completion.shown,
         latency_ms=latency_ms,
-        stop_reason=completion.stop_reason,
+        stop_reason="stop_sequence" if cut else completion.stop_reason,
+        context_tokens=len(completion.context_token_ids),
+        sampled_tokens=len(completion.token_ids),
     )

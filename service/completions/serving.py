@@ -12,7 +12,7 @@ import hashlib
 import logging
 import shutil
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 import torch
@@ -21,6 +21,7 @@ from service.config import Settings
 from service.db import blob_transaction
 from service.errors import Unavailable
 from service.policy.checkpoint import CheckpointError, load_checkpoint
+from service.policy.languages import DEFAULT_LANGUAGES
 from service.policy.model import GPT
 from service.policy.tokenizer import CodeTokenizer
 from service.registry.store import Deployment, artifact_files, current_deployment, write_files
@@ -33,6 +34,8 @@ class LoadedPolicy:
     version: int
     model: GPT
     tokenizer: CodeTokenizer
+    # what its base was pretrained on (the manifest's): requests in other languages abstain
+    languages: frozenset[str] = field(default_factory=lambda: frozenset(DEFAULT_LANGUAGES))
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class PolicyServer:
         directory = self.cache_dir / f"v{version}"
         try:
             try:
-                model, tokenizer, _ = load_checkpoint(directory)
+                model, tokenizer, manifest = load_checkpoint(directory)
             except CheckpointError:  # not cached yet (or a damaged cache): fetch from the registry
                 with blob_transaction(self.engine) as conn:
                     files = artifact_files(conn, version)
@@ -120,13 +123,13 @@ class PolicyServer:
                 write_files(tmp, files)
                 shutil.rmtree(directory, ignore_errors=True)
                 tmp.rename(directory)
-                model, tokenizer, _ = load_checkpoint(directory)
+                model, tokenizer, manifest = load_checkpoint(directory)
         except (CheckpointError, KeyError, OSError) as e:
             log.error("cannot load policy v%d, keeping the current routing: %s", version, e)
             self._failed.add(version)
             return None
         model.requires_grad_(False)
-        policy = LoadedPolicy(version, model, tokenizer)
+        policy = LoadedPolicy(version, model, tokenizer, frozenset(manifest.languages))
         self._loaded[version] = policy
         return policy
 

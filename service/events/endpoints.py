@@ -11,9 +11,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.routing import APIRoute
 
 from service.deps import CtxDep, IngestKey
-from service.errors import PayloadTooLarge, Unavailable
+from service.errors import PayloadTooLarge
 from service.events.schemas import EventBatch, IngestResult
-from service.events.service import ingest_events
+from service.events.service import check_admission, ingest_events
 
 
 class _OrjsonRequest(Request):
@@ -65,14 +65,7 @@ def post_events(batch: EventBatch, key: IngestKey, ctx: CtxDep) -> IngestResult:
         raise PayloadTooLarge(
             f"{len(batch.events)} events in one batch; the limit is {settings.max_events_per_batch}"
         )
-    retry = {"Retry-After": str(settings.retry_after_s)}
-    if not ctx.health.db_usable():
-        raise Unavailable("the database is unavailable", headers=retry)
-    if not settings.embedded and ctx.health.backlog_rows >= settings.outbox_backlog_limit:
-        raise Unavailable(
-            f"{ctx.health.backlog_rows} events wait for the broker; try again shortly",
-            headers=retry,
-        )
+    check_admission(ctx)
     return ingest_events(
         ctx.engine,
         batch.events,

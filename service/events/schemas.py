@@ -1,4 +1,4 @@
-"""Feedback events as DESIGN.md defines them: six types, each validated on its own."""
+"""Feedback events as DESIGN.md defines them: seven types, each validated on its own."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from pydantic import (
     ValidationError,
 )
 
-EVENT_TYPES = ("accept", "reject", "code_retained", "code_settled", "model_switch", "churn")
+EVENT_TYPES = (
+    "view", "accept", "reject", "code_retained", "code_settled", "model_switch", "churn"
+)
 SCHEMA_VERSION = 1
 
 
@@ -78,6 +80,14 @@ class _Event(BaseModel):
     occurred_at: Timestamp
 
 
+class ViewEvent(_Event):
+    """The editor displayed the suggestion. It matters for rollouts whose client said it reports
+    views (`reports_views` on the request): there a shown suggestion never viewed is no reject."""
+
+    type: Literal["view"]
+    suggestion_id: UUIDStr
+
+
 class AcceptEvent(_Event):
     type: Literal["accept"]
     suggestion_id: UUIDStr
@@ -120,7 +130,8 @@ class ChurnEvent(_Event):
 
 
 Event = Annotated[
-    AcceptEvent
+    ViewEvent
+    | AcceptEvent
     | RejectEvent
     | CodeRetainedEvent
     | CodeSettledEvent
@@ -137,14 +148,22 @@ class EventBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt or unknown top-level field is a 422
 
     events: list[Any] = Field(
-        description="Feedback events (accept, reject, code_retained, code_settled, model_switch, "
-        "churn); each is validated on its own and a bad one is reported by index. code_settled "
+        description="Feedback events (view, accept, reject, code_retained, code_settled, "
+        "model_switch, churn); each is validated on its own and a bad one is reported by index. "
+        "A view says the editor displayed the suggestion. code_settled "
         "(from opted-in editors, for any suggestion) carries `after_seconds` and `text`: what "
         "finally stands from the request's cursor to the end of that line (at most 1,000 "
         "characters, may be empty); it is stored like a prefix and is not part of the reward.",
         json_schema_extra={
             "examples": [
                 [
+                    {
+                        "event_id": "7c2e4a10-3b5d-4f6e-9a8b-1c2d3e4f5a6b",
+                        "type": "view",
+                        "user_id": "u-42",
+                        "suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140",
+                        "occurred_at": "2026-11-29T11:59:59Z",
+                    },
                     {
                         "event_id": "0b6f1c1e-8a4e-4c3b-9d8e-2f1a3b4c5d6e",
                         "type": "accept",

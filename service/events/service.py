@@ -13,6 +13,8 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
+from service.deps import AppContext
+from service.errors import Unavailable
 from service.events.schemas import EVENT_TYPES, IngestResult, RejectedEvent, parse_event
 from service.metrics import INGEST_EVENTS
 from service.outbox import outbox_row
@@ -99,6 +101,20 @@ def _store_portable(conn: sa.Connection, valid: list[dict[str, Any]], *, now: da
             ],
         )
     return inserted
+
+
+def check_admission(ctx: AppContext) -> None:
+    """Unavailable (503, Retry-After) while the database is away or, in full mode, while the
+    outbox holds TABLOOP_OUTBOX_BACKLOG_LIMIT rows the relay has not published yet."""
+    settings = ctx.settings
+    retry = {"Retry-After": str(settings.retry_after_s)}
+    if not ctx.health.db_usable():
+        raise Unavailable("the database is unavailable", headers=retry)
+    if not settings.embedded and ctx.health.backlog_rows >= settings.outbox_backlog_limit:
+        raise Unavailable(
+            f"{ctx.health.backlog_rows} events wait for the broker; try again shortly",
+            headers=retry,
+        )
 
 
 def ingest_events(

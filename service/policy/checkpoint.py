@@ -3,8 +3,15 @@
     <dir>/model.safetensors   weights (float32, or bfloat16 to halve the size; loaded as float32)
     <dir>/tokenizer.json      the HF tokenizers JSON
     <dir>/manifest.json       {"format", "version", "parent", "weights": {file, sha256, dtype,
-                              bytes}, "tokenizer": {file, sha256}, "config", "summary",
-                              "created_at"}
+                              bytes}, "tokenizer": {file, sha256}, "config", "languages",
+                              "fim", ["fim_format",] "summary", "created_at"}
+
+`languages`: the language ids (service/policy/languages.py) the base was pretrained on; a
+manifest without the field is read as ["python"] (every checkpoint written before the field
+existed, the shipped base among them, was pretrained on the Python standard library). `fim`:
+the tokenizer has the fill-in-the-middle sentinels and the model reads the suffix in
+`fim_format` (service/policy/context.py); absent means false. It is written from the tokenizer,
+and loading refuses a manifest that disagrees with its tokenizer.
 
 Loading checks both SHA-256 sums before reading a byte of either file's content into a model,
 and never unpickles (safetensors only). Each file is written to a temporary name and renamed
@@ -19,7 +26,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,6 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from service.policy.languages import DEFAULT_LANGUAGES
 from service.policy.model import GPT, ModelConfig
 from service.policy.tokenizer import CodeTokenizer
 
@@ -35,6 +43,7 @@ FORMAT = "tabloop-policy/1"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
+FIM_FORMAT = "psm"  # <|fim_prefix|> prefix <|fim_suffix|> following lines <|fim_middle|>
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -53,6 +62,8 @@ class Manifest:
     config: dict[str, Any]  # ModelConfig as a dict
     summary: dict[str, Any] = field(default_factory=dict)  # training summary (free-form JSON)
     created_at: str = ""  # RFC 3339 UTC
+    languages: tuple[str, ...] = DEFAULT_LANGUAGES  # language ids the base was pretrained on
+    fim: bool = False  # reads the suffix (fill-in-the-middle, FIM_FORMAT)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,6 +78,9 @@ class Manifest:
             },
             "tokenizer": {"file": TOKENIZER_FILE, "sha256": self.tokenizer_sha256},
             "config": self.config,
+            "languages": list(self.languages),
+            "fim": self.fim,
+            **({"fim_format": FIM_FORMAT} if self.fim else {}),
             "summary": self.summary,
             "created_at": self.created_at,
         }
@@ -75,6 +89,14 @@ class Manifest:
     def from_json(cls, d: dict[str, Any]) -> Manifest:
         if d.get("format") != FORMAT:
             raise CheckpointError(f"unknown checkpoint format {d.get('format')!r}")
+        languages = d.get("languages", list(DEFAULT_LANGUAGES))
+        if not isinstance(languages, list) or not all(isinstance(x, str) for x in languages):
+            raise CheckpointError(f"manifest languages must be a list of ids, not {languages!r}")
+        fim = d.get("fim", False)
+        if not isinstance(fim, bool):
+            raise CheckpointError(f"manifest fim must be true or false, not {fim!r}")
+        if fim and d.get("fim_format") != FIM_FORMAT:
+            raise CheckpointError(f"unknown fill-in-the-middle format {d.get('fim_format')!r}")
         try:
             return cls(
                 version=int(d["version"]),
@@ -86,6 +108,8 @@ class Manifest:
                 config=dict(d["config"]),
                 summary=dict(d.get("summary") or {}),
                 created_at=str(d.get("created_at", "")),
+                languages=tuple(languages),
+                fim=fim,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"malformed manifest: {e!r}") from e
@@ -108,8 +132,12 @@ def save_checkpoint(
     summary: dict[str, Any] | None = None,
     dtype: str = "float32",
     overwrite: bool = False,
+    languages: Sequence[str] = DEFAULT_LANGUAGES,
 ) -> Path:
     """Write a checkpoint into out_dir (created if needed); returns its path.
+
+    `languages`: what the base was pretrained on (a trained policy keeps its base's); `fim`
+    comes from the tokenizer.
 
     Overwriting first removes the old manifest, so the directory is not a checkpoint (rather
     than a mismatched one) until the new manifest lands.
@@ -138,6 +166,8 @@ def save_checkpoint(
         config=model.config.to_dict(),
         summary=summary or {},
         created_at=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        languages=tuple(languages),
+        fim=tokenizer.fim,
     )
     text = json.dumps(manifest.to_json(), indent=2) + "\n"
     # the manifest goes last: it commits the files above (a reader verifies their hashes)
@@ -206,5 +236,10 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
     if tokenizer.vocab_size != config.vocab_size:
         raise CheckpointError(
             f"tokenizer has {tokenizer.vocab_size} tokens, model expects {config.vocab_size}"
+        )
+    if tokenizer.fim != manifest.fim:
+        raise CheckpointError(
+            f"manifest says fim={manifest.fim}, but the tokenizer "
+            f"{'has' if tokenizer.fim else 'lacks'} the fill-in-the-middle sentinels"
         )
     return model.eval(), tokenizer, manifest

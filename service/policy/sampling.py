@@ -20,7 +20,9 @@ The gate reads the completion's *model* log-probs (temperature 1, healing constr
 top-p) so its confidence features do not depend on the sampling temperature; they are inputs
 (detached), the gradient of log p(decision) flows through the gate and the hidden state.
 
-The model does not see the suffix (text after the cursor); see docs/MODEL.md.
+The context is `service.policy.context.prepare_context`: the prefix alone, or for a checkpoint
+trained for fill-in-the-middle the prefix and the following lines in PSM order; a Completion
+logs its ids, and recomputation reads only those. See docs/MODEL.md.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from typing import Protocol
 import torch
 from torch.nn import functional as F
 
+from service.policy.context import MIN_PREFIX_TOKENS, context_overhead, prepare_context
 from service.policy.model import GPT, KVCache, gate_features
-from service.policy.tokenizer import CodeTokenizer, Healing
+from service.policy.tokenizer import CodeTokenizer
 
 DEFAULT_TEMPERATURE = 0.7  # serving default; the gate is fitted for it
 DEFAULT_TOP_P = 0.95  # serving default nucleus
@@ -42,7 +45,9 @@ DEFAULT_MAX_CONTEXT_TOKENS = 96  # prefix tokens seen when serving: same exact m
 # the confidence stop: a completion ends before the first token (after the healed text) the model
 # gives a log-prob below this, so what is shown is the part it is sure of (docs/MODEL.md)
 DEFAULT_STOP_LOGPROB = -1.0
-CHARS_PER_TOKEN_BOUND = 8  # prefix characters kept per context token before encoding
+# stop_reason of a request in a language the policy was not trained on: no model call, nothing
+# sampled, an abstention the policy did not choose (the trainer never trains on it)
+STOP_LANGUAGE = "language"
 NEG_INF = float("-inf")
 
 
@@ -53,7 +58,7 @@ class Completion:
     text: str  # the sampled rest of the line (after the healed text); shown only if `shown`
     token_ids: list[int]  # sampled tokens, including the re-emitted healed text and the stop
     token_logprobs: list[float]  # log q_t(token_t) under the sampling distribution
-    context_token_ids: list[int]  # what the model saw (healed, left-truncated prefix)
+    context_token_ids: list[int]  # what the model saw (service.policy.context)
     heal_text: str  # prefix text backed off by token healing, re-emitted by token_ids first
     temperature: float  # sampling temperature used
     top_p: float | None  # nucleus used (None: no truncation)
@@ -61,7 +66,7 @@ class Completion:
     shown: bool  # the decision
     decision_logprob: float  # log p(decision) (0 when it was deterministic)
     logprob_total: float  # sum(token_logprobs) + decision_logprob
-    stop_reason: str  # "newline", "eof" or "length"
+    stop_reason: str  # "newline", "eof", "length", "confidence" or STOP_LANGUAGE
     model_logprobs: list[float] = field(default_factory=list)  # T=1 log-probs fed to the gate
 
     @property
@@ -188,39 +193,6 @@ def bytes_to_text(b: bytes) -> str:
     return b.decode("utf-8", errors="ignore").rstrip("\r")
 
 
-def prepare_context(
-    tokenizer: CodeTokenizer,
-    prefix: str,
-    block_size: int,
-    max_new_tokens: int,
-    heal: bool = True,
-    max_context_tokens: int | None = None,
-) -> Healing:
-    """Encode the prefix tail, heal its end, keep the last tokens that fit beside the completion.
-
-    `<|eof|>` (the file separator seen in training) is prepended when the whole prefix fits,
-    so the model knows it is at the start of a file. `max_context_tokens` caps the context
-    below what the block allows (prefill time is about linear in it).
-    """
-    budget = block_size - max_new_tokens
-    if max_context_tokens is not None:
-        budget = min(budget, max_context_tokens)
-    assert budget >= 2, f"block_size {block_size} leaves no room for the context"
-    tail = prefix[-budget * CHARS_PER_TOKEN_BOUND :]
-    whole = len(tail) == len(prefix)
-    if not whole and "\n" in tail:
-        tail = tail[tail.index("\n") + 1 :]  # start on a line boundary, tokenized as in training
-    healing = tokenizer.encode_healed(tail) if heal else Healing(tokenizer.encode(tail), b"")
-    try:
-        healing.constraint.decode("utf-8")
-    except UnicodeDecodeError:  # healed bytes cut a character: don't heal
-        healing = Healing(tokenizer.encode(tail), b"")
-    ids = healing.context_ids
-    if whole and len(ids) + 1 <= budget:
-        ids = [tokenizer.eof_id] + ids
-    return Healing(ids[-budget:], healing.constraint)
-
-
 # --- sampling ----------------------------------------------------------------------------
 @torch.inference_mode()
 def complete(
@@ -238,22 +210,24 @@ def complete(
 ) -> Completion:
     """Sample the rest of the current line after `prefix`, then the show/abstain decision.
 
-    `suffix` is accepted for the API's sake and not used by this model. `heal=False` turns
-    token healing off (for measuring what it buys; serving keeps it on); `max_context_tokens`
-    caps the prefix tokens the model sees (a latency/quality knob; None: all that fit).
+    `suffix` is the text after the cursor: a checkpoint trained for fill-in-the-middle (its
+    tokenizer has the sentinels) reads the lines after the cursor's line, a left-to-right one
+    ignores it (service.policy.context). `heal=False` turns token healing off (for measuring
+    what it buys; serving keeps it on); `max_context_tokens` caps the context tokens the model
+    sees (a latency/quality knob; None: all that fit).
     `stop_logprob`: the confidence stop. Sampling ends before the first token past the healed
     text whose model log-prob (temperature 1, as the gate reads them) is below it; that token
     is dropped and stop_reason is "confidence". The completion can then be empty (an
     abstention). None (or -inf) samples to the end of the line.
     """
-    del suffix  # the model is left-to-right only (docs/MODEL.md)
     assert max_new_tokens >= 1, "max_new_tokens must be >= 1"
     assert temperature >= 0.0, "temperature must be >= 0"
     assert top_p is None or 0.0 < top_p <= 1.0, "top_p must be in (0, 1]"
     cfg = model.config
-    max_new_tokens = min(max_new_tokens, cfg.block_size - 2)
+    room = cfg.block_size - MIN_PREFIX_TOKENS - context_overhead(tokenizer)
+    max_new_tokens = min(max_new_tokens, room)
     healing = prepare_context(
-        tokenizer, prefix, cfg.block_size, max_new_tokens, heal, max_context_tokens
+        tokenizer, prefix, cfg.block_size, max_new_tokens, heal, max_context_tokens, suffix
     )
     constraint = healing.constraint
 
@@ -282,7 +256,7 @@ def complete(
         tokens.append(tok)
         logprobs.append(lp)
         h = model.hidden(torch.tensor([[tok]]), cache)[:, -1]  # also the gate's input at the end
-        if tok == tokenizer.eof_id:
+        if tok in tokenizer.special_ids:  # <|eof|> (or a FIM sentinel: nothing to say here)
             stop = "eof"
             break
         done += tokenizer.token_bytes[tok]
@@ -323,10 +297,33 @@ def complete(
     )
 
 
+def unsupported_language(temperature: float, top_p: float | None) -> Completion:
+    """The rollout of a request in a language the policy was not trained on: nothing seen,
+    nothing sampled, not shown. Its log-probs are those of a deterministic action (0), like an
+    empty completion's; it is logged so its feedback joins, and never trained on."""
+    return Completion(
+        text="",
+        token_ids=[],
+        token_logprobs=[],
+        context_token_ids=[],
+        heal_text="",
+        temperature=temperature,
+        top_p=top_p,
+        gate_prob_show=0.0,
+        shown=False,
+        decision_logprob=0.0,
+        logprob_total=0.0,
+        stop_reason=STOP_LANGUAGE,
+    )
+
+
 # --- recomputation -----------------------------------------------------------------------
 def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action]) -> ActionScores:
     """Recompute the log-probs of logged actions with one padded forward pass (differentiable)."""
     assert actions, "empty batch"
+    assert all(a.context_token_ids for a in actions), (
+        "an action without context (an unsupported language: nothing was sampled) has no score"
+    )
     seqs = [list(a.context_token_ids) + list(a.token_ids) for a in actions]
     lengths = [len(a.token_ids) for a in actions]  # 0: the confidence stop came first
     longest = max(map(len, seqs))

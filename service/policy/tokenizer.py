@@ -7,6 +7,11 @@ the prefix's last pre-token word (at most `max_tokens` of them / `max_bytes` byt
 the text they covered as a *constraint*: generation must first re-emit exactly those bytes (each
 constrained step only allows tokens consistent with the remaining bytes, see `allowed_tokens`),
 and the completion shown to the user is what comes after them.
+
+Control tokens: `<|eof|>` separates files in training and ends a generation. A tokenizer trained
+for fill-in-the-middle (`train_tokenizer(..., fim=True)`) also has the three sentinels of the
+PSM layout (`<|fim_prefix|>`, `<|fim_suffix|>`, `<|fim_middle|>`, service/policy/context.py);
+their presence is what makes a checkpoint read the suffix.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOF_TOKEN = "<|eof|>"  # separates files in training; ends a generation
-SPECIAL_TOKENS = (EOF_TOKEN,)
+FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
+FIM_TOKENS = (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)  # fill-in-the-middle sentinels, PSM order
+SPECIAL_TOKENS = (EOF_TOKEN, *FIM_TOKENS)  # every control token a tokenizer may have
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -55,6 +62,12 @@ class CodeTokenizer:
         eof_id = tk.token_to_id(EOF_TOKEN)
         assert eof_id is not None, f"tokenizer has no {EOF_TOKEN} token"
         self.eof_id: int = eof_id
+        fim = [i for i in (tk.token_to_id(t) for t in FIM_TOKENS) if i is not None]
+        assert len(fim) in (0, 3), "a tokenizer has all three FIM sentinels or none"
+        # (prefix, suffix, middle) sentinel ids; None: a left-to-right tokenizer
+        self.fim_ids: tuple[int, int, int] | None = (fim[0], fim[1], fim[2]) if fim else None
+        # control tokens: no bytes, never produced by encoding text, and end a generation
+        self.special_ids: frozenset[int] = frozenset([eof_id, *(self.fim_ids or ())])
         self._mask_cache: dict[bytes, torch.Tensor] = {}
 
     # --- serialisation -------------------------------------------------------------------
@@ -68,6 +81,11 @@ class CodeTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size()
+
+    @property
+    def fim(self) -> bool:
+        """Trained for fill-in-the-middle: has the PSM sentinels."""
+        return self.fim_ids is not None
 
     # --- encode / decode -----------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -87,10 +105,9 @@ class CodeTokenizer:
     def token_bytes(self) -> list[bytes]:
         """Raw bytes of every token id (special tokens: empty, they never match text)."""
         dec = _byte_decoder()
-        special = {self.tk.token_to_id(t) for t in SPECIAL_TOKENS}
         out = [b""] * self.vocab_size
         for tok, i in self.tk.get_vocab().items():
-            if i not in special:
+            if i not in self.special_ids:
                 out[i] = bytes(dec[c] for c in tok)
         return out
 
@@ -171,14 +188,18 @@ def _successor(b: bytes) -> bytes | None:
     return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> CodeTokenizer:
-    """Train a byte-level BPE (GPT-2 pre-tokenizer regex, all 256 bytes in the base alphabet)."""
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 4096, fim: bool = False
+) -> CodeTokenizer:
+    """Train a byte-level BPE (GPT-2 pre-tokenizer regex, all 256 bytes in the base alphabet);
+    `<|eof|>` is its first token, then with `fim` the three FIM sentinels (vocab_size counts
+    them)."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[EOF_TOKEN, *(FIM_TOKENS if fim else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

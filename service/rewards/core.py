@@ -24,11 +24,15 @@ from service.events.schemas import EVENT_TYPES
 # counts for it (a reject cannot precede its suggestion, but a slow clock can say it did).
 CLOCK_SKEW_S = 5.0
 
-SUGGESTION_EVENTS = ("accept", "reject", "code_retained")  # about one rollout (suggestion_id)
+# about one rollout (suggestion_id); a view counts only for a rollout that reports views
+SUGGESTION_EVENTS = ("view", "accept", "reject", "code_retained")
 USER_EVENTS = ("model_switch", "churn")  # about a user, spread over that user's rollouts
 # About one rollout, but never read by the reward: it neither counts, nor is expected, nor late.
 UNREWARDED_EVENTS = ("code_settled",)
-OUTCOMES = ("abstained", "accepted", "rejected", "ignored")
+# unviewed: shown to a client that reports views, never viewed, neither accepted nor rejected;
+# nobody saw it, so it says nothing about the suggestion and is never trained on
+UNVIEWED = "unviewed"
+OUTCOMES = ("abstained", "accepted", "rejected", "ignored", UNVIEWED)
 COMPONENTS = ("decision", "size_scale", "share", "retention", "provisional", "switch", "churn")
 
 _SKEW = timedelta(seconds=CLOCK_SKEW_S)
@@ -157,6 +161,8 @@ class RolloutInfo:
     created_at: datetime  # server time the suggestion was served (timezone-aware)
     shown: bool  # False: the policy abstained
     text_chars: int  # length in characters of the shown suggestion (0 when abstaining)
+    # its client sends a `view` event when it displays a suggestion (the request said so)
+    reports_views: bool = False
 
     def __post_init__(self) -> None:
         _aware(self.created_at, "RolloutInfo.created_at")
@@ -172,7 +178,7 @@ class Feedback:
     type: str  # one of EVENT_TYPES
     user_id: str
     occurred_at: datetime  # client time (timezone-aware)
-    suggestion_id: str | None = None  # accept, reject, code_retained, code_settled
+    suggestion_id: str | None = None  # view, accept, reject, code_retained, code_settled
     accepted_chars: int | None = None  # accept, optional (partial accept)
     after_seconds: float | None = None  # code_retained: seconds after the accept (and
     # code_settled: after the request, unread)
@@ -283,7 +289,10 @@ def _window_end(event: Feedback, rollout: RolloutInfo, spec: RewardSpec) -> date
         return rollout.created_at + _seconds(spec.horizon_s)
     if not rollout.shown:  # nothing shown: no decision, no retention, no switch share
         return None
+    if event.type == "view" and not rollout.reports_views:  # its client's views mean nothing
+        return None
     window = {
+        "view": spec.decision_window_s,
         "accept": spec.decision_window_s,
         "reject": spec.decision_window_s,
         "code_retained": spec.horizon_s,
@@ -336,6 +345,11 @@ def _last_retention(counted: Sequence[Feedback]) -> Feedback | None:
     return max(reports, key=lambda e: (e.after_seconds, e.occurred_at, e.event_id))
 
 
+def _unviewed(rollout: RolloutInfo, counted: Sequence[Feedback]) -> bool:
+    """A client that reports views never reported one inside the decision window."""
+    return rollout.reports_views and not any(e.type == "view" for e in counted)
+
+
 def _share_of(
     t: datetime,
     rollout: RolloutInfo,
@@ -376,7 +390,9 @@ def compute_reward(
         parts["decision"] = float(spec.abstain_reward)
     else:
         decision = _decision(counted)
-        if decision is None or decision.type == "reject":
+        if decision is None and _unviewed(rollout, counted):
+            outcome = UNVIEWED  # decision 0: nobody saw it (the trainer skips it)
+        elif decision is None or decision.type == "reject":
             outcome = "ignored" if decision is None else "rejected"
             parts["decision"] = -float(spec.reject_penalty)
         else:
@@ -416,8 +432,9 @@ def finalize_at(rollout: RolloutInfo, events: Sequence[Feedback], spec: RewardSp
     """When the reward becomes final, given the events that have arrived (nothing more coming).
 
     - abstained: created_at (nothing to wait for).
-    - shown, rejected or not yet decided: created_at + max(decision_window_s, switch_window_s):
-      the decision window must close, and a model_switch can charge it until then.
+    - shown, rejected or not yet decided (viewed or not): created_at + max(decision_window_s,
+      switch_window_s): the decision window must close, and a model_switch can charge it until
+      then.
     - accepted: when the last expected retention check has been reported (the last of
       retention_checks_s that, counted from the accept, lands inside the horizon), but not
       before the switch window closes; created_at + horizon_s while that report is missing.
@@ -458,7 +475,7 @@ def is_late(
 ) -> bool:
     """True when the event is about this rollout but can no longer change its reward.
 
-    Late by its own time: it occurred after its window closed (an accept or reject after the
+    Late by its own time: it occurred after its window closed (a view, accept or reject after the
     decision window, a code_retained past the horizon or with after_seconds > horizon_s, a
     model_switch past the switch window, a churn past the horizon) or after the reward became
     final (`finalize_at` of the `arrived` events, this one left out).
@@ -466,8 +483,9 @@ def is_late(
     finalization; then received_at, not occurred_at, is compared with it.
 
     False for events not about this rollout, events from before it (beyond the clock skew), and
-    events that never count for it (a decision on an abstained rollout, any code_settled): those
-    are not late, just unrelated. A late event is still stored and counted as late, never applied.
+    events that never count for it (a decision on an abstained rollout, a view of a rollout whose
+    client does not report views, any code_settled): those are not late, just unrelated. A late
+    event is still stored and counted as late, never applied.
     """
     if not _about(event, rollout):
         return False

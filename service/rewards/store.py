@@ -77,6 +77,7 @@ def rollout_info(row: Any) -> RolloutInfo:
         created_at=created,
         shown=bool(get("shown")),
         text_chars=len(get("text") or ""),
+        reports_views=bool(get("reports_views")),  # NULL or absent (older rows): False
     )
 
 
@@ -86,6 +87,7 @@ ROLLOUT_COLUMNS = (
     rollouts.c.created_at,
     rollouts.c.shown,
     rollouts.c.text,
+    rollouts.c.reports_views,
 )
 
 

@@ -115,3 +115,64 @@ def test_loading_never_unpickles(
     monkeypatch.setattr("pickle.load", refuse)
     monkeypatch.setattr("pickle.loads", refuse)
     load_checkpoint(d)
+
+
+# --- languages and fill-in-the-middle in the manifest ---------------------------------------
+BASE = Path(__file__).resolve().parents[3] / "service" / "policy" / "base"
+
+
+def test_the_shipped_base_reads_as_python_left_to_right() -> None:
+    """Its manifest predates both fields: absent means python and no FIM."""
+    raw = json.loads((BASE / MANIFEST_FILE).read_text())
+    assert "languages" not in raw and "fim" not in raw
+    manifest = read_manifest(BASE)
+    assert manifest.languages == ("python",) and manifest.fim is False
+
+
+def test_languages_and_fim_round_trip(
+    tmp_path: Path, tiny_model: GPT, small_code: list[str]
+) -> None:
+    from service.policy.model import ModelConfig
+    from service.policy.tokenizer import train_tokenizer
+
+    fim_tok = train_tokenizer(small_code, vocab_size=400, fim=True)
+    cfg = ModelConfig.from_dict({**tiny_model.config.to_dict(), "vocab_size": 400})
+    d = save_checkpoint(tmp_path / "fim", GPT(cfg), fim_tok, 0, None,
+                        languages=["rust", "typescript"])
+    raw = json.loads((d / MANIFEST_FILE).read_text())
+    assert raw["languages"] == ["rust", "typescript"]
+    assert raw["fim"] is True and raw["fim_format"] == "psm"
+    _, tok, manifest = load_checkpoint(d)
+    assert manifest.languages == ("rust", "typescript") and manifest.fim and tok.fim
+
+
+def test_a_manifest_that_disagrees_with_its_tokenizer_is_refused(
+    tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    d = save_checkpoint(tmp_path / "c", tiny_model, tiny_tokenizer, 0, None)
+    raw = json.loads((d / MANIFEST_FILE).read_text())
+    assert raw["fim"] is False and "fim_format" not in raw
+    (d / MANIFEST_FILE).write_text(json.dumps({**raw, "fim": True, "fim_format": "psm"}))
+    with pytest.raises(CheckpointError, match="sentinels"):
+        load_checkpoint(d)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"languages": "python"}, "languages"),
+        ({"languages": ["python", 3]}, "languages"),
+        ({"fim": "yes"}, "fim"),
+        ({"fim": True}, "format"),
+        ({"fim": True, "fim_format": "spm"}, "format"),
+    ],
+)
+def test_bad_language_or_fim_fields(
+    tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer, fields: dict, error: str
+) -> None:
+    d = save_checkpoint(tmp_path / "c", tiny_model, tiny_tokenizer, 0, None)
+    raw = json.loads((d / MANIFEST_FILE).read_text())
+    raw.pop("fim_format", None)
+    (d / MANIFEST_FILE).write_text(json.dumps({**raw, **fields}))
+    with pytest.raises(CheckpointError, match=error):
+        read_manifest(d)

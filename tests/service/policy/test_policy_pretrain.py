@@ -1,4 +1,5 @@
-"""Pretraining: schedule helpers, a seconds-long smoke run, resume."""
+"""Pretraining: schedule helpers, a seconds-long smoke run, resume (with the default share of
+fill-in-the-middle rows, so a resumed run draws the same FIM rows too), FIM or not."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import trainer.pretrain as pretrain_module
 from service.policy.checkpoint import load_checkpoint
 from service.policy.model import ModelConfig
-from service.policy.sampling import complete
+from service.policy.sampling import complete, score_actions
 from trainer.corpus import corpus_files
 from trainer.pretrain import (
     PretrainConfig,
@@ -120,3 +121,37 @@ def test_refit_gate_fits_only_the_gate_again(tmp_path: Path) -> None:
             continue
         assert torch.equal(old[name], new[name]), f"{name} changed"
     assert not torch.equal(old["gate.features.bias"], new["gate.features.bias"])
+
+
+def test_fim_pretraining_makes_a_checkpoint_that_reads_the_suffix(tmp_path: Path) -> None:
+    """The default: half the rows fill in the middle. The tokenizer gets the sentinels, the
+    manifest records it, serving lays the suffix out in the context, and what it logs rescores
+    exactly."""
+    out = pretrain(_cfg(tmp_path / "fim", max_iters=16, gate_examples=10))
+    model, tok, manifest = load_checkpoint(out)
+    assert manifest.fim and tok.fim_ids is not None and manifest.languages == ("python",)
+    assert manifest.summary["config"]["fim_rate"] == 0.5
+    pre, suf, mid = tok.fim_ids
+    gen = torch.Generator().manual_seed(0)
+    comps = [
+        complete(model, tok, "import os\nx = os.pa", "th.join('a')\nprint(x)\n", 8, 0.7, 0.95,
+                 gen, stop_logprob=None)
+        for _ in range(6)
+    ]
+    for c in comps:
+        ctx = c.context_token_ids
+        assert ctx[0] == pre and ctx[-1] == mid
+        assert tok.decode(ctx[ctx.index(suf) + 1 : -1]) == "print(x)\n"  # the following line
+    with torch.no_grad():
+        scores = score_actions(model, tok, comps)
+    torch.testing.assert_close(
+        scores.total, torch.tensor([c.logprob_total for c in comps]), atol=1e-4, rtol=0
+    )
+
+
+def test_fim_rate_zero_trains_left_to_right_only(tmp_path: Path) -> None:
+    out = pretrain(_cfg(tmp_path / "l2r", max_iters=4, gate_examples=0, fim_rate=0.0))
+    model, tok, manifest = load_checkpoint(out)
+    assert not manifest.fim and not tok.fim and tok.special_ids == {tok.eof_id}
+    c = complete(model, tok, "import os\nx = os.pa", "th\nprint(x)\n", 8, 0.7, 0.95, None)
+    assert tok.eof_id in c.context_token_ids[:1]  # the plain layout: the file start, the prefix

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from service.policy.sampling import prepare_context
+from service.policy.context import prepare_context
 from service.policy.tokenizer import EOF_TOKEN, CodeTokenizer
 
 SAMPLES = [
