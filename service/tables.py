@@ -64,6 +64,9 @@ api_keys = sa.Table(
     sa.Column("secret_sha256", sa.String(64), nullable=False),
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("revoked_at", UTCDateTime(), nullable=True),
+    # privacy mode: the key's requests are served, but no code text of them is stored and none
+    # of their rollouts or feedback is trained on. NULL: false.
+    sa.Column("no_train", sa.Boolean(), nullable=True),
 )
 
 events = sa.Table(
@@ -150,6 +153,10 @@ rollouts = sa.Table(
     # The client sends a `view` event when it displays a suggestion (Tabby clients, or
     # /v1/complete with reports_views): unviewed, a shown suggestion is no reject. NULL: false.
     sa.Column("reports_views", sa.Boolean(), nullable=True),
+    # The key that asked for it: feedback about it counts only through that key. NULL: unknown.
+    sa.Column("api_key_id", sa.String(32), nullable=True),
+    # Privacy mode (the key's or the request's): no code text stored, never trained on. NULL: false.
+    sa.Column("no_train", sa.Boolean(), nullable=True),
     sa.Index("ix_rollouts_user_id_created_at", "user_id", "created_at"),
     sa.Index("ix_rollouts_policy_version_created_at", "policy_version", "created_at"),
 )
@@ -226,4 +233,20 @@ rewards = sa.Table(
         postgresql_where=sa.text("trained_at IS NULL"),
         sqlite_where=sa.text("trained_at IS NULL"),
     ),
+)
+
+# Append-only: every admin and deploy action, who did it and how it ended (GET /admin/audit).
+audit_log = sa.Table(
+    "audit_log",
+    metadata,
+    sa.Column("id", BigIntPK, primary_key=True, autoincrement=True),
+    sa.Column("at", UTCDateTime(), nullable=False),
+    sa.Column("key_id", sa.String(32), nullable=True),  # the key's public id
+    sa.Column("key_name", sa.String(200), nullable=True),
+    sa.Column("action", sa.String(32), nullable=False),  # e.g. "key.create", "deploy", "purge"
+    sa.Column("target", sa.Text(), nullable=True),  # what it acted on: a version, key id, user
+    sa.Column("request_id", sa.String(64), nullable=True),
+    sa.Column("outcome", sa.String(16), nullable=False),  # "ok" or the refusal's status
+    sa.Column("detail", JSONType, nullable=True),
+    sa.Index("ix_audit_log_at", "at"),
 )
