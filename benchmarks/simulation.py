@@ -3,7 +3,8 @@
     python benchmarks/simulation.py --mode embedded --minutes 15 --users 16 --seed 0 --out DIR
     python benchmarks/simulation.py --mode full --minutes 15 --users 16 --seed 0 --out DIR \
         [--baseline DIR/baseline.json] [--reward chars_norm=8 ...] [--paused] \
-        [--baseline-minutes 5] [--settled 1.0] [--corpus DIR] [--exact-cursors 1000]
+        [--baseline-minutes 5] [--settled 1.0] [--corpus DIR] [--exact-cursors 1000] \
+        [--adversaries 2 --adversary-kinds accept_all,reject_all]
 
 Everything runs on this machine, on 127.0.0.1 only, with TABLOOP_PROFILE=sim (seconds-long
 reward windows, the sim trainer profile) and otherwise default settings, except the per-key
@@ -26,8 +27,10 @@ policy serves the whole run, a control for how much a run's first and last fifth
 without any learning (with --baseline-minutes, how much the baseline phase and the last fifth
 differ).
 
-`--baseline-minutes`, `--settled` and `--corpus` go to `tabloop simulate` (a baseline phase with
-the trainer paused; the share of people sending code_settled; the code people edit).
+`--baseline-minutes`, `--settled`, `--corpus`, `--adversaries` and `--adversary-kinds` go to
+`tabloop simulate` (a baseline phase with the trainer paused; the share of people sending
+code_settled; the code people edit; how many of the --users seats hold adversaries, and their
+kinds: report.json's `honest` section then gives the honest people's figures apart).
 
 After the run, the offline exact rest-of-line check (simulator.exact): the base policy (version
 1, the one the service started with) and the last live policy (GET /admin/policies: the current
@@ -85,6 +88,11 @@ def main() -> int:
                    help="tabloop simulate --settled: share of people sending code_settled")
     p.add_argument("--corpus", type=Path, metavar="DIR",
                    help="tabloop simulate --corpus: people edit the *.py files under DIR")
+    p.add_argument("--adversaries", type=int, default=0, metavar="N",
+                   help="tabloop simulate --adversaries: the last N of --users seats are "
+                   "adversaries (default 0)")
+    p.add_argument("--adversary-kinds", default="accept_all,reject_all", metavar="KINDS",
+                   help="tabloop simulate --adversary-kinds (default accept_all,reject_all)")
     p.add_argument("--exact-cursors", type=int, default=1000,
                    help="fresh-line cursors for the offline exact rest-of-line check of the base "
                    "and the last live policy (0: skip)")
@@ -141,7 +149,8 @@ def main() -> int:
                 f"http://127.0.0.1:{port}", "--users", str(args.users),
                 "--minutes", str(args.minutes), "--seed", str(args.seed), "--out", str(out),
                 "--no-live", "--baseline-minutes", str(args.baseline_minutes),
-                "--settled", str(args.settled)]
+                "--settled", str(args.settled), "--adversaries", str(args.adversaries),
+                "--adversary-kinds", args.adversary_kinds]
         if args.corpus:
             argv += ["--corpus", str(args.corpus.resolve())]
         if args.baseline:

@@ -13,6 +13,8 @@ from fastapi import FastAPI
 
 from service import health
 from service.analytics import endpoints as analytics_endpoints
+from service.audit import endpoints as audit_endpoints
+from service.audit.recorder import AuditMiddleware
 from service.auth import endpoints as key_endpoints
 from service.auth.keys import KeyCache, RateLimiter
 from service.body import BodyLimitMiddleware
@@ -110,10 +112,12 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(key_endpoints.router)
     app.include_router(user_endpoints.router)
     app.include_router(analytics_endpoints.router)
+    app.include_router(audit_endpoints.router)
     app.include_router(tabby_endpoints.router)
     dashboard.install(app)
     app.include_router(health.router)
     install_openapi(app, settings)
+    app.add_middleware(AuditMiddleware, engine=engine)  # inside the request id's middleware
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})
     app.add_middleware(RequestMetrics)

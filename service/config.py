@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     # Trainer overrides of its profile's defaults (batch size, canary size); unset: the profile's.
     trainer_batch_size: int | None = Field(None, ge=8)
     trainer_canary_min_rollouts: int | None = Field(None, ge=1)
+    # The most of a training batch's weight one person (user_id) or one API key may hold: rows
+    # of anyone above it are weighted down to it (trainer/caps.py). 1: no cap.
+    trainer_max_share: float = Field(0.25, gt=0, le=1)
     # Where `tabloop train` reaches the API, and its deploy-scoped key (tabloop up makes its own).
     trainer_api_url: str | None = None
     trainer_api_key: str | None = None
@@ -95,6 +98,11 @@ class Settings(BaseSettings):
     max_checkpoint_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # The pretrained policy registered and made live on first start (shipped with the code).
     base_checkpoint: Path = Path(__file__).resolve().parent / "policy" / "base"
+    # Days code text is kept (rollouts' context and suggestion, settled text, their outbox
+    # copies); then it is blanked and the rows, rewards and counts stay. Unset: kept until the
+    # person is purged. At least 1 day, and never shorter than twice the reward horizon
+    # (docs/PRIVACY.md).
+    code_retention_days: int | None = Field(None, le=36_500)
 
     @field_validator("database_url")
     @classmethod
@@ -105,6 +113,16 @@ class Settings(BaseSettings):
             raise ValueError("must be a sqlite:// or postgresql:// URL")
         if v.startswith("postgresql://"):  # psycopg 3 is the driver we ship
             v = "postgresql+psycopg://" + v.removeprefix("postgresql://")
+        return v
+
+    @field_validator("code_retention_days")
+    @classmethod
+    def _check_retention(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(
+                "must be at least 1 (day): the trainer reads a rollout's code until its reward "
+                "is final and its batch is built; unset it to keep code until a purge"
+            )
         return v
 
     @field_validator("kafka_bootstrap_servers")

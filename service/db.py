@@ -33,6 +33,7 @@ def make_engine(settings: Settings) -> sa.Engine:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(
             url,
+            hide_parameters=True,  # an error's message never carries the values (code text)
             json_serializer=_json_dumps,
             json_deserializer=orjson.loads,
             connect_args={"check_same_thread": False, "timeout": 30},
@@ -46,6 +47,9 @@ def make_engine(settings: Settings) -> sa.Engine:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes in WAL
             cur.execute("PRAGMA busy_timeout=30000")
+            # what a purge deletes or code retention blanks is zeroed in the file, not left in
+            # free space (docs/PRIVACY.md)
+            cur.execute("PRAGMA secure_delete=ON")
             cur.close()
 
         # pysqlite's own transaction handling defers BEGIN; take the write lock up front instead
@@ -61,6 +65,7 @@ def make_engine(settings: Settings) -> sa.Engine:
         return engine
     return sa.create_engine(
         url,
+        hide_parameters=True,  # an error's message never carries the values (code text)
         json_serializer=_json_dumps,
         json_deserializer=orjson.loads,
         pool_size=settings.db_pool_size,

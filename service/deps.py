@@ -7,13 +7,15 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
+from service.audit.recorder import AuditEntry, open_entry
+from service.audit.store import key_actor
 from service.auth.keys import ApiKey, KeyCache, RateLimiter, authenticate
 from service.completions.serving import PolicyServer
 from service.config import Settings
@@ -83,42 +85,54 @@ _bearer = HTTPBearer(auto_error=False, scheme_name="ApiKey",
 BearerDoc = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
+async def _authenticate(request: Request, ctx: AppContext) -> ApiKey:
+    """The live key of the request's bearer token (401 without one, 503 with the database away)."""
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    challenge = {"WWW-Authenticate": "Bearer"}
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("send an API key as 'Authorization: Bearer <token>'", headers=challenge)
+    # async, so a cache hit costs no trip through the thread pool; a miss asks the database
+    # from the pool, off the event loop
+    key = ctx.keys.get(token)
+    if key is None:
+        # Not while the database is away: every request would wait for the lookup to fail
+        # (the pool's checkout timeout, or a hang on a stalled server), none would be cached.
+        if not ctx.health.db_usable():
+            raise Unavailable(
+                "the database is unavailable",
+                headers={"Retry-After": str(ctx.settings.retry_after_s)},
+            )
+        key = await run_in_threadpool(_lookup, ctx, token)
+    if key is None:
+        raise Unauthorized("unknown or revoked API key", headers=challenge)
+    logged = current_request()
+    if logged is not None:  # the access line names the key (its public id, never the token)
+        logged.key_id = key.id
+    return key
+
+
+def _check_scope(key: ApiKey, scopes: tuple[str, ...]) -> None:
+    if not key.scopes.intersection(scopes):
+        raise Forbidden(f"this key lacks the {' or '.join(repr(s) for s in scopes)} scope")
+
+
+def _check_rate(ctx: AppContext, key: ApiKey) -> None:
+    wait = ctx.limiter.acquire(key.id)
+    if wait > 0:
+        raise RateLimited(
+            "rate limit exceeded for this key", headers={"Retry-After": str(math.ceil(wait))}
+        )
+
+
 def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
     """A dependency admitting a live key holding any of `scopes`, within its rate limit."""
 
     async def dependency(request: Request, ctx: CtxDep, _documented: BearerDoc) -> ApiKey:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        challenge = {"WWW-Authenticate": "Bearer"}
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise Unauthorized(
-                "send an API key as 'Authorization: Bearer <token>'", headers=challenge
-            )
-        # async, so a cache hit costs no trip through the thread pool; a miss asks the database
-        # from the pool, off the event loop
-        key = ctx.keys.get(token)
-        if key is None:
-            # Not while the database is away: every request would wait for the lookup to fail
-            # (the pool's checkout timeout, or a hang on a stalled server), none would be cached.
-            if not ctx.health.db_usable():
-                raise Unavailable(
-                    "the database is unavailable",
-                    headers={"Retry-After": str(ctx.settings.retry_after_s)},
-                )
-            key = await run_in_threadpool(_lookup, ctx, token)
-        if key is None:
-            raise Unauthorized("unknown or revoked API key", headers=challenge)
-        logged = current_request()
-        if logged is not None:  # the access line names the key (its public id, never the token)
-            logged.key_id = key.id
-        if not key.scopes.intersection(scopes):
-            raise Forbidden(f"this key lacks the {' or '.join(repr(s) for s in scopes)} scope")
-        wait = ctx.limiter.acquire(key.id)
-        if wait > 0:
-            raise RateLimited(
-                "rate limit exceeded for this key", headers={"Retry-After": str(math.ceil(wait))}
-            )
+        key = await _authenticate(request, ctx)
+        _check_scope(key, scopes)
+        _check_rate(ctx, key)
         return key
 
     # Read by the route x scope test (tests/service/auth/test_route_matrix.py) to classify routes.
@@ -126,6 +140,36 @@ def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
     return dependency
 
 
+def audited(action: str, *scopes: str, target: str | None = None) -> Any:
+    """`require_scope(*scopes)` for a route that acts, opening its audit entry (an
+    `AuditEntry`, service/audit/recorder.py) whose `actor` is the key (`actor.key_id`).
+    `target` names the path parameter the action is about (its default target).
+
+    The rate limit is taken before the scope check here, and the entry opened between the two:
+    a key refused for lacking the scope is recorded (403), a key over its limit is not.
+    Use: `audit: Annotated[AuditEntry, audited("deploy", *DEPLOY, target="version")]`.
+    """
+
+    async def dependency(request: Request, ctx: CtxDep, _documented: BearerDoc) -> AuditEntry:
+        key = await _authenticate(request, ctx)
+        _check_rate(ctx, key)
+        logged = current_request()
+        value = request.path_params.get(target) if target is not None else None
+        entry = open_entry(request.scope, AuditEntry(
+            actor=key_actor(key), action=action,
+            target=str(value) if value is not None else None,
+            request_id=logged.request_id if logged is not None else None,
+        ))
+        _check_scope(key, scopes)
+        return entry
+
+    dependency.scopes = frozenset(scopes)  # type: ignore[attr-defined]
+    return Depends(dependency)
+
+
+ADMIN = ("admin",)
+DEPLOY = ("deploy", "admin")  # the policy routes: the trainer's deploy key, or an operator's
+
 IngestKey = Annotated[ApiKey, Depends(require_scope("ingest"))]
-DeployKey = Annotated[ApiKey, Depends(require_scope("deploy", "admin"))]
-AdminKey = Annotated[ApiKey, Depends(require_scope("admin"))]
+DeployKey = Annotated[ApiKey, Depends(require_scope(*DEPLOY))]
+AdminKey = Annotated[ApiKey, Depends(require_scope(*ADMIN))]

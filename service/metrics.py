@@ -57,3 +57,9 @@ UNSUPPORTED_LANGUAGE = Counter(
     "call, by language id (other: an id outside the known list).",
     ["language"],
 )
+FEEDBACK_REFUSED = Counter(
+    "tabloop_feedback_refused_total",
+    "Feedback events refused by reason (wrong_key, wrong_user, not_shown, before_served, late): "
+    "kept as dead letters, never joined into a reward.",
+    ["reason"],
+)

@@ -1,6 +1,8 @@
 """A background thread that watches the database, the outbox backlog and the broker.
 
 Ingestion reads its last view to shed load fast (503) instead of queueing on a dead dependency.
+With TABLOOP_CODE_RETENTION_DAYS set, the monitor also runs the code retention job, in a thread
+of its own (a pass can take a while; the checks here must not wait for it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from service.config import Settings
 from service.deps import Health
 from service.metrics import OUTBOX_BACKLOG, OUTBOX_LAG
 from service.outbox import backlog
+from service.retention import RetentionJob
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,9 @@ class Monitor:
         self._probe = (
             None if settings.embedded else BrokerProbe(settings.kafka_bootstrap_servers or "")
         )
+        self._retention = (
+            RetentionJob(settings, engine) if settings.code_retention_days is not None else None
+        )
 
     def check_once(self) -> None:
         check_database(self.engine, self.health, full_mode=not self.settings.embedded)
@@ -94,6 +100,8 @@ class Monitor:
         if self._probe is not None:
             self.health.broker_ok = self._probe.ok()
         self._thread.start()
+        if self._retention is not None:
+            self._retention.start()
 
     def _run(self) -> None:
         tick = 0
@@ -110,6 +118,8 @@ class Monitor:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._retention is not None:
+            self._retention.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         if self._probe is not None:

@@ -81,6 +81,13 @@ events = sa.Table(
     sa.Column("payload", JSONType, nullable=False),  # the validated event as received
     sa.Index("ix_events_user_id_occurred_at", "user_id", "occurred_at"),
     sa.Index("ix_events_suggestion_id", "suggestion_id"),
+    # settled text is code: the retention job walks these by age (service/retention.py)
+    sa.Index(
+        "ix_events_code_settled_received_at",
+        "received_at",
+        postgresql_where=sa.text("type = 'code_settled'"),
+        sqlite_where=sa.text("type = 'code_settled'"),
+    ),
 )
 
 dead_letters = sa.Table(
@@ -142,6 +149,9 @@ rollouts = sa.Table(
     sa.Column("token_ids", JSONType, nullable=False),
     sa.Column("token_logprobs", JSONType, nullable=False),
     sa.Column("text", sa.Text(), nullable=False),  # the sampled completion (shown only if shown)
+    # len(text), kept when the text is not (privacy mode, code retention): the reward's size.
+    # NULL (older rows): len(text).
+    sa.Column("text_chars", sa.Integer(), nullable=True),
     sa.Column("shown", sa.Boolean(), nullable=False),
     sa.Column("gate_prob_show", sa.Float(), nullable=False),
     sa.Column("decision_logprob", sa.Float(), nullable=False),
@@ -159,6 +169,7 @@ rollouts = sa.Table(
     sa.Column("no_train", sa.Boolean(), nullable=True),
     sa.Index("ix_rollouts_user_id_created_at", "user_id", "created_at"),
     sa.Index("ix_rollouts_policy_version_created_at", "policy_version", "created_at"),
+    sa.Index("ix_rollouts_created_at", "created_at"),  # code retention walks rollouts by age
 )
 
 policies = sa.Table(

@@ -218,5 +218,15 @@ def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
             value = " -> ".join(f"{v:.1f}" for v in value)
         sure = f"; 95% interval of the change {sure[0]:+.0%} to {sure[1]:+.0%}" if sure else ""
         console.print(f"  {mark}  {t['name']}: {value} (target {t['target']}{sure})")
+    adversaries = report.get("adversaries") or {}
+    if adversaries.get("count"):
+        h, sent = report["honest"]["totals"], adversaries["events"]
+        console.print(
+            f"  honest people ({report['honest']['people']}): accept rate of shown "
+            f"{fmt(h['accept_rate_of_shown'], '.3f')} · shown per request "
+            f"{fmt(h['shown_per_request'], '.3f')} · retained chars / 100 requests "
+            f"{fmt(h['retained_chars_per_100'], '.1f')}; adversaries {adversaries['count']} "
+            f"({', '.join(adversaries['kinds'])}): {sent['sent']} events sent, "
+            f"{sent['rejected']} refused", highlight=False)
     console.print(f"report: {out / 'report.json'}  plot: {out / 'learning_curve.png'}  "
                   f"requests: {out / 'records.jsonl'}")

@@ -56,6 +56,7 @@ def build_report(cfg: SimConfig, sim: Simulation, spec_source: str,
         a: sum(d["action"] == a for d in deployments) for a in ("deploy", "promote", "rollback")}
     versus = (phases.targets_summary(sim.records, baseline_s, sim.duration_s) if baseline_s > 0
               else summary)
+    honest, by_kind = rpt.split_people(sim.records)
     return {
         "config": {"api": cfg.api, "users": cfg.users, "minutes": cfg.minutes,
                    "baseline_minutes": cfg.baseline_minutes, "seed": cfg.seed,
@@ -63,6 +64,8 @@ def build_report(cfg: SimConfig, sim: Simulation, spec_source: str,
                    "corpus": None if cfg.corpus is None else str(cfg.corpus.resolve()),
                    "bucket_s": cfg.bucket_width_s, "max_new_tokens": cfg.max_new_tokens,
                    "population": cfg.population.to_dict(), "reward_spec": sim.spec,
+                   "adversaries": cfg.adversaries,
+                   "adversary_kinds": list(cfg.adversary_kinds),
                    "reward_spec_source": spec_source,
                    "started_at": sim.started_at.isoformat().replace("+00:00", "Z"),
                    "machine": machine(), "argv": redacted(sys.argv[1:])},
@@ -92,7 +95,23 @@ def build_report(cfg: SimConfig, sim: Simulation, spec_source: str,
         "settled": {"share": cfg.settled_share, "people": sim.counters.people,
                     "opted_in": sim.counters.settled_people, "events": sim.counters.settled,
                     "lines": len(sim.settled_lines)},
+        "honest": honest_section(honest, baseline_s, sim.duration_s, deployments),
+        "adversaries": {"count": sim.counters.adversaries,
+                        "kinds": [k for k in sim.kinds if k is not None],
+                        "by_kind": {k: rpt.adversary_metrics(rs) for k, rs in by_kind.items()},
+                        "events": sim.adversary_sender.summary()},
     }
+
+
+def honest_section(records: list[rpt.RequestRecord], baseline_s: float, duration_s: float,
+                   deployments: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The honest people's figures alone (report.json `honest`)."""
+    learning_s = phases.learning_span(baseline_s, duration_s)
+    versus = (phases.targets_summary(records, baseline_s, duration_s) if baseline_s > 0
+              else rpt.fifths(phases.learning_records(records, baseline_s), learning_s))
+    return {"people": len({r.user_id for r in records}), "totals": rpt.metrics(records),
+            "comparison": phases.learning_comparison(records, baseline_s, duration_s)["all"],
+            "targets": rpt.targets(versus, deployments)}
 
 
 def write_outputs(cfg: SimConfig, sim: Simulation, report: dict[str, Any],

@@ -24,6 +24,12 @@ Settled code: a share of people opt in to `code_settled` (`settles`, drawn from 
 stream, so the people themselves are the same whatever the share). When they move on from a
 line they report what finally stands after the request's cursor: the held-out line's true rest
 (`settled_text`).
+
+Adversaries (`seat_kinds`, `adversary_feedback`): the last seats of a run can hold people who do
+not judge the code at all. `accept_all` accepts every suggestion at once, abstentions included,
+and reports it fully kept at every retention check right away; `reject_all` rejects every one;
+`random` flips a coin for each. They ask ten times as often as a person (`adversary_pause`), so
+each one's rollouts are a large share of a training batch, and they never switch or leave.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ from typing import Any, Literal
 from trainer.corpus import CorpusLine, Cursor, cursor_in_line, prefix_match
 
 Verdict = Literal["correct", "close", "wrong"]
+AdversaryKind = Literal["accept_all", "reject_all", "random"]
+ADVERSARY_KINDS: tuple[AdversaryKind, ...] = ("accept_all", "reject_all", "random")
+# an adversary pauses this share of a person's pause between requests: ten times the rollouts
+ADVERSARY_PAUSE_SHARE = 0.1
 Action = Literal["accept", "reject", "ignore"]
 Move = Literal["stay", "switch", "churn"]
 
@@ -363,3 +373,43 @@ def retention_delays(spec: Mapping[str, Any], accepted_after_s: float,
 def think_time(person: PersonParams, rng: random.Random) -> float:
     """Seconds of typing before the next request: exponential, capped at 4x the mean."""
     return min(rng.expovariate(1.0 / person.think_mean_s), 4 * person.think_mean_s)
+
+
+# --- adversaries ---------------------------------------------------------------------------
+
+
+def seat_kinds(users: int, adversaries: int,
+               kinds: Sequence[AdversaryKind]) -> list[AdversaryKind | None]:
+    """Per seat: None for an honest person, else the adversary's kind. The last `adversaries`
+    seats hold adversaries, taking `kinds` in turn; the honest seats keep their numbers (and so
+    their seeds), so a run's honest people are those of a run with `users - adversaries` seats."""
+    assert 0 <= adversaries < users, "adversaries must leave at least one honest seat"
+    assert kinds and all(k in ADVERSARY_KINDS for k in kinds), f"kinds among {ADVERSARY_KINDS}"
+    honest = users - adversaries
+    return [None if slot < honest else kinds[(slot - honest) % len(kinds)]
+            for slot in range(users)]
+
+
+def adversary_pause(pace: PersonParams, rng: random.Random) -> float:
+    """Seconds before an adversary's next request: a tenth of a person's (`think_time`), and
+    never under MIN_DELAY_S."""
+    return max(MIN_DELAY_S, ADVERSARY_PAUSE_SHARE * think_time(pace, rng))
+
+
+def adversary_feedback(kind: AdversaryKind, shown: bool, text: str,
+                       checks_s: Sequence[float], rng: random.Random) -> list[dict[str, Any]]:
+    """The events (type and fields, without ids, person or time) an adversary sends at once
+    about one suggestion, `shown` or not. accept_all: an accept of the whole suggestion and, when
+    something was shown, a code_retained of 1.0 at each of `checks_s` (the reward spec's checks);
+    reject_all: a reject; random: one or the other, even odds (one draw from `rng`, for that kind
+    only). About an abstention they send the same verdict, with nothing to keep."""
+    if kind == "random":
+        kind = "accept_all" if rng.random() < 0.5 else "reject_all"
+    if kind == "reject_all":
+        return [{"type": "reject"}]
+    assert kind == "accept_all", f"unknown adversary kind {kind!r}"
+    if not shown:
+        return [{"type": "accept"}]
+    return [{"type": "accept", "accepted_chars": len(text)},
+            *({"type": "code_retained", "after_seconds": float(c), "retained_fraction": 1.0}
+              for c in checks_s)]

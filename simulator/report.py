@@ -29,6 +29,13 @@ report.json (written by `tabloop simulate`; keys are stable, new ones are only a
   base-policy baseline), `comparison` (the last fifth against it), `targets` (against the
   baseline phase when there is one, else the first fifth), `settled` (share, people, opted_in,
   events, lines: distinct source lines reported).
+- `honest`: the honest people's own figures (without the adversaries' requests; the same as the
+  whole run's when there are none), so that runs with and without adversaries compare:
+  `people`, `totals` (`metrics` of their requests), `comparison` (as `phase_comparison`'s
+  `all`: reference against the last fifth, with intervals) and `targets`.
+- `adversaries`: `count`, `kinds` (per adversary), `by_kind` (requests, shown, accepted and
+  rejected as they said, shown_per_request) and `events` (their sender's figures: sent,
+  accepted, rejected = refused by the service, rejected_by_type).
 - `offline_exact_rest_of_line`: added by benchmarks/simulation.py (see simulator.exact).
 
 records.jsonl holds one RequestRecord per request; settled_lines.json the [path, line] of every
@@ -77,6 +84,7 @@ class RequestRecord:
     fresh: bool = True  # no code_settled had been sent for this source line before the request
     path: str = ""  # the source file of the cursor's line
     line_no: int = -1  # the cursor's line in it, 0-based
+    adversary: str | None = None  # the adversary's kind (simulator.population); None: honest
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -111,6 +119,26 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "versions": {str(v): c for v, c in sorted(Counter(r.version for r in records).items())},
         "latency_ms_p50": _percentile([r.latency_ms for r in records], 0.5),
     }
+
+
+def split_people(records: Sequence[RequestRecord]
+                 ) -> tuple[list[RequestRecord], dict[str, list[RequestRecord]]]:
+    """(the honest people's requests, the adversaries' by kind)."""
+    honest = [r for r in records if r.adversary is None]
+    by_kind: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        if r.adversary is not None:
+            by_kind.setdefault(r.adversary, []).append(r)
+    return honest, by_kind
+
+
+def adversary_metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """What an adversary kind asked for and what it said of what it was shown."""
+    shown = [r for r in records if r.shown]
+    return {"people": len({r.user_id for r in records}), "requests": len(records),
+            "shown": len(shown), "accepted": sum(r.action == "accept" for r in shown),
+            "rejected": sum(r.action == "reject" for r in shown),
+            "shown_per_request": _ratio(len(shown), len(records))}
 
 
 def _percentile(xs: Sequence[float], q: float) -> float | None:

@@ -1,7 +1,8 @@
 """`tabloop simulate`: a population of simulated editors against a running service.
 
     tabloop simulate --api http://127.0.0.1:8000 --key TOKEN --users 16 --minutes 10 --seed 0 \
-        [--baseline-minutes 5] [--settled 0.5] [--corpus DIR]
+        [--baseline-minutes 5] [--settled 0.5] [--corpus DIR] \
+        [--adversaries 2 --adversary-kinds accept_all,reject_all]
 
 Each seat holds one person (simulator.population) who types, asks for a completion at a cursor
 inside a real held-out line, judges the suggestion by the code, accepts / rejects / ignores it,
@@ -19,6 +20,15 @@ leave or the run stops — they send what finally stands after its cursor (the h
 true rest, at most 1,000 characters), shown or abstained, accepted or not, with after_seconds
 counted from the request. A request is on a *fresh line* when no code_settled had been sent for
 its source line (file and line number) earlier in the run; the report compares fresh lines apart.
+
+With --adversaries N the last N of the --users seats hold adversaries (simulator.population:
+accept_all accepts every suggestion at once, abstentions included, and reports it fully kept;
+reject_all rejects every one; random flips a coin), taking --adversary-kinds in turn. They ask
+for completions ten times as often as a person, under their own user ids, and send their
+feedback through their own event sender, so the report counts what the service refused of
+theirs apart. The honest seats keep their numbers and seeds: their people are those of a run
+with N fewer seats.
+The report's `honest` and `adversaries` sections compare runs with and without them.
 
 Order of a run: read the spec; pause the trainer (--baseline-minutes); run the people for the
 baseline and learning phases while a live table shows the learning curve, resuming the trainer
@@ -55,18 +65,24 @@ from simulator.corpus import CorpusError, load_lines
 from simulator.display import Display
 from simulator.output import build_report, write_outputs
 from simulator.population import (
+    ADVERSARY_KINDS,
+    AdversaryKind,
     CursorSource,
     Decision,
     PersonParams,
     PopulationConfig,
     Session,
+    adversary_feedback,
+    adversary_pause,
     decide,
     decision_reward,
     draw_person,
     in_reject_family,
+    judge,
     line_key,
     request_context,
     retention_delays,
+    seat_kinds,
     settled_text,
     settles,
     step,
@@ -99,6 +115,8 @@ class SimConfig:
     flush_interval_s: float = 0.25  # events are sent at least this often
     event_batch_size: int = 200
     poll_s: float = 5.0  # how often the display reads the deployment timeline
+    adversaries: int = 0  # the last N seats hold adversaries (simulator.population)
+    adversary_kinds: tuple[AdversaryKind, ...] = ("accept_all", "reject_all")  # taken in turn
 
     @property
     def baseline_s(self) -> float:
@@ -150,6 +168,7 @@ class Counters:
     retention_reports: int = 0
     settled: int = 0  # code_settled events sent
     settled_people: int = 0  # people who opted in to code_settled
+    adversaries: int = 0  # seats held by adversaries (never counted in `people`)
 
 
 class Simulation:
@@ -157,6 +176,10 @@ class Simulation:
                  sender: EventSender, trainer: phases.TrainerControl | None = None) -> None:
         self.cfg, self.spec, self.source = cfg, spec, source
         self.client, self.sender = client, sender
+        # the adversaries' own sender: what the service refused of theirs is counted apart
+        self.adversary_sender = EventSender(client, batch_size=cfg.event_batch_size,
+                                            flush_interval_s=cfg.flush_interval_s)
+        self.kinds = seat_kinds(cfg.users, cfg.adversaries, cfg.adversary_kinds)
         self.trainer = trainer  # resumed when the baseline phase ends (None: no baseline phase)
         self.records: list[rpt.RequestRecord] = []
         self.counters = Counters()
@@ -199,7 +222,11 @@ class Simulation:
             await asyncio.wait_for(self.stop.wait(), seconds)
 
     async def seat(self, slot: int) -> None:
-        """One seat: a person until they churn, then the next one."""
+        """One seat: a person until they churn, then the next one (or an adversary)."""
+        kind = self.kinds[slot]
+        if kind is not None:
+            await self.adversary(slot, kind)
+            return
         generation = 0
         while not self.stop.is_set():
             rng = random.Random(f"{self.cfg.seed}:{slot}:{generation}")
@@ -268,6 +295,44 @@ class Simulation:
                 self.sender.add(self._event("churn", user_id, reason="suggestions stayed useless"))
                 return "churn"
 
+    async def adversary(self, slot: int, kind: AdversaryKind) -> None:
+        """An adversary in seat `slot`: asks ten times as often as a person and sends its verdict
+        on every suggestion at once, whatever the code (simulator.population)."""
+        rng = random.Random(f"adversary:{self.cfg.seed}:{slot}")
+        pace = draw_person(self.cfg.population, rng)  # its pace and its eye for close code
+        user_id = f"sim{self.cfg.seed}-adversary-{slot}"
+        self.counters.adversaries += 1
+        horizon = float(self.spec["horizon_s"])
+        checks = [float(c) for c in self.spec["retention_checks_s"] if float(c) <= horizon]
+        while not self.stop.is_set():
+            await self._pause(adversary_pause(pace, rng))
+            if self.stop.is_set():
+                return
+            cursor = self.source.draw(rng, self.cfg.population.reject_family_share)
+            prefix, suffix = request_context(cursor)
+            t = self.now()
+            resp = await self.client.complete({
+                "user_id": user_id, "session_id": f"{user_id}-s", "workspace_id": "sim",
+                "language": "python", "file_path": cursor.path.name, "prefix": prefix[-8000:],
+                "suffix": suffix[:2000], "max_new_tokens": self.cfg.max_new_tokens})
+            if resp is None:
+                self.counters.errors += 1
+                continue
+            text = resp["text"] if resp["shown"] else ""
+            sent = adversary_feedback(kind, bool(resp["shown"]), text, checks, rng)
+            accepted = sent[0]["type"] == "accept"
+            for event in sent:
+                fields = {k: v for k, v in event.items() if k != "type"}
+                self.adversary_sender.add(self._event(
+                    event["type"], user_id, suggestion_id=resp["suggestion_id"], **fields))
+            decision = None
+            if resp["shown"] and text:
+                decision = Decision(judge(text, cursor.rest_of_line, pace.close_similarity),
+                                    "accept" if accepted else "reject", 0.0,
+                                    len(text) if accepted else 0, 1.0 if accepted else 0.0)
+            self._record(t, user_id, resp, in_reject_family(prefix), text, decision, cursor,
+                         line_key(cursor) not in self.settled_lines, adversary=kind)
+
     def _settle(self, user_id: str, suggestion_id: str, cursor: Cursor, t: float) -> None:
         """Report what finally stands after the cursor of the request sent at `t`."""
         self.sender.add(self._event("code_settled", user_id, suggestion_id=suggestion_id,
@@ -277,7 +342,8 @@ class Simulation:
         self.counters.settled += 1
 
     def _record(self, t: float, user_id: str, resp: dict[str, Any], family: bool, text: str,
-                decision: Decision | None, cursor: Cursor, fresh: bool) -> None:
+                decision: Decision | None, cursor: Cursor, fresh: bool,
+                adversary: str | None = None) -> None:
         accepted = decision is not None and decision.action == "accept"
         chars = decision.accepted_chars if decision is not None and accepted else 0
         self.records.append(rpt.RequestRecord(
@@ -289,7 +355,7 @@ class Simulation:
             reward=decision_reward(self.spec, len(text), decision),
             latency_ms=float(resp.get("latency_ms", 0.0)),
             phase=phases.phase_at(t, self.cfg.baseline_s), fresh=fresh, path=str(cursor.path),
-            line_no=cursor.line_no))
+            line_no=cursor.line_no, adversary=adversary))
 
     def _feedback(self, user_id: str, suggestion_id: str, d: Decision, after_s: float) -> None:
         if d.action == "ignore":
@@ -323,10 +389,11 @@ class Simulation:
     async def run(self, display: Display) -> None:
         sender_stop = asyncio.Event()
         sender_task = asyncio.create_task(self.sender.run(sender_stop))
+        adversary_task = asyncio.create_task(self.adversary_sender.run(sender_stop))
         # the seats, and the switch from the baseline phase to the learning phase
         seats = [asyncio.create_task(self.seat(i)) for i in range(self.cfg.users)]
         seats.append(asyncio.create_task(self.end_baseline_phase()))
-        for task in (sender_task, *seats):
+        for task in (sender_task, adversary_task, *seats):
             task.add_done_callback(self._end_early_on_error)
         display_task = asyncio.create_task(display.run(self))
         try:
@@ -340,19 +407,21 @@ class Simulation:
             _, late = await asyncio.wait(seats, timeout=self.max_delay_s + 60)
             for task in late:
                 task.cancel()
-            for task in (sender_task, *seats):
+            for task in (sender_task, adversary_task, *seats):
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
             deadline = time.monotonic() + float(self.spec["horizon_s"]) + 5
             while self.pending_reports and time.monotonic() < deadline:
                 display.status = f"delivering the last retention reports ({self.pending_reports})"
                 await asyncio.sleep(0.25)
-            if not await self.sender.drain(60):
-                log.error("%d events could not be delivered", self.sender.pending)
+            for sender in (self.sender, self.adversary_sender):
+                if not await sender.drain(60):
+                    log.error("%d events could not be delivered", sender.pending)
         finally:
             sender_stop.set()
-            if not sender_task.done():
-                await sender_task
+            for task in (sender_task, adversary_task):
+                if not task.done():
+                    await task
             display.done = True
             await display_task
 
@@ -452,6 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", type=Path, metavar="DIR",
                    help="edit every *.py under DIR (tests left out) instead of the standard "
                    "library's held-out files, e.g. a package the policy never trained on")
+    p.add_argument("--adversaries", type=int, default=0, metavar="N",
+                   help="the last N of the --users seats hold adversaries, who accept or reject "
+                   "every suggestion whatever the code; the report gives the honest people's "
+                   "figures apart (default 0)")
+    p.add_argument("--adversary-kinds", default="accept_all,reject_all", metavar="KINDS",
+                   help="comma-separated, taken in turn by the adversaries: "
+                   f"{', '.join(ADVERSARY_KINDS)} (default accept_all,reject_all)")
     p.add_argument("--seed", type=int, default=0, help="seeds people, cursors and decisions")
     p.add_argument("--out", type=Path, default=Path("simulation"),
                    help="report directory (default ./simulation)")
@@ -487,7 +563,19 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      seed=args.seed, bucket_s=args.bucket_s, out=args.out, population=population,
                      max_new_tokens=args.max_new_tokens, baseline_cursors=args.baseline_cursors,
                      baseline_checkpoint=args.baseline_checkpoint,
-                     baseline_json=args.baseline_json, live=args.live)
+                     baseline_json=args.baseline_json, live=args.live,
+                     adversaries=args.adversaries,
+                     adversary_kinds=parse_kinds(args.adversary_kinds))
+
+
+def parse_kinds(text: str) -> tuple[AdversaryKind, ...]:
+    """`accept_all,reject_all` -> the kinds; ValueError naming the known ones."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in ADVERSARY_KINDS]
+    if not kinds or unknown:
+        raise ValueError(f"--adversary-kinds: {', '.join(unknown) or 'none given'}; "
+                         f"known: {', '.join(ADVERSARY_KINDS)}")
+    return kinds  # type: ignore[return-value]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -499,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--users must be >= 1 and --minutes > 0")
     if args.baseline_minutes < 0:
         parser.error("--baseline-minutes must be >= 0")
+    if not 0 <= args.adversaries < args.users:
+        parser.error("--adversaries must be >= 0 and leave at least one of --users honest")
     if not 0.0 <= args.settled <= 1.0:
         parser.error("--settled must be a share in [0, 1]")
     if args.corpus is not None and not args.corpus.is_dir():

@@ -102,6 +102,7 @@ def _serve(app: FastAPI, settings: Settings, sock: socket.socket) -> None:
 
 
 def _ensure_first_admin_key(settings: Settings) -> None:
+    from service.audit import store as audit
     from service.auth.keys import SCOPES, create_key, has_any_key
     from service.db import make_engine
 
@@ -110,7 +111,8 @@ def _ensure_first_admin_key(settings: Settings) -> None:
         with engine.begin() as conn:
             if has_any_key(conn, "admin"):
                 return
-            _key, token = create_key(conn, name="first-admin", scopes=frozenset(SCOPES))
+            key, token = create_key(conn, name="first-admin", scopes=frozenset(SCOPES))
+            audit.record_key(conn, audit.SERVICE, "key.create", key)
     finally:
         engine.dispose()
     print("tabloop: created the first API key (scopes admin, deploy, ingest). It is shown once:")
@@ -156,6 +158,7 @@ def _trainer_key(settings: Settings) -> str:
     """A fresh deploy-scoped key for the in-process trainer of `tabloop up` (old ones revoked)."""
     import sqlalchemy as sa
 
+    from service.audit import store as audit
     from service.auth.keys import create_key, revoke_key
     from service.db import make_engine
     from service.tables import api_keys
@@ -169,8 +172,12 @@ def _trainer_key(settings: Settings) -> str:
                 )
             ).scalars()
             for key_id in list(old):
-                revoke_key(conn, key_id)
-            return create_key(conn, name="embedded-trainer", scopes=frozenset({"deploy"}))[1]
+                revoked = revoke_key(conn, key_id)
+                if revoked is not None:
+                    audit.record_key(conn, audit.SERVICE, "key.revoke", revoked)
+            key, token = create_key(conn, name="embedded-trainer", scopes=frozenset({"deploy"}))
+            audit.record_key(conn, audit.SERVICE, "key.create", key)
+            return token
     finally:
         engine.dispose()
 
@@ -332,7 +339,8 @@ def _with_engine(settings: Settings, fn: Callable[[sa.Connection], T]) -> T:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from service.auth.keys import create_key, parse_scopes
+    from service.audit import store as audit
+    from service.auth.keys import ApiKey, create_key, parse_scopes
 
     settings = _settings(args)
     try:
@@ -340,7 +348,12 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tabloop keys create: {e}", file=sys.stderr)
         return 2
-    _key, token = _with_engine(settings, lambda c: create_key(c, name=args.name, scopes=scopes))
+    def create(c: sa.Connection) -> tuple[ApiKey, str]:
+        key, token = create_key(c, name=args.name, scopes=scopes, no_train=args.no_train)
+        audit.record_key(c, audit.CLI, "key.create", key)  # in the same transaction
+        return key, token
+
+    _key, token = _with_engine(settings, create)
     print(token, flush=True)  # alone on stdout, so scripts can capture it
     return 0
 
@@ -352,15 +365,23 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     keys = _with_engine(settings, list_keys)
     for k in keys:
         state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
-        print(f"{k.id}\t{k.name}\t{','.join(sorted(k.scopes))}\t{state}")
+        privacy = "no-train" if k.no_train else "-"
+        print(f"{k.id}\t{k.name}\t{','.join(sorted(k.scopes))}\t{state}\t{privacy}")
     return 0
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from service.auth.keys import revoke_key
+    from service.audit import store as audit
+    from service.auth.keys import ApiKey, revoke_key
+
+    def revoke(c: sa.Connection) -> ApiKey | None:
+        key = revoke_key(c, args.id)
+        if key is not None:
+            audit.record_key(c, audit.CLI, "key.revoke", key)
+        return key
 
     settings = _settings(args)
-    key = _with_engine(settings, lambda c: revoke_key(c, args.id))
+    key = _with_engine(settings, revoke)
     if key is None:
         print(f"tabloop keys revoke: no key {args.id!r}", file=sys.stderr)
         return 1
@@ -424,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ingest, deploy or admin; repeat or comma-separate for several",
     )
     kc.add_argument("--name", required=True, help="who or what uses the key, e.g. vscode")
+    kc.add_argument(
+        "--no-train",
+        action="store_true",
+        help="privacy mode: its requests are served, but none of their code is stored and "
+        "they are never trained on (docs/PRIVACY.md)",
+    )
     kc.set_defaults(fn=cmd_keys_create)
     keys.add_parser("list", help="list keys (never their secrets)").set_defaults(fn=cmd_keys_list)
     kr = keys.add_parser("revoke", help="revoke a key by id")

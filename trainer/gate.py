@@ -9,6 +9,10 @@ Two checks on a candidate against the live policy:
 - the candidate's reward estimated off-policy on recent logged rollouts — self-normalized
   importance sampling with clipped weights — may not fall below the live policy's on-policy
   mean by more than `max_reward_drop`. The effective sample size is reported with it.
+
+The logged rollouts may carry weights (trainer/caps.py: no person or key holds more than a
+capped share of them): both means are then weighted, and the effective sample size the estimate
+needs is a share of the weights' own, (sum v)^2 / sum v^2, not of the row count.
 """
 
 from __future__ import annotations
@@ -50,14 +54,21 @@ class GateResult:
 
 
 def snis(
-    logp_new: torch.Tensor, logp_behaviour: torch.Tensor, rewards: torch.Tensor, clip: float
+    logp_new: torch.Tensor,
+    logp_behaviour: torch.Tensor,
+    rewards: torch.Tensor,
+    clip: float,
+    row_weights: torch.Tensor | None = None,
 ) -> tuple[float, float]:
     """Self-normalized IS estimate of the new policy's mean reward, and the effective sample
-    size (sum w)^2 / sum w^2, with weights exp(logp_new - logp_behaviour) clipped to [0, clip]."""
+    size (sum w)^2 / sum w^2, with weights exp(logp_new - logp_behaviour) clipped to [0, clip],
+    each times its row's weight when given."""
     if rewards.numel() == 0:
         return float("nan"), 0.0
     log_w = (logp_new - logp_behaviour).double().clamp(max=math.log(clip))
     w = torch.exp(log_w).clamp(max=clip)
+    if row_weights is not None:
+        w = w * row_weights.double()
     total, squares = float(w.sum()), float((w * w).sum())
     # a candidate that gives the logged actions ~no probability: weights (or their squares)
     # underflow to 0, and there is no evidence for it at all
@@ -89,13 +100,20 @@ def check(
     rewards: torch.Tensor,
     cfg: GateConfig,
     base: GPT | None = None,
+    weights: torch.Tensor | None = None,
 ) -> GateResult:
+    """`weights`: the logged rollouts' weights (trainer/caps.py); None: all 1."""
     loss_live = heldout_loss(live, heldout)
     loss_cand = heldout_loss(candidate, heldout)
     loss_base = loss_live if base is None or base is live else heldout_loss(base, heldout)
-    reward_live = float(rewards.mean()) if rewards.numel() else float("nan")
+    v = torch.ones(len(actions), dtype=torch.float64) if weights is None else weights.double()
+    reward_live = (
+        float((rewards.double() * v).sum() / v.sum()) if rewards.numel() else float("nan")
+    )
     logp_new = score_actions(candidate, tokenizer, actions).total if actions else torch.empty(0)
-    est, ess = snis(logp_new, behaviour_logp, rewards, cfg.weight_clip)
+    est, ess = snis(logp_new, behaviour_logp, rewards, cfg.weight_clip, weights)
+    # what the weights alone leave of the sample: len(actions) when they are all equal
+    sample = float(v.sum() ** 2 / (v * v).sum()) if len(actions) else 0.0
 
     def result(passed: bool, reason: str) -> GateResult:
         return GateResult(
@@ -113,7 +131,7 @@ def check(
         return result(False, f"held-out loss {loss_cand:.3f} vs live {loss_live:.3f}")
     if loss_cand > loss_base + cfg.max_heldout_regression_base:
         return result(False, f"held-out loss {loss_cand:.3f} vs base {loss_base:.3f}")
-    need = max(cfg.min_ess, cfg.min_ess_fraction * len(actions))
+    need = max(cfg.min_ess, cfg.min_ess_fraction * sample)
     if ess < need:
         return result(False, f"effective sample size {ess:.1f} < {need:.1f}")
     if est < reward_live - cfg.max_reward_drop:

@@ -81,6 +81,7 @@ class Join:
                     rollouts.c.created_at,
                     rollouts.c.shown,
                     rollouts.c.text,
+                    rollouts.c.text_chars,
                     rollouts.c.reports_views,
                     rollouts.c.policy_version,
                 )

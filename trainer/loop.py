@@ -31,7 +31,9 @@ from service.policy.checkpoint import load_checkpoint, save_checkpoint
 from service.policy.model import GPT
 from service.policy.sampling import STOP_LANGUAGE
 from service.policy.tokenizer import CodeTokenizer
+from service.privacy import trainable
 from service.registry.store import Deployment, artifact_files, current_deployment, write_files
+from service.retention import code_cutoff, with_code
 from service.rewards.core import UNVIEWED
 from service.rewards.store import current_spec
 from service.stream.consumer import open_consumer
@@ -47,6 +49,7 @@ from service.tables import (
     trainer_state,
     utcnow,
 )
+from trainer.caps import cap_weights, capped
 from trainer.deploy import ApiError, ArmStats, CanaryConfig, ServiceClient, canary_verdict
 from trainer.gate import GateConfig, check, heldout_sample
 from trainer.join import Join
@@ -63,12 +66,15 @@ from trainer.update import Batch, UpdateConfig, carry_state, make_optimizer, upd
 log = logging.getLogger(__name__)
 
 TRAINER_LOCK_ID = 0x7AB1_00B1  # pg_advisory_lock key held by the active trainer (relay: ...B0)
+CAPPED_BATCHES = 50  # batches whose capped people and keys the state keeps (trainer_state.info)
+CAPPED_LISTED = 20  # the most capped people (and keys) kept per batch, most weight removed first
 
 # a rollout with its finalized reward: what an update reads. A request in a language the policy
 # was not trained on is left out: nothing was sampled and the policy made no choice, so it has
 # nothing to teach (and its reward of 0 would only shift the baseline).
 # An unviewed suggestion (shown to a client that reports views, never viewed) is left out too:
 # nobody judged it, and its reward of 0 would teach the gate that showing is worth nothing.
+# A rollout made in privacy mode (no_train) is never read: its code was not even stored.
 _ROLLOUT_ROWS = sa.select(
     rollouts.c.suggestion_id,
     rollouts.c.context_token_ids,
@@ -81,9 +87,11 @@ _ROLLOUT_ROWS = sa.select(
     rollouts.c.token_logprobs,
     rollouts.c.decision_logprob,
     rollouts.c.policy_version,
+    rollouts.c.user_id,  # whose and which key's: each one's share of a batch is capped
+    rollouts.c.api_key_id,
     rewards.c.value,
 ).join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id).where(
-    rollouts.c.stop_reason != STOP_LANGUAGE, rewards.c.outcome != UNVIEWED
+    rollouts.c.stop_reason != STOP_LANGUAGE, rewards.c.outcome != UNVIEWED, trainable()
 )
 
 
@@ -94,6 +102,8 @@ class TrainerConfig:
     max_batch_factor: int = 4  # an update takes every eligible rollout up to this x batch_size
     gate_fraction: float = 0.2  # share of a batch held back to estimate the candidate's reward
     staleness: int = 3  # train on rollouts of versions seen in the last N deployments
+    # the most of a batch's weight one person or one API key may hold (trainer/caps.py)
+    max_share: float = 0.25
     canary_fraction: float = 0.1  # share of users the candidate gets first
     canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(2000, 3600.0, 500))
     gate: GateConfig = field(default_factory=GateConfig)
@@ -146,6 +156,7 @@ class TrainerConfig:
             cfg.batch_size = settings.trainer_batch_size
         if settings.trainer_canary_min_rollouts:
             cfg.canary = replace(cfg.canary, min_rollouts=settings.trainer_canary_min_rollouts)
+        cfg.max_share = settings.trainer_max_share
         return cfg
 
 
@@ -232,13 +243,21 @@ class Trainer:
         log.info("trainer stopped")
 
     # -- training --------------------------------------------------------------------------
+    def _code_kept(self) -> list[Any]:
+        """SQL conditions: the rollout's code is still stored (TABLOOP_CODE_RETENTION_DAYS
+        blanks it in older ones, service/retention.py)."""
+        cutoff = code_cutoff(self.settings, self.horizon.total_seconds(), utcnow())
+        return [] if cutoff is None else [rollouts.c.created_at >= cutoff]
+
     def _trained_rows(self, *where: Any, limit: int) -> list[sa.Row]:
         """Rollouts already trained on (rewards.trained_at set) that match `where`, newest
         first, at most `limit`: what the gate's fit and the settled-text term read again."""
         with self.engine.connect() as conn:
-            return list(
+            return with_code(
                 conn.execute(
-                    _ROLLOUT_ROWS.where(rewards.c.trained_at.is_not(None), *where)
+                    _ROLLOUT_ROWS.where(
+                        rewards.c.trained_at.is_not(None), *where, *self._code_kept()
+                    )
                     .order_by(rewards.c.rollout_created_at.desc())
                     .limit(limit)
                 ).all()
@@ -259,15 +278,21 @@ class Trainer:
         has_text = sa.select(events.c.suggestion_id).where(events.c.type == CODE_SETTLED)
         return self._trained_rows(rollouts.c.suggestion_id.in_(has_text), limit=limit)
 
+    def _weights(self, rows: list[sa.Row]) -> list[float]:
+        """Each row's weight: no person or key above cfg.max_share of the rows' total."""
+        return cap_weights([r.user_id for r in rows], [r.api_key_id for r in rows],
+                           self.cfg.max_share)
+
     def _with_settled(self, rows: list[sa.Row]) -> Batch:
-        """The rows as a batch, each with the text its person settled on (None: no report, or
-        the settled-text term is off and nothing is read)."""
+        """The rows as a batch, capped (`_weights`), each with the text its person settled on
+        (None: no report, or the settled-text term is off and nothing is read)."""
         texts = (
             settled_texts(self.engine, suggestion_ids=[r.suggestion_id for r in rows])
             if self.cfg.update.settled_epochs
             else {}
         )
-        return Batch.of(rows, [r.value for r in rows], [texts.get(r.suggestion_id) for r in rows])
+        return Batch.of(rows, [r.value for r in rows], [texts.get(r.suggestion_id) for r in rows],
+                        self._weights(rows))
 
     def _batch_rows(self, dep: Deployment) -> list[sa.Row]:
         with self.engine.connect() as conn:
@@ -277,7 +302,7 @@ class Trainer:
                 .limit(self.cfg.staleness)
             ).all()
             versions = {v for r in recent for v in r if v is not None}
-            return list(
+            return with_code(
                 conn.execute(
                     _ROLLOUT_ROWS.where(
                         rewards.c.trained_at.is_(None),
@@ -286,6 +311,7 @@ class Trainer:
                         # abstentions finalize at once, shown ones later, and a batch drawn
                         # by finalization time would under-represent what was shown
                         rewards.c.rollout_created_at <= utcnow() - self.horizon,
+                        *self._code_kept(),
                     )
                     # newest first: what waited during a canary is used, not left to go stale
                     .order_by(rewards.c.rollout_created_at.desc())
@@ -316,7 +342,11 @@ class Trainer:
         carry_state(optimizer, self._optimizer_state)
         batch = self._with_settled(train_rows)
         earlier = self._replay_rows()
-        replay = Batch.of(earlier, [r.value for r in earlier]) if earlier else None
+        replay = (
+            Batch.of(earlier, [r.value for r in earlier], weights=self._weights(earlier))
+            if earlier
+            else None
+        )
         earlier_settled = self._settled_replay_rows()
         settled = self._with_settled(earlier_settled) if earlier_settled else None
         metrics = update(
@@ -338,6 +368,7 @@ class Trainer:
             torch.tensor([r.value for r in gate_rows]),
             self.cfg.gate,
             base=ref_model,
+            weights=torch.tensor(self._weights(gate_rows)),
         )
         ids = [r.suggestion_id for r in train_rows]
         now = utcnow()
@@ -348,6 +379,7 @@ class Trainer:
             "mean_reward": float(batch.rewards.mean()),
             "update": metrics,
             "gate": result.to_dict(),
+            "caps": self._record_caps(train_rows, batch, now),
             "seconds": round(time.monotonic() - started, 2),
         }
         self.state["last_update"] = {"at": now.isoformat(), **summary}
@@ -393,6 +425,22 @@ class Trainer:
         )
         self._remember("canary", version, result.reason)
         self.state["state"] = "canary"
+
+    def _record_caps(self, rows: list[sa.Row], batch: Batch, now: Any) -> dict[str, Any]:
+        """Who was capped in this batch: kept in the state (the last CAPPED_BATCHES batches,
+        read by GET /admin/metrics), summed up for the candidate's training summary."""
+        weights = batch.row_weights().tolist()
+        users = capped([r.user_id for r in rows], weights)
+        keys = capped([r.api_key_id for r in rows], weights)
+        entry = {"at": now.isoformat(), "rollouts": len(rows), "max_share": self.cfg.max_share,
+                 "users": [c.to_dict() for c in users[:CAPPED_LISTED]],
+                 "keys": [c.to_dict() for c in keys[:CAPPED_LISTED]]}
+        history = self.state.setdefault("capped", [])
+        history.append(entry)
+        del history[:-CAPPED_BATCHES]
+        return {"max_share": self.cfg.max_share, "users_capped": len(users),
+                "keys_capped": len(keys),
+                "weight_removed": round(sum(c.weight_removed for c in users + keys), 3)}
 
     def _mark_trained(self, ids: list[str], version: int | None) -> None:
         """Stamp rewards as used (and by which candidate); a stamped reward is never reused."""

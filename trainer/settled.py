@@ -44,10 +44,14 @@ def settled_targets(
 
 
 def settled_nll(
-    model: GPT, actions: Sequence[Action], targets: Sequence[tuple[int, list[int]]]
+    model: GPT, actions: Sequence[Action], targets: Sequence[tuple[int, list[int]]],
+    weights: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Mean token NLL (model distribution, temperature 1) of each target after its action's
-    context, over all target tokens: the supervised loss on settled text, (). Differentiable."""
+    context, over all target tokens: the supervised loss on settled text, (). Differentiable.
+    `weights`: one per target (mean 1 over all the examples a pass reads), each of its tokens'
+    NLL multiplied by it, still divided by the token count (so a minibatch of light examples
+    weighs little, as it should)."""
     assert targets, "no settled text"
     block = model.config.block_size
     seqs, spans = [], []
@@ -63,7 +67,10 @@ def settled_nll(
     cols = [c - 1 + j for c, n in spans for j in range(n)]
     tgt = torch.tensor([t for seq, (c, n) in zip(seqs, spans, strict=True) for t in seq[c:c + n]])
     logits = model.logits(model.hidden(idx)[rows, cols]).float()
-    return F.cross_entropy(logits, tgt)
+    if weights is None:
+        return F.cross_entropy(logits, tgt)
+    per_token = torch.tensor([weights[b] for b in rows], dtype=torch.float32)
+    return (F.cross_entropy(logits, tgt, reduction="none") * per_token).mean()
 
 
 def settled_passes(
@@ -76,11 +83,14 @@ def settled_passes(
     (N, T+1) when given. The learning rate is the optimizer's times settled_lr_mult for these
     steps; the gate gets no gradient."""
     parts = [b for b in (batch, replay) if b is not None and b.settled is not None]
-    examples = [(b.actions[i], ids) for b in parts
+    examples = [(b.actions[i], ids, float(b.row_weights()[i])) for b in parts
                 for i, ids in settled_targets(tokenizer, b.actions, b.settled or [],
                                               cfg.settled_max_tokens)]
     if not examples or cfg.settled_epochs <= 0:
         return {"settled/examples": float(len(examples))}
+    # the rows' weights (trainer/caps.py), to a mean of 1 over the examples read
+    mean_weight = sum(w for _, _, w in examples) / len(examples)
+    weighted = any(b.weights is not None for b in parts) and mean_weight > 0
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] *= cfg.settled_lr_mult
@@ -93,8 +103,9 @@ def settled_passes(
             total, steps = 0.0, 0
             for start in range(0, len(order), cfg.minibatch_size):
                 mb = [examples[i] for i in order[start : start + cfg.minibatch_size]]
-                loss = settled_nll(model, [a for a, _ in mb],
-                                   [(j, ids) for j, (_, ids) in enumerate(mb)])
+                loss = settled_nll(model, [a for a, _, _ in mb],
+                                   [(j, ids) for j, (_, ids, _) in enumerate(mb)],
+                                   [w / mean_weight for _, _, w in mb] if weighted else None)
                 total, steps = total + loss.item(), steps + 1
                 if generic is not None and cfg.generic_mix > 0:
                     rows = generic[torch.randint(0, len(generic), (cfg.generic_rows,))]

@@ -25,8 +25,12 @@ A Batch without per-part behaviour log-probs falls back to one ratio per action.
 
 Advantages are computed once over the whole batch (the baseline must not change with the
 minibatch split), then `epochs` passes of shuffled minibatches, each a gradient step with
-global-norm clipping. Dropout is off during the update: the ratio compares the same function
-the server sampled from.
+global-norm clipping. A batch may carry row weights (mean 1: trainer/caps.py caps each person's
+and each key's share of them): the baseline is then the weighted mean, and each row's advantage
+is multiplied by its weight. As the weights are >= 0, min(rho w A, clip(rho) w A) = w min(rho A,
+clip(rho) A): a row's whole clipped term is scaled, and a minibatch's mean of them is an unbiased
+share of the weighted batch loss. Dropout is off during the update: the ratio compares the same
+function the server sampled from.
 """
 
 from __future__ import annotations
@@ -107,6 +111,8 @@ class Batch:
     behaviour_decision_logp: torch.Tensor | None = None  # (B,)
     # what finally stood after each rollout's cursor (code_settled), None where nobody said
     settled: Sequence[str | None] | None = None
+    # (B,) each row's weight, mean 1 (trainer/caps.py); None: all 1
+    weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.actions)
@@ -120,6 +126,8 @@ class Batch:
             assert self.behaviour_decision_logp is not None
             assert self.behaviour_decision_logp.shape == (n,), "one decision log-prob per action"
         assert self.settled is None or len(self.settled) == n, "one settled text (or None) each"
+        assert self.weights is None or self.weights.shape == (n,), f"weights shape != ({n},)"
+        assert self.weights is None or bool((self.weights >= 0).all()), "weights must be >= 0"
 
     @classmethod
     def of(
@@ -127,6 +135,7 @@ class Batch:
         actions: Sequence[Any],
         rewards: Sequence[float],
         settled: Sequence[str | None] | None = None,
+        weights: Sequence[float] | None = None,
     ) -> Batch:
         """From logged rollouts (Completions or rollout rows): totals and per-part log-probs."""
         return cls(
@@ -136,7 +145,12 @@ class Batch:
             behaviour_token_logp=[list(a.token_logprobs) for a in actions],
             behaviour_decision_logp=torch.tensor([float(a.decision_logprob) for a in actions]),
             settled=settled,
+            weights=None if weights is None else torch.tensor([float(w) for w in weights]),
         )
+
+    def row_weights(self) -> torch.Tensor:
+        """(B,) the rows' weights (all 1 without any)."""
+        return torch.ones(len(self.actions)) if self.weights is None else self.weights
 
     def select(self, idx: list[int]) -> Batch:
         """The actions at `idx` (a minibatch)."""
@@ -150,17 +164,22 @@ class Batch:
                 None if self.behaviour_decision_logp is None else self.behaviour_decision_logp[idx]
             ),
             settled=None if self.settled is None else [self.settled[i] for i in idx],
+            weights=None if self.weights is None else self.weights[idx],
         )
 
 
 # --- pure helpers ------------------------------------------------------------------------
-def advantages(rewards: torch.Tensor, baseline: str, normalize: bool) -> torch.Tensor:
+def advantages(
+    rewards: torch.Tensor, baseline: str, normalize: bool, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Reward minus a baseline, (B,) -> (B,).
 
     "mean": r_i - mean(r). "loo": r_i - mean_{j != i} r_j = B/(B-1) (r_i - mean(r)), unbiased
     because the baseline does not depend on the action it is subtracted from. One sample has
     no baseline to compare with: its advantage is 0. `normalize` divides by the std (when it is
-    not ~0, so an all-equal batch stays all zeros).
+    not ~0, so an all-equal batch stays all zeros). With `weights` (>= 0) the means are weighted
+    (a capped person's rewards move the baseline only as much as their weight); the advantages
+    are not multiplied by them here (`weighted_advantages` does).
     """
     assert rewards.dim() == 1 and rewards.is_floating_point(), "rewards must be 1-D floats"
     assert baseline in ("mean", "loo"), f"unknown baseline {baseline!r}"
@@ -170,14 +189,31 @@ def advantages(rewards: torch.Tensor, baseline: str, normalize: bool) -> torch.T
     r = rewards.double()
     if n == 1:
         return torch.zeros_like(rewards)
-    adv = r - r.mean()
-    if baseline == "loo":
-        adv = adv * n / (n - 1)
+    if weights is None:
+        adv = r - r.mean()
+        if baseline == "loo":
+            adv = adv * n / (n - 1)
+    else:
+        assert weights.shape == rewards.shape, "one weight per reward"
+        w = weights.double()
+        total, weighted = w.sum(), (w * r).sum()
+        if baseline == "mean":
+            adv = r - weighted / total
+        else:  # the weighted mean of the others; nothing to compare with when they weigh 0
+            others = total - w
+            safe = others.clamp(min=1e-12)
+            adv = torch.where(others > 1e-12, r - (weighted - w * r) / safe, torch.zeros_like(r))
     if normalize:
         std = adv.std()
         if std > 1e-8:
             adv = adv / std
     return adv.to(rewards.dtype)
+
+
+def weighted_advantages(batch: Batch, cfg: UpdateConfig) -> torch.Tensor:
+    """The advantages the loss uses: `advantages` with the batch's weights, times them."""
+    adv = advantages(batch.rewards, cfg.baseline, cfg.normalize_advantages, batch.weights)
+    return adv if batch.weights is None else adv * batch.weights.to(adv.dtype)
 
 
 def clipped_surrogate(
@@ -246,9 +282,9 @@ def pg_loss(
     adv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one (mini)batch and its metrics. `adv`: precomputed advantages (update()
-    passes the full batch's), else computed from batch.rewards with cfg's baseline."""
+    passes the full batch's), else `weighted_advantages` of this batch."""
     if adv is None:
-        adv = advantages(batch.rewards, cfg.baseline, cfg.normalize_advantages)
+        adv = weighted_advantages(batch, cfg)
     new = score_actions(model, tokenizer, batch.actions)
     with torch.no_grad():
         ref = score_actions(ref_model, tokenizer, batch.actions).total
@@ -380,7 +416,7 @@ def update(
     n = len(batch.actions)
     assert n > 0, "empty batch"
     assert cfg.epochs >= 1 and cfg.minibatch_size >= 1, "epochs and minibatch_size must be >= 1"
-    adv = advantages(batch.rewards, cfg.baseline, cfg.normalize_advantages)
+    adv = weighted_advantages(batch, cfg)
     totals: dict[str, float] = defaultdict(float)
     steps = 0
     with _updating(model, ref_model, cfg.train_gate_only, not cfg.train_embeddings):
@@ -481,7 +517,8 @@ def fit_gate_to_rewards(
     The decision is a contextual bandit with two arms: abstaining earns about the same in every
     context (r0: the mean reward of this batch's abstentions), showing earns r_i, observed where
     a rollout was shown. "Show iff E[r | x] > r0" is then a weighted classification (the
-    cost-sensitive reduction of a bandit's decision): label y_i = [r_i > r0], weight |r_i - r0|.
+    cost-sensitive reduction of a bandit's decision): label y_i = [r_i > r0], weight |r_i - r0|
+    (times the row's weight, trainer/caps.py; r0 is then the weighted mean).
     Its weighted logistic regression on the gate's own inputs x (the last hidden state and the
     confidence features) has logit ~ log(E[gain | x] / E[loss | x]): positive exactly where the
     expected reward of showing beats abstaining, and the further from zero the surer. The fit is
@@ -502,10 +539,15 @@ def fit_gate_to_rewards(
     """
     actions = list(batch.actions) + ([] if replay is None else list(replay.actions))
     rewards = batch.rewards if replay is None else torch.cat([batch.rewards, replay.rewards])
+    # the rows' weights (trainer/caps.py) weigh both the abstention baseline and each verdict
+    row_w = batch.row_weights() if replay is None else torch.cat(
+        [batch.row_weights(), replay.row_weights()])
     in_batch = torch.arange(len(actions)) < len(batch.actions)
     shown = torch.tensor([bool(a.shown) for a in actions])  # never empty: the server hides those
     abstained = in_batch & ~shown
-    r0 = float(rewards[abstained].mean()) if abstained.any() else 0.0
+    r0 = 0.0
+    if abstained.any() and float(row_w[abstained].sum()) > 0:
+        r0 = float((rewards[abstained] * row_w[abstained]).sum() / row_w[abstained].sum())
     gain = rewards[shown] - r0
     y = (gain > 0).float()
     # too few verdicts for a fit on the hidden state, or one class (or none): nothing to separate
@@ -516,7 +558,7 @@ def fit_gate_to_rewards(
                  for i in range(0, len(actions), 256)]
     h = torch.cat([p.gate_hidden for p in parts])
     x = torch.cat([p.gate_inputs for p in parts])
-    w = gain.abs()
+    w = gain.abs() * row_w[shown]
     w = w / w.mean()
     inputs = torch.cat([h[shown], x[shown]], 1).double()
     mu, sd = inputs.mean(0), inputs.std(0) + 1e-6

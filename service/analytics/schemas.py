@@ -73,6 +73,61 @@ class BucketRow(Row):
     start: datetime = Field(description="start of the bucket (buckets are aligned to bucket_s)")
 
 
+class RefusedGroup(BaseModel):
+    """A person (user_id) or API key whose feedback events were refused."""
+
+    id: str = Field(description="the user_id, or the API key's public id")
+    name: str | None = Field(None, description="the key's name (keys only)")
+    refused: int = Field(description="refused events in the window")
+    reasons: dict[str, int] = Field(
+        description="by reason: wrong_key, wrong_user, not_shown, before_served, late"
+    )
+
+
+class CappedGroup(BaseModel):
+    """A person or API key whose rows the trainer weighted down in batches of the window."""
+
+    id: str = Field(description="the user_id, or the API key's public id")
+    name: str | None = Field(None, description="the key's name (keys only)")
+    batches: int = Field(description="batches in which it was capped")
+    rows: int = Field(description="its rows in those batches")
+    weight_removed: float = Field(
+        description="rows minus the weight they kept, summed (the weights average 1 per row)"
+    )
+    max_share: float = Field(description="the largest share of one batch's rows it held")
+
+
+_TRUST_EXAMPLE: dict[str, Any] = {
+    "refused": 120,
+    "refused_by_reason": {"wrong_key": 100, "not_shown": 20},
+    "refused_users": [{"id": "u-7", "name": None, "refused": 120,
+                       "reasons": {"wrong_key": 100, "not_shown": 20}}],
+    "refused_keys": [{"id": "k3x9", "name": "ci-bot", "refused": 120,
+                      "reasons": {"wrong_key": 100, "not_shown": 20}}],
+    "batches": 4,
+    "capped_users": [{"id": "u-7", "name": None, "batches": 4, "rows": 2900,
+                      "weight_removed": 1850.5, "max_share": 0.71}],
+    "capped_keys": [],
+}
+
+
+class FeedbackTrust(BaseModel):
+    """Whose feedback was refused at ingestion or capped in training, over the window (the
+    people and keys with the most first, at most 10 each)."""
+
+    model_config = ConfigDict(json_schema_extra={"example": _TRUST_EXAMPLE})
+
+    refused: int = Field(description="refused feedback events received in the window (dead "
+                         "letters with a refusal's reason; the newest 20,000 dead letters read)")
+    refused_by_reason: dict[str, int]
+    refused_users: list[RefusedGroup] = Field(description="by refused events")
+    refused_keys: list[RefusedGroup] = Field(description="by refused events")
+    batches: int = Field(description="training batches in the window whose caps are known (the "
+                         "trainer keeps its last 50)")
+    capped_users: list[CappedGroup] = Field(description="by weight removed")
+    capped_keys: list[CappedGroup] = Field(description="by weight removed")
+
+
 class MetricsOut(BaseModel):
     model_config = ConfigDict(
         populate_by_name=True,
@@ -84,6 +139,7 @@ class MetricsOut(BaseModel):
                 "to": "2026-11-29T12:00:00Z",
                 "versions": [_ROW_EXAMPLE],
                 "buckets": [{"start": "2026-11-29T11:58:00Z", **_ROW_EXAMPLE}],
+                "feedback": _TRUST_EXAMPLE,
             }
         },
     )
@@ -94,3 +150,6 @@ class MetricsOut(BaseModel):
     to: datetime = Field(description="end of the window (exclusive): now unless asked")
     versions: list[Row] = Field(description="one row per policy version over the whole window")
     buckets: list[BucketRow] = Field(description="per bucket and version, in time order")
+    feedback: FeedbackTrust = Field(
+        description="whose feedback was refused or capped in the window (docs/METRICS.md)"
+    )

@@ -5,7 +5,8 @@ sums counts, characters and rewards per (bucket, version); one ranks latencies w
 functions (SQLite has no percentile aggregate) and returns only the few ranked rows that the
 p50 and p99 of each bucket and version interpolate between. Buckets are aligned to multiples of
 bucket_s since the epoch, so a refreshing chart keeps its points in place; the first and last
-bucket may be partial.
+bucket may be partial. The `feedback` section (whose feedback was refused or capped) comes from
+service/analytics/trust.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from service.analytics.schemas import BucketRow, MetricsOut, Row
+from service.analytics.trust import feedback_trust
 from service.errors import Unprocessable
 from service.rewards.core import UNVIEWED
 from service.tables import rewards, rollouts, utcnow
@@ -170,7 +172,9 @@ def metrics(
     # an unviewed suggestion was neither accepted nor rejected by anyone: not in the accept rate
     judged = sa.and_(r.c.shown, final, w.c.outcome != UNVIEWED)
     accepted = w.c.outcome == "accepted"
-    chars = sa.func.round(w.c.components["share"].as_float() * sa.func.length(r.c.text))
+    # text_chars: the suggestion's length also where its text is not kept (docs/PRIVACY.md)
+    text_chars = sa.func.coalesce(r.c.text_chars, sa.func.length(r.c.text))
+    chars = sa.func.round(w.c.components["share"].as_float() * text_chars)
     retention = w.c.components["retention"].as_float()
     sums = (
         sa.select(
@@ -250,4 +254,5 @@ def metrics(
             Row(**per_version[v].row(v, latency(version_ms.get(v)))) for v in sorted(per_version)
         ],
         "buckets": buckets,
+        "feedback": feedback_trust(conn, start=start, end=end),
     })

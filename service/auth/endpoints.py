@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from pydantic.config import JsonDict
 
+from service.audit.recorder import AuditEntry
+from service.audit.store import key_detail
 from service.auth.keys import SCOPES, ApiKey, create_key, list_keys, parse_scopes, revoke_key
-from service.deps import AdminKey, CtxDep
+from service.deps import ADMIN, AdminKey, CtxDep, audited
 from service.errors import NotFound, Unprocessable
 from service.openapi import error_responses
 
@@ -23,6 +25,7 @@ _KEY: JsonDict = {
     "scopes": ["ingest"],
     "created_at": "2026-11-29T12:00:00Z",
     "revoked_at": None,
+    "no_train": False,
 }
 
 
@@ -34,6 +37,9 @@ class KeyCreate(BaseModel):
     name: str = Field(min_length=1, max_length=200, examples=["vscode-plugin"])
     scopes: list[Literal["ingest", "deploy", "admin"]] = Field(
         min_length=1, examples=[["ingest"]], description=f"Any of {SCOPES}")
+    no_train: StrictBool = Field(
+        False, description="Privacy mode for every request made with the key: served, but none "
+        "of its code is stored and it is never trained on (docs/PRIVACY.md). Set for good.")
 
 
 class KeyOut(BaseModel):
@@ -44,11 +50,13 @@ class KeyOut(BaseModel):
     scopes: list[str]
     created_at: datetime
     revoked_at: datetime | None
+    no_train: bool = Field(description="Privacy mode: its requests' code is never stored or "
+                           "trained on")
 
     @classmethod
     def of(cls, key: ApiKey) -> KeyOut:
         return cls(id=key.id, name=key.name, scopes=sorted(key.scopes),
-                   created_at=key.created_at, revoked_at=key.revoked_at)
+                   created_at=key.created_at, revoked_at=key.revoked_at, no_train=key.no_train)
 
 
 class KeyCreated(KeyOut):
@@ -60,7 +68,9 @@ class KeyCreated(KeyOut):
 
 
 @router.post("", status_code=201, response_model=KeyCreated)
-def post_key(body: KeyCreate, _admin: AdminKey, ctx: CtxDep) -> KeyCreated:
+def post_key(
+    body: KeyCreate, audit: Annotated[AuditEntry, audited("key.create", *ADMIN)], ctx: CtxDep
+) -> KeyCreated:
     """Make a key with the given scopes (`ingest`, `deploy`, `admin`). The token is in this
     answer only: the database keeps its hash."""
     try:
@@ -68,7 +78,8 @@ def post_key(body: KeyCreate, _admin: AdminKey, ctx: CtxDep) -> KeyCreated:
     except ValueError as e:
         raise Unprocessable(str(e)) from None
     with ctx.engine.begin() as conn:
-        key, token = create_key(conn, name=body.name, scopes=scopes)
+        key, token = create_key(conn, name=body.name, scopes=scopes, no_train=body.no_train)
+        audit.record(conn, target=key.id, detail=key_detail(key))  # never the token
     return KeyCreated(**KeyOut.of(key).model_dump(), token=token)
 
 
@@ -80,11 +91,16 @@ def get_keys(_admin: AdminKey, ctx: CtxDep) -> list[KeyOut]:
 
 
 @router.delete("/{key_id}", response_model=KeyOut, responses=error_responses(404))
-def delete_key(key_id: str, _admin: AdminKey, ctx: CtxDep) -> KeyOut:
+def delete_key(
+    key_id: str, audit: Annotated[AuditEntry, audited("key.revoke", *ADMIN, target="key_id")],
+    ctx: CtxDep,
+) -> KeyOut:
     """Revoke a key: refused from the next request here, and by every other API process
     within `TABLOOP_AUTH_CACHE_TTL_S` (1 s by default)."""
     with ctx.engine.begin() as conn:
         key = revoke_key(conn, key_id)
+        if key is not None:
+            audit.record(conn, detail=key_detail(key))
     ctx.keys.invalidate(key_id)  # at once here; other API processes within auth_cache_ttl_s
     if key is None:
         raise NotFound(f"no key {key_id!r}")

@@ -30,6 +30,7 @@ class ApiKey:
     scopes: frozenset[str]
     created_at: datetime
     revoked_at: datetime | None = None
+    no_train: bool = False  # privacy mode for every request it makes (service/privacy.py)
 
 
 def _sha256(text: str) -> str:
@@ -51,8 +52,12 @@ def parse_scopes(values: Sequence[str] | str) -> frozenset[str]:
     return scopes
 
 
-def create_key(conn: sa.Connection, *, name: str, scopes: frozenset[str]) -> tuple[ApiKey, str]:
-    """Insert a key and return it with its token; the token is not recoverable afterwards."""
+def create_key(
+    conn: sa.Connection, *, name: str, scopes: frozenset[str], no_train: bool = False
+) -> tuple[ApiKey, str]:
+    """Insert a key and return it with its token; the token is not recoverable afterwards.
+    `no_train`: every request made with it is in privacy mode (its code is never stored or
+    trained on); set for good at creation."""
     key_id = secrets.token_hex(8)
     secret = secrets.token_urlsafe(32)
     now = utcnow()
@@ -63,9 +68,10 @@ def create_key(conn: sa.Connection, *, name: str, scopes: frozenset[str]) -> tup
             scopes=",".join(sorted(scopes)),
             secret_sha256=_sha256(secret),
             created_at=now,
+            no_train=no_train,
         )
     )
-    return ApiKey(key_id, name, scopes, now), f"{PREFIX}{key_id}_{secret}"
+    return ApiKey(key_id, name, scopes, now, no_train=no_train), f"{PREFIX}{key_id}_{secret}"
 
 
 def authenticate(conn: sa.Connection, token: str) -> ApiKey | None:
@@ -86,7 +92,8 @@ def authenticate(conn: sa.Connection, token: str) -> ApiKey | None:
 
 def _to_key(row: sa.Row) -> ApiKey:
     return ApiKey(
-        row.id, row.name, frozenset(row.scopes.split(",")), row.created_at, row.revoked_at
+        row.id, row.name, frozenset(row.scopes.split(",")), row.created_at, row.revoked_at,
+        no_train=bool(row.no_train),  # NULL (older keys): false
     )
 
 

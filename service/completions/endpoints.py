@@ -7,6 +7,7 @@ from fastapi import APIRouter
 from service.completions.schemas import CompleteRequest, CompleteResponse
 from service.completions.service import serve
 from service.deps import CtxDep, IngestKey
+from service.privacy import NoTrainHeader, in_privacy_mode
 
 router = APIRouter(prefix="/v1", tags=["complete"])
 
@@ -22,10 +23,13 @@ router = APIRouter(prefix="/v1", tags=["complete"])
         503: {"description": "No policy deployed yet, or the database is down"},
     },
 )
-async def post_complete(req: CompleteRequest, _key: IngestKey, ctx: CtxDep) -> CompleteResponse:
+async def post_complete(
+    req: CompleteRequest, key: IngestKey, ctx: CtxDep, no_train: NoTrainHeader
+) -> CompleteResponse:
     """Sample the rest of the line (or abstain: `shown` false, `text` empty). Every call is a
-    rollout, recorded before the answer with the behaviour log-probabilities."""
-    served = await serve(ctx, req)
+    rollout, recorded before the answer with the behaviour log-probabilities (in privacy mode
+    without its code: docs/PRIVACY.md)."""
+    served = await serve(ctx, in_privacy_mode(req, key, no_train), api_key_id=key.id)
     return CompleteResponse(
         suggestion_id=served.suggestion_id,
         policy_version=served.policy_version,

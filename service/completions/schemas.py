@@ -58,6 +58,12 @@ class CompleteRequest(BaseModel):
         description="This client sends a `view` event when it displays a suggestion; then a shown "
         "suggestion it never reports viewed is not counted as a silent reject (docs/REWARD.md)",
     )
+    no_train: StrictBool = Field(
+        False,
+        description="Privacy mode: the suggestion is served, but none of this request's code is "
+        "stored and it is never trained on (also the `X-Tabloop-No-Train: 1` header, or a key "
+        "made with `no_train`; docs/PRIVACY.md)",
+    )
 
 
 class CompleteResponse(BaseModel):

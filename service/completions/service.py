@@ -22,6 +22,7 @@ from service.metrics import COMPLETE_SECONDS, COMPLETIONS, UNSUPPORTED_LANGUAGE
 from service.outbox import outbox_row
 from service.policy.languages import metric_label, request_language, supports
 from service.policy.sampling import Completion, complete, unsupported_language
+from service.privacy import rollout_without_code
 from service.stream.topics import ROLLOUTS
 from service.tables import outbox, rollouts, utcnow
 
@@ -78,9 +79,13 @@ def rollout_record(
     c: Completion,
     latency_ms: float,
     text: str | None = None,
+    api_key_id: str | None = None,
 ) -> dict[str, Any]:
     """The rollout as stored and as published on `tabloop.rollouts` (plus schema_version).
-    `text`: the suggestion as the client shows it, when that is not all of `c.text`."""
+    `text`: the suggestion as the client shows it, when that is not all of `c.text`.
+    `api_key_id`: the key that asked for it; feedback about it counts only through that key.
+    In privacy mode (`req.no_train`) `record_rollout` stores it without its code."""
+    stored = _storable(c.text if text is None else text)
     return {
         "suggestion_id": suggestion_id,
         "user_id": req.user_id,
@@ -93,7 +98,8 @@ def rollout_record(
         "heal_text": c.heal_text,  # from the prefix, which is NUL-free
         "token_ids": c.token_ids,
         "token_logprobs": c.token_logprobs,
-        "text": _storable(c.text if text is None else text),
+        "text": stored,
+        "text_chars": len(stored),
         "shown": c.shown,
         "gate_prob_show": c.gate_prob_show,
         "decision_logprob": c.decision_logprob,
@@ -103,10 +109,16 @@ def rollout_record(
         "stop_reason": c.stop_reason,
         "latency_ms": round(latency_ms, 3),
         "reports_views": req.reports_views,
+        "api_key_id": api_key_id,
+        "no_train": req.no_train,
     }
 
 
 def record_rollout(engine: sa.Engine, record: dict[str, Any], *, embedded: bool) -> None:
+    """Store the rollout and its `tabloop.rollouts` message in one transaction; in privacy mode
+    both without its code (service/privacy.py)."""
+    if record.get("no_train"):
+        record = rollout_without_code(record)
     now = utcnow()
     with engine.begin() as conn:
         conn.execute(rollouts.insert().values(created_at=now, **record))
@@ -144,13 +156,22 @@ class Served:
     sampled_tokens: int = 0  # tokens it sampled (also when it abstained)
 
 
-async def serve(ctx: AppContext, req: CompleteRequest, *, stop: Sequence[str] = ()) -> Served:
+async def serve(
+    ctx: AppContext,
+    req: CompleteRequest,
+    *,
+    stop: Sequence[str] = (),
+    api_key_id: str | None = None,
+) -> Served:
     """One rollout of the policy routed for `req.user_id` (live or canary), recorded with its
     outbox row before it is answered. The native, Tabby and OpenAI-style APIs all end here.
 
     `stop`: strings that end the suggestion for this client (OpenAI's `stop`). The text is cut
     before the earliest one, and the rollout records the cut text: what was shown is what the
-    reward measures. The tokens and their log-probabilities are recorded whole."""
+    reward measures. The tokens and their log-probabilities are recorded whole.
+
+    `api_key_id`: the requesting key, recorded with the rollout: the suggestion belongs to it,
+    and feedback about it counts only through it (service/events/trust.py)."""
     settings = ctx.settings
     if req.max_new_tokens > settings.max_new_tokens_limit:
         raise Unprocessable(f"max_new_tokens: at most {settings.max_new_tokens_limit}")
@@ -169,7 +190,9 @@ async def serve(ctx: AppContext, req: CompleteRequest, *, stop: Sequence[str] = 
         completion, latency_ms = abstain_for_language(language, settings)
     suggestion_id = str(uuid.uuid4())
     text, cut = cut_at_stop(completion.text, stop)
-    record = rollout_record(suggestion_id, req, policy.version, completion, latency_ms, text)
+    record = rollout_record(
+        suggestion_id, req, policy.version, completion, latency_ms, text, api_key_id=api_key_id
+    )
     await run_in_threadpool(record_rollout, ctx.engine, record, embedded=settings.embedded)
     return Served(
         suggestion_id=suggestion_id,

@@ -59,7 +59,10 @@ ERRORS = {
 def post_events(batch: EventBatch, key: IngestKey, ctx: CtxDep) -> IngestResult:
     """Record a batch of feedback events. Each event is validated on its own: bad ones are
     reported by index and dead-lettered, repeats of an `event_id` are counted as duplicates and
-    never stored twice. The 202 comes after the database commit."""
+    never stored twice. An event about a suggestion served to another key or person, or an
+    implausible one (judging an abstention, stamped before the suggestion was served, or long
+    past its reward horizon), is refused the same way, its error starting `refused (<reason>)`.
+    The 202 comes after the database commit."""
     settings = ctx.settings
     if len(batch.events) > settings.max_events_per_batch:
         raise PayloadTooLarge(
@@ -72,4 +75,6 @@ def post_events(batch: EventBatch, key: IngestKey, ctx: CtxDep) -> IngestResult:
         api_key_id=key.id,
         max_event_bytes=settings.max_event_bytes,
         embedded=settings.embedded,
+        profile=settings.profile,
+        no_train=key.no_train,
     )

@@ -16,12 +16,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from service.deps import AppContext
 from service.errors import Unavailable
 from service.events.schemas import EVENT_TYPES, IngestResult, RejectedEvent, parse_event
-from service.metrics import INGEST_EVENTS
+from service.events.trust import REASONS, screen
+from service.metrics import FEEDBACK_REFUSED, INGEST_EVENTS
 from service.outbox import outbox_row
+from service.privacy import withhold_settled_texts
 from service.stream.topics import FEEDBACK, encode
 from service.tables import dead_letters, events, outbox, utcnow
 
 _sqlite_writer = threading.Lock()
+for _reason in REASONS:  # every reason is on /metrics from the start, at 0
+    FEEDBACK_REFUSED.labels(reason=_reason)
 
 
 def insert_ignoring_conflicts(conn: sa.Connection, table: sa.Table, key: str) -> Any:
@@ -124,15 +128,27 @@ def ingest_events(
     api_key_id: str | None,
     max_event_bytes: int,
     embedded: bool,
+    profile: str = "prod",
+    source: str = "events",
+    no_train: bool = False,
 ) -> IngestResult:
     """Record a batch. Invalid events go to dead_letters; repeats of an event_id are counted, not
-    stored. Returns only after the transaction commits, so a 202 means durable."""
+    stored. Events about a suggestion that must not count (service/events/trust.py: another
+    key's or person's, implausible) go to dead_letters too, with the reason. Returns only after
+    the transaction commits, so a 202 means durable.
+
+    `api_key_id`: the sending key (None: an internal caller, whose events skip the key check);
+    `profile`: whose default reward horizon applies before a spec is stored; `source`: the
+    dead letters' source (the endpoint); `no_train`: the key is in privacy mode (its settled
+    text is not stored: service/privacy.py)."""
     now = utcnow()
     valid: list[dict[str, Any]] = []
+    positions: list[tuple[int, str]] = []  # per valid event: its index in the batch, raw text
     rejected: list[RejectedEvent] = []
     dead: list[dict[str, Any]] = []
     seen: set[str] = set()
     outcomes: Counter[tuple[str, str]] = Counter()  # (type, outcome) -> events
+    refusals: Counter[str] = Counter()  # reason -> events (service/events/trust.py)
     for index, raw in enumerate(raw_events):
         try:
             raw_text, unstorable = orjson.dumps(raw).decode(), None
@@ -149,7 +165,7 @@ def ingest_events(
             claimed = raw.get("type") if isinstance(raw, dict) else None
             outcomes[(claimed if claimed in EVENT_TYPES else "unknown", "rejected")] += 1
             dead.append(
-                {"received_at": now, "source": "events", "api_key_id": api_key_id,
+                {"received_at": now, "source": source, "api_key_id": api_key_id,
                  "raw": raw_text, "error": str(e)}
             )
             continue
@@ -158,12 +174,29 @@ def ingest_events(
             continue
         seen.add(event["event_id"])
         valid.append(event)
+        positions.append((index, raw_text))
 
     inserted: set[str] = set()
     # SQLite takes one writer at a time, and its busy handler polls with sleeps of up to 100 ms:
     # concurrent batches wait here instead, in turn, rather than seconds in the worst case.
     writer = _sqlite_writer if engine.dialect.name == "sqlite" else nullcontext()
     with writer, engine.begin() as conn:
+        refused = screen(conn, valid, api_key_id=api_key_id, received_at=now, profile=profile)
+        for i, why in refused.items():
+            index, raw_text = positions[i]
+            rejected.append(RejectedEvent(index=index, error=why.error))
+            outcomes[(valid[i]["type"], "rejected")] += 1
+            refusals[why.reason] += 1
+            dead.append(
+                {"received_at": now, "source": source, "api_key_id": api_key_id,
+                 "raw": raw_text, "error": why.error}
+            )
+        if refused:
+            valid = [e for i, e in enumerate(valid) if i not in refused]
+            rejected.sort(key=lambda r: r.index)
+        # privacy mode: settled text of a no_train key or rollout is never stored (nor refused
+        # text in dead_letters)
+        valid, dead = withhold_settled_texts(conn, valid, dead, key_no_train=no_train)
         if valid:
             store = _store_postgresql if conn.dialect.name == "postgresql" else _store_portable
             inserted = store(conn, valid, now=now, embedded=embedded)
@@ -174,6 +207,8 @@ def ingest_events(
         outcomes[(ev["type"], "accepted" if ev["event_id"] in inserted else "duplicate")] += 1
     for (event_type, outcome), n in outcomes.items():
         INGEST_EVENTS.labels(type=event_type, outcome=outcome).inc(n)
+    for reason, n in refusals.items():
+        FEEDBACK_REFUSED.labels(reason=reason).inc(n)
     return IngestResult(
         accepted=len(inserted),
         duplicates=outcomes.total() - len(inserted) - len(rejected),

@@ -39,7 +39,11 @@ def _read(conn: sa.Connection, ids: list[str]) -> dict[str, str]:
             )
         )
         for row in rows:  # ascending, so the latest report of each suggestion is written last
-            texts[row.suggestion_id] = row.payload["text"]
+            text = row.payload.get("text")
+            if text is None:  # withheld (privacy mode, code retention): no text to learn from
+                texts.pop(row.suggestion_id, None)
+            else:
+                texts[row.suggestion_id] = text
     return texts
 
 
@@ -48,7 +52,8 @@ def settled_texts(
 ) -> dict[str, str]:
     """suggestion id -> the text of its latest code_settled report (by occurred_at, then
     received_at, then event_id), for the ids that have one from the rollout's own user.
-    Ids without a report (or without a rollout) are left out; an empty text is a report."""
+    Ids without a report (or without a rollout) are left out, and so are those whose latest
+    report's text was withheld (service/privacy.py); an empty text is a report."""
     ids = list(dict.fromkeys(suggestion_ids))
     if not ids:
         return {}

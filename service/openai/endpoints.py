@@ -16,6 +16,7 @@ from service.deps import CtxDep, IngestKey
 from service.openai.errors import OpenAIRoute
 from service.openai.schemas import CompletionRequest, CompletionResponse, OpenAIErrorBody
 from service.openai.service import answer, event_stream, native_request
+from service.privacy import NoTrainHeader, in_privacy_mode
 
 router = APIRouter(prefix="/openai/v1", tags=["openai"], route_class=OpenAIRoute)
 
@@ -56,11 +57,14 @@ SSE_EVENT = {
         **ERRORS,
     },
 )
-async def post_completions(req: CompletionRequest, key: IngestKey, ctx: CtxDep) -> Any:
+async def post_completions(
+    req: CompletionRequest, key: IngestKey, ctx: CtxDep, no_train: NoTrainHeader
+) -> Any:
     """One suggestion, sampled and recorded as a rollout of the policy routed for the person
     (`user`, or the key's name). An abstention is one choice with empty text and finish_reason
-    "stop"."""
-    served = await serve(ctx, native_request(req, key, ctx.settings), stop=req.stop or ())
+    "stop". Privacy mode: a `no_train` key, `"no_train": true`, or `X-Tabloop-No-Train: 1`."""
+    native = in_privacy_mode(native_request(req, key, ctx.settings), key, no_train)
+    served = await serve(ctx, native, stop=req.stop or (), api_key_id=key.id)
     response = answer(served)
     if not req.stream:
         return response

@@ -143,6 +143,11 @@ class CompletionRequest(BaseModel):
         description="tabloop: this client sends a `view` event when it displays a suggestion "
         "(a shown suggestion never viewed is then not a silent reject)",
     )
+    no_train: StrictBool | None = Field(
+        None,
+        description="tabloop: privacy mode, as on /v1/complete: none of this request's code is "
+        "stored and it is never trained on",
+    )
 
 
 class Choice(BaseModel):

@@ -66,6 +66,7 @@ def native_request(req: CompletionRequest, key: ApiKey, settings: Settings) -> C
             suffix=suffix,
             max_new_tokens=min(budget, settings.max_new_tokens_limit),
             reports_views=bool(req.reports_views),
+            no_train=bool(req.no_train),
         )
     except ValidationError as e:  # the fields were checked as the native ones: the key's name
         raise InvalidField("user", "the API key's name cannot name the person; send `user`") from e

@@ -10,8 +10,9 @@ from fastapi import APIRouter, File, Form, Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
+from service.audit.recorder import AuditEntry
 from service.db import blob_transaction
-from service.deps import AdminKey, CtxDep, DeployKey
+from service.deps import DEPLOY, AdminKey, CtxDep, DeployKey, audited
 from service.errors import NotFound, PayloadTooLarge, Unprocessable
 from service.openapi import error_responses
 from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
@@ -107,6 +108,12 @@ def _deployment_out(d: store.Deployment) -> DeploymentOut:
     return DeploymentOut(**d.__dict__)
 
 
+def _routing(d: store.Deployment) -> dict[str, Any]:
+    """The audit detail of a deployment change: the routing it left and why."""
+    return {"deployment_id": d.id, "live_version": d.live_version,
+            "canary_version": d.canary_version, "reason": d.reason}
+
+
 @router.get("/policies", response_model=PolicyList)
 def list_policies(_key: DeployKey, ctx: CtxDep) -> PolicyList:
     """Every registered version, newest first, with the current deployment (live version,
@@ -154,7 +161,7 @@ _REGISTER_EXAMPLE = {
     },
 )
 def register_policy(
-    _key: DeployKey,
+    audit: Annotated[AuditEntry, audited("policy.register", *DEPLOY)],
     ctx: CtxDep,
     manifest: Annotated[UploadFile, File(description="manifest.json")],
     weights: Annotated[UploadFile, File(description="model.safetensors (safetensors only)")],
@@ -180,37 +187,59 @@ def register_policy(
             raise Unprocessable("summary must be a JSON object")
     with blob_transaction(ctx.engine) as conn:
         version = store.register_policy(
-            conn, files, parent=parent, summary=summary_obj, api_key_id=_key.id
+            conn, files, parent=parent, summary=summary_obj, api_key_id=audit.actor.key_id
         )
         row = store.get_policy_row(conn, version)
+        assert row is not None
+        audit.record(conn, target=str(version), detail={"parent": parent, "sha256": row.sha256})
     return _policy_out(row)
 
 
 @router.post("/policies/{version}/deploy", response_model=DeploymentOut,
              responses=error_responses(404, 409))
-def deploy_policy(version: Version, body: DeployIn, key: DeployKey, ctx: CtxDep) -> DeploymentOut:
+def deploy_policy(
+    version: Version,
+    body: DeployIn,
+    audit: Annotated[AuditEntry, audited("deploy", *DEPLOY, target="version")],
+    ctx: CtxDep,
+) -> DeploymentOut:
     """Send `canary_fraction` of users (chosen by a stable hash of user_id) to this version."""
     with ctx.engine.begin() as conn:
-        d = store.deploy(conn, version, body.canary_fraction, reason=body.reason, api_key_id=key.id)
+        d = store.deploy(conn, version, body.canary_fraction, reason=body.reason,
+                         api_key_id=audit.actor.key_id)
+        audit.record(conn, detail={"canary_fraction": body.canary_fraction, **_routing(d)})
     return _deployment_out(d)
 
 
 @router.post("/policies/{version}/promote", response_model=DeploymentOut,
              responses=error_responses(409))
 def promote_policy(
-    version: Version, key: DeployKey, ctx: CtxDep, body: ReasonIn | None = None
+    version: Version,
+    audit: Annotated[AuditEntry, audited("promote", *DEPLOY, target="version")],
+    ctx: CtxDep,
+    body: ReasonIn | None = None,
 ) -> DeploymentOut:
     """Make the current canary the live version."""
     with ctx.engine.begin() as conn:
-        d = store.promote(conn, version, reason=body.reason if body else None, api_key_id=key.id)
+        d = store.promote(conn, version, reason=body.reason if body else None,
+                          api_key_id=audit.actor.key_id)
+        audit.record(conn, detail=_routing(d))
     return _deployment_out(d)
 
 
 @router.post("/rollback", response_model=DeploymentOut, responses=error_responses(409))
-def rollback(key: DeployKey, ctx: CtxDep, body: ReasonIn | None = None) -> DeploymentOut:
+def rollback(
+    audit: Annotated[AuditEntry, audited("rollback", *DEPLOY)],
+    ctx: CtxDep,
+    body: ReasonIn | None = None,
+) -> DeploymentOut:
     """Withdraw the canary if there is one; otherwise put the previous live version back."""
     with ctx.engine.begin() as conn:
-        d = store.rollback(conn, reason=body.reason if body else None, api_key_id=key.id)
+        d = store.rollback(conn, reason=body.reason if body else None,
+                           api_key_id=audit.actor.key_id)
+        withdrawn = store.rolled_back_version(conn, d)
+        audit.record(conn, target=str(withdrawn) if withdrawn is not None else None,
+                     detail=_routing(d))
     return _deployment_out(d)
 
 

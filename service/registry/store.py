@@ -18,6 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from service.audit import store as audit
 from service.errors import Conflict, NotFound, Unprocessable
 from service.policy.checkpoint import (
     MANIFEST_FILE,
@@ -280,9 +281,23 @@ def rollback(
     return _append(conn, "rollback", previous, None, 0.0, reason, api_key_id)
 
 
+def rolled_back_version(conn: sa.Connection, rollback: Deployment) -> int | None:
+    """The version a rollback took away: the canary it withdrew, or else the live version it
+    replaced (read from the timeline row before it)."""
+    before = conn.execute(
+        sa.select(deployments.c.live_version, deployments.c.canary_version)
+        .where(deployments.c.id < rollback.id)
+        .order_by(deployments.c.id.desc())
+        .limit(1)
+    ).first()
+    if before is None:
+        return None
+    return before.canary_version if before.canary_version is not None else before.live_version
+
+
 def bootstrap(conn: sa.Connection, base_dir: Path) -> int | None:
-    """First start: register the shipped base checkpoint and make it live. Returns its version,
-    or None when a policy is already deployed."""
+    """First start: register the shipped base checkpoint and make it live (audited as done by
+    the service itself). Returns its version, or None when a policy is already deployed."""
     _lock_timeline(conn)
     if current_deployment(conn) is not None:
         return None
@@ -294,5 +309,9 @@ def bootstrap(conn: sa.Connection, base_dir: Path) -> int | None:
         api_key_id=None,
         status="live",
     )
-    _append(conn, "bootstrap", version, None, 0.0, "the pretrained base policy", None)
+    d = _append(conn, "bootstrap", version, None, 0.0, "the pretrained base policy", None)
+    row = get_policy_row(conn, version)
+    assert row is not None
+    audit.record(conn, actor=audit.SERVICE, action="bootstrap", target=str(version),
+                 detail={"deployment_id": d.id, "sha256": row.sha256})
     return version

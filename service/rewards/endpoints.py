@@ -9,7 +9,8 @@ from fastapi import APIRouter, Body
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
-from service.deps import AdminKey, CtxDep
+from service.audit.recorder import AuditEntry
+from service.deps import ADMIN, AdminKey, CtxDep, audited
 from service.errors import NotFound, Unprocessable
 from service.openapi import error_responses
 from service.rewards import store
@@ -64,7 +65,7 @@ def put_spec(
         dict[str, Any],
         Body(examples=[{"reject_penalty": 0.3, "retention_checks_s": [30, 120, 300, 600]}]),
     ],
-    key: AdminKey,
+    audit: Annotated[AuditEntry, audited("reward_spec.update", *ADMIN)],
     ctx: CtxDep,
 ) -> SpecOut:
     """Store a new numbered version (fields and defaults as in DESIGN.md; omitted fields keep
@@ -75,7 +76,10 @@ def put_spec(
             spec = RewardSpec.from_dict({**current.to_dict(), **body})
         except ValueError as e:
             raise Unprocessable(str(e)) from None
-        version = store.put_spec(conn, spec, key.id)
+        version = store.put_spec(conn, spec, audit.actor.key_id)
+        new = spec.to_dict()
+        audit.record(conn, target=str(version),
+                     detail={"changed": {k: new[k] for k in sorted(body) if k in new}})
     return SpecOut(version=version, spec=spec.to_dict())
 
 
@@ -96,9 +100,14 @@ _REPLAY_EXAMPLE = {
         **error_responses(404),
     },
 )
-def post_replay(body: ReplayIn, _key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
+def post_replay(
+    body: ReplayIn, audit: Annotated[AuditEntry, audited("replay", *ADMIN)], ctx: CtxDep
+) -> dict[str, Any]:
     """Recompute the rewards of rollouts in a time range under a spec version, from the
     database. Stored rewards are left as they are; the answer compares the two."""
+    # A read: its audit row is written as the answer starts (service/audit/recorder.py).
+    asked = {"from": body.from_.isoformat(), "to": body.to.isoformat()}
+    audit.detail = asked
     if body.to <= body.from_:
         raise Unprocessable("'to' must be after 'from'")
     with ctx.engine.connect() as conn:
@@ -106,9 +115,13 @@ def post_replay(body: ReplayIn, _key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
             version, spec = store.current_spec(conn, ctx.settings.profile)
         else:
             version = body.reward_spec_version
+            audit.target = str(version)
             found = store.spec_version(conn, version)
             if found is None:
                 raise NotFound(f"no reward spec version {version}")
             spec = found
         summary = store.replay(conn, body.from_, body.to, spec)
+    audit.target = str(version)
+    audit.detail = {**asked, "rollouts": summary["rollouts"],
+                    "differ_from_stored": summary["differ_from_stored"]}
     return {"reward_spec_version": version, **summary}

@@ -69,6 +69,8 @@ def rollout_info(row: Any) -> RolloutInfo:
     """From a rollouts row, or a rollout message (dict) of the `tabloop.rollouts` topic."""
     get: Callable[[str], Any] = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
     created = get("created_at")
+    # text_chars: absent or NULL in older rows and messages, whose text is whole
+    chars = row.get("text_chars") if isinstance(row, dict) else getattr(row, "text_chars", None)
     if isinstance(created, str):
         created = datetime.fromisoformat(created.replace("Z", "+00:00"))
     return RolloutInfo(
@@ -76,7 +78,7 @@ def rollout_info(row: Any) -> RolloutInfo:
         user_id=get("user_id"),
         created_at=created,
         shown=bool(get("shown")),
-        text_chars=len(get("text") or ""),
+        text_chars=chars if chars is not None else len(get("text") or ""),
         reports_views=bool(get("reports_views")),  # NULL or absent (older rows): False
     )
 
@@ -87,6 +89,7 @@ ROLLOUT_COLUMNS = (
     rollouts.c.created_at,
     rollouts.c.shown,
     rollouts.c.text,
+    rollouts.c.text_chars,
     rollouts.c.reports_views,
 )
 

@@ -11,9 +11,11 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 
 from service.config import Settings
-from service.stream.topics import ALL_TOPICS
+from service.stream.topics import ALL_TOPICS, FEEDBACK, ROLLOUTS
 
 log = logging.getLogger(__name__)
+
+CODE_TOPICS = (ROLLOUTS, FEEDBACK)  # their messages can carry code text (service/privacy.py)
 
 
 def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
@@ -44,6 +46,16 @@ def make_admin(settings: Settings) -> KafkaAdminClient:
     )
 
 
+def topic_configs(settings: Settings, topic: str) -> dict[str, str]:
+    """Configs a topic is created with. With TABLOOP_CODE_RETENTION_DAYS, the topics that carry
+    code text (rollouts, settled text) keep messages that long at most (`retention.ms`); the
+    broker's default applies otherwise. An existing topic is never altered (docs/PRIVACY.md)."""
+    days = settings.code_retention_days
+    if days is None or topic not in CODE_TOPICS:
+        return {}
+    return {"retention.ms": str(days * 86_400_000)}
+
+
 def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS) -> None:
     """Create the topics if missing, with the configured partition count (keyed by user_id)."""
     admin = make_admin(settings)
@@ -55,13 +67,21 @@ def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS) -> N
                 admin.create_topics(
                     [
                         NewTopic(
-                            t, settings.kafka_topic_partitions, settings.kafka_replication_factor
+                            t,
+                            settings.kafka_topic_partitions,
+                            settings.kafka_replication_factor,
+                            topic_configs=topic_configs(settings, t),
                         )
                         for t in missing
                     ]
                 )
                 log.info(
-                    "created topics %s (%d partitions)", missing, settings.kafka_topic_partitions
+                    "created topics %s (%d partitions%s)",
+                    missing,
+                    settings.kafka_topic_partitions,
+                    f", code topics kept {settings.code_retention_days} days"
+                    if settings.code_retention_days is not None
+                    else "",
                 )
             except TopicAlreadyExistsError:
                 pass

@@ -16,6 +16,7 @@ from service.deps import CtxDep, IngestKey
 from service.events.schemas import IngestResult
 from service.events.service import check_admission
 from service.openapi import error_responses
+from service.privacy import NoTrainHeader, in_privacy_mode
 from service.tabby import service
 from service.tabby.schemas import (
     ServerSetting,
@@ -52,11 +53,14 @@ def server_setting(_key: IngestKey) -> ServerSetting:
     responses={503: {"description": "No policy deployed yet, or the database is down"}},
 )
 async def post_completions(
-    req: TabbyCompletionRequest, key: IngestKey, ctx: CtxDep
+    req: TabbyCompletionRequest, key: IngestKey, ctx: CtxDep, no_train: NoTrainHeader
 ) -> TabbyCompletionResponse:
     """A rollout of the live (or canary) policy, exactly as `POST /v1/complete`: one choice,
-    or none when the policy abstains. The person is `user`, or the key's name without it."""
-    served = await serve(ctx, service.complete_request(req, key))
+    or none when the policy abstains. The person is `user`, or the key's name without it.
+    Privacy mode: a `no_train` key, or the `X-Tabloop-No-Train: 1` header (tabby-agent's
+    `server.requestHeaders`)."""
+    native = in_privacy_mode(service.complete_request(req, key), key, no_train)
+    served = await serve(ctx, native, api_key_id=key.id)
     return service.completion_response(served)
 
 

@@ -96,17 +96,23 @@ class Shown:
 
     user_id: str
     shown: bool
-    text: str
+    line_chars: int  # characters in the suggestion's first line
 
 
 def find_rollout(engine: sa.Engine, suggestion_id: str) -> Shown | None:
     with engine.connect() as conn:
         row = conn.execute(
-            sa.select(rollouts.c.user_id, rollouts.c.shown, rollouts.c.text).where(
-                rollouts.c.suggestion_id == suggestion_id
-            )
+            sa.select(
+                rollouts.c.user_id, rollouts.c.shown, rollouts.c.text, rollouts.c.text_chars
+            ).where(rollouts.c.suggestion_id == suggestion_id)
         ).first()
-    return None if row is None else Shown(row.user_id, bool(row.shown), row.text)
+    if row is None:
+        return None
+    # A suggestion is one line (sampling stops at the newline): without its text (privacy mode,
+    # code retention) its length is the first line's.
+    blank = not row.text and row.text_chars is not None
+    return Shown(row.user_id, bool(row.shown),
+                 row.text_chars if blank else len(row.text.split("\n", 1)[0]))
 
 
 def native_event(
@@ -122,7 +128,7 @@ def native_event(
         "occurred_at": utcnow().isoformat().replace("+00:00", "Z"),
     }
     if ev.type == "select" and select_kind == "line":
-        out["accepted_chars"] = len(rollout.text.split("\n", 1)[0])
+        out["accepted_chars"] = rollout.line_chars
     return out
 
 
@@ -154,7 +160,9 @@ def ingest_tabby_event(
     ctx: AppContext, ev: TabbyEvent, select_kind: str | None, key: ApiKey
 ) -> IngestResult:
     """Record one Tabby event as its native event; one that names no shown suggestion is kept
-    in dead_letters with the reason, and reported like a rejected native event."""
+    in dead_letters with the reason, and reported like a rejected native event. The native
+    event then passes the checks every feedback event passes (service/events/trust.py): a
+    completion served to another key is refused."""
     select_kind = select_kind or ev.select_kind
     suggestion_id = suggestion_id_of(ev.completion_id)
     rollout = find_rollout(ctx.engine, suggestion_id) if suggestion_id else None
@@ -174,6 +182,9 @@ def ingest_tabby_event(
         api_key_id=key.id,
         max_event_bytes=ctx.settings.max_event_bytes,
         embedded=ctx.settings.embedded,
+        profile=ctx.settings.profile,
+        source=DEAD_LETTER_SOURCE,
+        no_train=key.no_train,
     )
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter
 
-from service.deps import AdminKey, CtxDep
+from service.audit.recorder import AuditEntry
+from service.deps import ADMIN, AdminKey, CtxDep, audited
 from service.tables import TRAINER_STATE_NAME as STATE_NAME
 from service.tables import rewards, trainer_state, utcnow
 
@@ -65,9 +66,12 @@ def get_training(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
         return _status(conn)
 
 
-def _set_paused(ctx: Any, paused: bool) -> dict[str, Any]:
+def _set_paused(ctx: Any, audit: AuditEntry, paused: bool) -> dict[str, Any]:
     now = utcnow()
     with ctx.engine.begin() as conn:
+        was = conn.execute(
+            sa.select(trainer_state.c.paused).where(trainer_state.c.name == STATE_NAME)
+        ).scalar()
         updated = conn.execute(
             trainer_state.update()
             .where(trainer_state.c.name == STATE_NAME)
@@ -79,16 +83,21 @@ def _set_paused(ctx: Any, paused: bool) -> dict[str, Any]:
                     name=STATE_NAME, paused=paused, updated_at=now, info={}
                 )
             )
+        audit.record(conn, detail={"was_paused": bool(was)})
         return _status(conn)
 
 
 @router.post("/pause", responses=_STATUS)
-def pause(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
+def pause(
+    audit: Annotated[AuditEntry, audited("training.pause", *ADMIN)], ctx: CtxDep
+) -> dict[str, Any]:
     """Stop taking updates and deploying (the join keeps finalizing rewards)."""
-    return _set_paused(ctx, True)
+    return _set_paused(ctx, audit, True)
 
 
 @router.post("/resume", responses=_STATUS)
-def resume(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
+def resume(
+    audit: Annotated[AuditEntry, audited("training.resume", *ADMIN)], ctx: CtxDep
+) -> dict[str, Any]:
     """Take updates and deploy candidates again."""
-    return _set_paused(ctx, False)
+    return _set_paused(ctx, audit, False)

@@ -6,7 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path
 
-from service.deps import AdminKey, CtxDep
+from service.audit.recorder import AuditEntry
+from service.deps import ADMIN, CtxDep, audited
 from service.users.schemas import PurgeOut, Removed
 from service.users.service import purge_user
 
@@ -18,7 +19,11 @@ UserIdPath = Annotated[
 
 
 @router.delete("/{user_id:path}", response_model=PurgeOut, summary="Purge a user's data")
-def delete_user(user_id: UserIdPath, _admin: AdminKey, ctx: CtxDep) -> PurgeOut:
+def delete_user(
+    user_id: UserIdPath,
+    audit: Annotated[AuditEntry, audited("purge", *ADMIN, target="user_id")],
+    ctx: CtxDep,
+) -> PurgeOut:
     """Delete the person's rollouts, feedback events, rewards, their messages in the outbox
     (never published afterwards) and the rejected events that name them, and send a
     `user_purged` tombstone on `tabloop.rollouts` and `tabloop.feedback` (key: the user id) so
@@ -26,8 +31,13 @@ def delete_user(user_id: UserIdPath, _admin: AdminKey, ctx: CtxDep) -> PurgeOut:
 
     The answer counts the rows removed per table. Idempotent: a repeat, or a user never seen,
     answers 200 with zeros (and sends another tombstone, which changes nothing). Messages the
-    relay already published stay in Kafka until its retention removes them."""
-    result = purge_user(ctx.engine, user_id, embedded=ctx.settings.embedded)
+    relay already published stay in Kafka until its retention removes them. The audit log
+    keeps the purge (`GET /admin/audit`, action `purge`, the user id as target): it is never
+    purged, and holds no code."""
+    result = purge_user(
+        ctx.engine, user_id, embedded=ctx.settings.embedded,
+        before_commit=lambda conn, r: audit.record(conn, detail={"removed": r.removed}),
+    )
     return PurgeOut(
         user_id=result.user_id, purged_at=result.purged_at, removed=Removed(**result.removed)
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -68,9 +69,18 @@ def _dead_letter_ids(conn: sa.Connection, user_id: str) -> list[int]:
     return ids
 
 
-def purge_user(engine: sa.Engine, user_id: str, *, embedded: bool) -> PurgeResult:
+def purge_user(
+    engine: sa.Engine,
+    user_id: str,
+    *,
+    embedded: bool,
+    before_commit: Callable[[sa.Connection, PurgeResult], None] | None = None,
+) -> PurgeResult:
     """Delete the user's rows and queue the tombstone; idempotent (a repeat removes nothing
-    and queues another, harmless, tombstone). Returns the rows removed per table."""
+    and queues another, harmless, tombstone). Returns the rows removed per table.
+
+    `before_commit(conn, result)` runs last inside the transaction (the audit row); the audit log
+    itself is never purged: it names the user as a purge's target, and holds no code."""
     now = utcnow()
     purged_at = now.isoformat().replace("+00:00", "Z")
     removed: dict[str, int] = {}
@@ -95,4 +105,7 @@ def purge_user(engine: sa.Engine, user_id: str, *, embedded: bool) -> PurgeResul
             outbox.insert(),
             [outbox_row(t, user_id, message, now=now, embedded=embedded) for t in USER_TOPICS],
         )
-    return PurgeResult(user_id=user_id, purged_at=purged_at, removed=removed)
+        result = PurgeResult(user_id=user_id, purged_at=purged_at, removed=removed)
+        if before_commit is not None:
+            before_commit(conn, result)
+    return result

@@ -63,6 +63,21 @@ def test_keys_create_prints_the_token_alone(tmp_path: Path) -> None:
     assert run(["keys", "revoke", "nosuchkey"], env).returncode == 1
 
 
+def test_keys_create_no_train_makes_a_privacy_mode_key(tmp_path: Path) -> None:
+    env = env_for(tmp_path)
+    assert run(["db", "upgrade"], env).returncode == 0
+    private = run(["keys", "create", "--scope", "ingest", "--name", "laptop", "--no-train"], env)
+    plain = run(["keys", "create", "--scope", "ingest", "--name", "desktop"], env)
+    assert private.returncode == 0 and plain.returncode == 0, private.stderr + plain.stderr
+    engine = make_engine(Settings(data_dir=tmp_path / "data"))
+    with engine.connect() as conn:
+        keys = {t: authenticate(conn, t) for t in (private.stdout.strip(), plain.stdout.strip())}
+    engine.dispose()
+    assert [k.no_train for k in keys.values() if k] == [True, False]
+    listed = dict(line.split("\t")[1::3] for line in run(["keys", "list"], env).stdout.splitlines())
+    assert listed == {"laptop": "no-train", "desktop": "-"}
+
+
 def test_bad_input_gets_a_clear_message(tmp_path: Path) -> None:
     env = env_for(tmp_path)
     bad_scope = run(["keys", "create", "--scope", "root", "--name", "x"], env)

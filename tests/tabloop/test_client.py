@@ -137,8 +137,10 @@ def test_a_suggestion_then_its_feedback_in_gzipped_batches(served: Served, relay
             s = await client.complete({"user_id": "u-1", "prefix": "def add(a, b):\n    return a"})
             assert s is not None
             async with EventSender(client, batch_size=3, gzip_min_bytes=1) as sender:
-                ids = [sender.add({"type": "reject", "user_id": "u-1",
-                                   "suggestion_id": s["suggestion_id"]})]
+                # what stands after the cursor: feedback about any suggestion, shown or not
+                ids = [sender.add({"type": "code_settled", "user_id": "u-1",
+                                   "suggestion_id": s["suggestion_id"], "after_seconds": 2,
+                                   "text": " + b"})]
                 ids += [sender.add(churn(i)) for i in range(6)]
         return s, sender, ids
 

@@ -138,6 +138,7 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
             max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
         ),
         poll_timeout_s=0.2,
+        max_share=0.05,  # below 1/12: each of the 12 people is held to a twelfth of a batch
         # the gate's fit on the shown verdicts (the sim profile's), on however few there are,
         # and the supervised term on settled text with its replay
         update=UpdateConfig(
@@ -182,6 +183,17 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
         svc.url + "/admin/training", headers={"Authorization": f"Bearer {ingest}"}
     ).json()
     assert status["rewards_finalized"] >= len(sent) and status["trainer"]["history"]
+    # the people above a twelfth of the batch were weighted down to it; the state keeps who
+    caps = candidate.summary["caps"]
+    assert caps["max_share"] == 0.05 and caps["users_capped"] >= 1 and caps["keys_capped"] == 0
+    batch_caps = status["trainer"]["capped"][0]
+    assert batch_caps["rollouts"] == candidate.summary["rollouts"]
+    assert len(batch_caps["users"]) == caps["users_capped"]
+    assert all(u["weight_share"] == pytest.approx(1 / 12, abs=1e-3) and u["share"] > 1 / 12
+               for u in batch_caps["users"])
+    trust = httpx.get(svc.url + "/admin/metrics", params={"window": "1h"},
+                      headers={"Authorization": f"Bearer {ingest}"}).json()["feedback"]
+    assert trust["batches"] >= 1 and trust["capped_users"]
     # what the gate's fit replays: exactly the shown rollouts already trained on, newest first
     replay = trainer._replay_rows()
     with engine.connect() as conn:

@@ -6,6 +6,7 @@
   const KEY = "tabloop.adminKey";
   const WINDOW = "tabloop.window";
   const REFRESH_MS = 5000;
+  const AUDIT_ROWS = 20;
   const PALETTE = ["#2f6fde", "#e8833a", "#1f8a4c", "#a04fc6", "#c8363d", "#2a9d9f",
                    "#8c6d31", "#d4568f"];
   const ACTION_COLORS = { deploy: "#b7791f", promote: "#1f8a4c", rollback: "#c8363d",
@@ -20,7 +21,7 @@
   const $ = (id) => document.getElementById(id);
   // Exposed for the browser test and for poking at in the console.
   const state = { charts: {}, chartVersions: {}, deployments: [], current: null, training: null,
-                  metrics: null, timer: null, busy: false, gen: 0 };
+                  metrics: null, audit: [], timer: null, busy: false, gen: 0 };
   window.tabloopDashboard = state;
 
   // --- formatting --------------------------------------------------------------------------
@@ -130,21 +131,25 @@
     const gen = ++state.gen;  // only the latest refresh renders (an action's beats the timer's)
     const win = $("window-select").value;
     try {
-      const [metrics, deployments, training] = await Promise.all([
+      const [metrics, deployments, training, audit] = await Promise.all([
         api("GET", `/admin/metrics?window=${encodeURIComponent(win)}`),
         api("GET", "/admin/deployments?limit=50"),
         api("GET", "/admin/training"),
+        api("GET", `/admin/audit?limit=${AUDIT_ROWS}`),
       ]);
       if (gen !== state.gen) return;
       state.metrics = metrics;
       state.deployments = deployments;
       state.current = deployments[0] || null;
       state.training = training;
+      state.audit = audit.entries;
       renderRouting();
       renderVersions(metrics);
       renderCharts(metrics);
+      renderFeedback(metrics.feedback);
       renderTimeline(deployments);
       renderTrainer(training);
+      renderAudit(audit.entries);
       if (!$("banner").classList.contains("info")) banner(null);
       $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     } catch (e) {
@@ -299,6 +304,39 @@
     }
   });
 
+  // --- feedback trust: refused events and capped training weight, per person and key ---------
+  function who(kind, g) {
+    const label = kind === "key" ? `key ${g.name || g.id}` : g.id;
+    return el("td", { title: kind === "key" ? `API key ${g.id}` : `user_id ${g.id}` }, label);
+  }
+
+  function trustRows(f, field, cells, empty, colspan) {
+    const groups = [...f[`${field}_users`].map((g) => ["user", g]),
+                    ...f[`${field}_keys`].map((g) => ["key", g])];
+    const rows = groups.map(([kind, g]) => el("tr", { "data-kind": kind, "data-id": g.id },
+                                              who(kind, g), ...cells(g)));
+    if (!rows.length) {
+      rows.push(el("tr", {}, el("td", { class: "empty", colspan }, empty)));
+    }
+    return rows;
+  }
+
+  function renderFeedback(f) {
+    if (!f) return;
+    $("feedback-window").textContent =
+      `${$("window-select").selectedOptions[0].textContent} · the most first`;
+    const reasons = (r) => Object.entries(r).map(([k, v]) => `${k} ${int(v)}`).join(", ");
+    $("refused-total").textContent = `${int(f.refused)} events`;
+    $("refused-table").tBodies[0].replaceChildren(...trustRows(f, "refused",
+      (g) => [el("td", {}, int(g.refused)), el("td", { class: "muted" }, reasons(g.reasons))],
+      "No feedback refused.", "3"));
+    $("capped-total").textContent = `${int(f.batches)} batches`;
+    $("capped-table").tBodies[0].replaceChildren(...trustRows(f, "capped",
+      (g) => [el("td", {}, int(g.batches)), el("td", {}, num(g.weight_removed, 1)),
+              el("td", {}, pct(g.max_share))],
+      "Nobody capped.", "4"));
+  }
+
   // --- deployments and trainer ---------------------------------------------------------------
   function describe(d) {
     switch (d.action) {
@@ -343,6 +381,37 @@
     $("trainer").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
     $("pause").hidden = t.paused;
     $("resume").hidden = !t.paused;
+  }
+
+  // --- audit log -----------------------------------------------------------------------------
+  function auditDetail(e) {
+    const d = e.detail || {};
+    if (d.error) return d.error.message;
+    if (d.reason) return d.reason;
+    if (d.canary_fraction != null) return `${pct(d.canary_fraction)} of users`;
+    if (d.changed) return Object.entries(d.changed).map(([k, v]) => `${k} = ${JSON.stringify(v)}`)
+      .join(", ");
+    if (d.removed) return Object.entries(d.removed).map(([k, v]) => `${v} ${k}`).join(", ");
+    if (d.name) return `${d.name} (${(d.scopes || []).join(", ")})`;
+    return "";
+  }
+
+  function renderAudit(entries) {
+    const rows = entries.map((e) => el("tr", { "data-id": e.id, "data-action": e.action,
+                                              "data-outcome": e.outcome },
+      el("td", {}, el("time", { datetime: e.at, title: e.at }, when(e.at))),
+      el("td", { title: e.key_id ? `key ${e.key_id}` : "no key" }, e.key_name || "–"),
+      el("td", {}, e.action),
+      el("td", {}, e.target == null ? "–" : e.target),
+      el("td", {}, el("span", { class: `outcome ${e.outcome === "ok" ? "ok" : "refused"}` },
+                      e.outcome === "ok" ? "ok" : `refused ${e.outcome}`)),
+      el("td", { class: "detail" }, auditDetail(e)),
+      el("td", { class: "muted small" }, e.request_id || "–"),
+    ));
+    if (!rows.length) {
+      rows.push(el("tr", {}, el("td", { class: "empty", colspan: "7" }, "No admin actions yet.")));
+    }
+    $("audit-table").tBodies[0].replaceChildren(...rows);
   }
 
   // --- actions -------------------------------------------------------------------------------

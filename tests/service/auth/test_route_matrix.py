@@ -103,6 +103,7 @@ def test_every_route_is_classified(service: Any) -> None:
     assert ("POST", "/v1/events") in protected and ("POST", "/v1/complete") in protected
     assert ("POST", "/admin/policies") in protected
     assert ("DELETE", "/admin/keys/{key_id}") in protected
+    assert ("GET", "/admin/audit") in protected
 
 
 def test_route_scope_matrix(service: Any, keys: dict[str, str]) -> None:

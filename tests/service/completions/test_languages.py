@@ -22,7 +22,7 @@ from service.policy.model import GPT, ModelConfig
 from service.policy.sampling import DEFAULT_MAX_CONTEXT_TOKENS, STOP_LANGUAGE, score_actions
 from service.registry.store import bootstrap
 from service.stream.topics import ROLLOUTS
-from service.tables import outbox, rollouts
+from service.tables import outbox, rollouts, utcnow
 from trainer.pretrain import PretrainConfig, pretrain
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"
@@ -88,12 +88,16 @@ def test_another_language_abstains_without_a_model_call_and_is_recorded(
     engine.dispose()
     assert len(published) == len(answers)  # on the rollouts topic: its feedback joins
 
-    # feedback about such a suggestion is taken like any other's
-    ev = {"event_id": str(uuid.uuid4()), "type": "reject", "user_id": "u-1",
-          "suggestion_id": answers["rust"]["suggestion_id"],
-          "occurred_at": "2026-01-01T00:00:00Z"}
-    resp = api.post("/v1/events", json={"events": [ev]})
+    # what the person wrote there is taken like any other suggestion's; a judgment of it is
+    # refused: nothing was shown
+    at = utcnow().isoformat()
+    settled, reject = ({"event_id": str(uuid.uuid4()), "type": t, "user_id": "u-1",
+                        "suggestion_id": answers["rust"]["suggestion_id"], "occurred_at": at}
+                       for t in ("code_settled", "reject"))
+    resp = api.post("/v1/events", json={"events": [{**settled, "after_seconds": 5, "text": "}"},
+                                                   reject]})
     assert resp.status_code == 202 and resp.json()["accepted"] == 1, resp.text
+    assert resp.json()["rejected"][0]["error"].startswith("refused (not_shown)")
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ completions from both versions (the shipped base policy and a
 tiny random one), accept/reject feedback, rewards finalized by the trainer's join.
 
 Then: a wrong key is refused with a message; the right key shows charts with data; "Roll back"
-adds the rollback to the timeline.
+adds the rollback to the timeline and to the audit log.
 """
 
 from __future__ import annotations
@@ -139,6 +139,12 @@ def test_login_charts_and_rollback(
     # (v2) shows nothing, so it has no accept rate
     assert series["accept"] == [1, 0], series
 
+    # the audit log: what the service and this key did so far, newest first
+    audit = page.locator("#audit-table tbody tr")
+    expect(audit).to_have_count(3)
+    assert audit.evaluate_all("rows => rows.map((r) => r.dataset.action)") == [
+        "deploy", "policy.register", "bootstrap"]
+
     # roll back the canary from the page (confirming the dialog); the timeline gains the entry
     expect(page.locator("#timeline li")).to_have_count(2)  # bootstrap, deploy
     page.on("dialog", lambda d: d.accept())
@@ -149,6 +155,12 @@ def test_login_charts_and_rollback(
     expect(page.locator("#banner")).to_contain_text("Rolled back")
     expect(page.locator("#routing")).not_to_contain_text("canary")
     expect(page.locator("#promote")).to_be_disabled()
+    # ... and the audit log its row: the rollback, by this key (named "test"), done
+    expect(audit).to_have_count(4)
+    expect(audit.first).to_have_attribute("data-action", "rollback")
+    expect(audit.first).to_have_attribute("data-outcome", "ok")
+    expect(audit.first).to_contain_text("test")
+    expect(audit.first).to_contain_text("2")  # the canary it withdrew
 
     # signing out returns to the form; the key is gone from the tab
     page.click("#logout")

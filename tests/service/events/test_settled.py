@@ -89,8 +89,13 @@ def test_nothing_to_return(engine: sa.Engine, case: str) -> None:
         settle(engine, orphan, "orphan", occurred=5, received=6)
         sid = orphan
     elif case == "only other event types":
-        ok = ingest_events(engine, [event("accept", suggestion_id=sid),
-                                    event("code_retained", suggestion_id=sid)],
+        now = datetime.now(UTC)  # served just now: its feedback is not late
+        with engine.begin() as conn:
+            conn.execute(rollouts.update().where(rollouts.c.suggestion_id == sid)
+                         .values(created_at=now))
+        at = now.isoformat()
+        ok = ingest_events(engine, [event("accept", suggestion_id=sid, occurred_at=at),
+                                    event("code_retained", suggestion_id=sid, occurred_at=at)],
                            api_key_id=None, max_event_bytes=16384, embedded=True)
         assert ok.accepted == 2
     ids = [] if case == "no ids" else [sid]

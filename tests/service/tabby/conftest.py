@@ -124,13 +124,14 @@ def agent_cli() -> Path:
 class Agent:
     """tabby-agent as a child process, with the files a failure message needs."""
 
-    def __init__(self, home: Path, endpoint: str, token: str, *args: str) -> None:
+    def __init__(self, home: Path, endpoint: str, token: str, *args: str,
+                 extra_config: str = "") -> None:
         self.home = home
         config = home / ".tabby-client" / "agent" / "config.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
         # debug logs go to ~/.tabby-client/agent/logs/, for the failure messages
         config.write_text(CONFIG_TOML.format(endpoint=endpoint, token=token)
-                          + '\n[logs]\nlevel = "debug"\n')
+                          + '\n[logs]\nlevel = "debug"\n' + extra_config)
         guard = home / "guard.js"
         guard.write_text(GUARD_JS)
         self.stderr_path = home / "agent.stderr"
@@ -164,8 +165,8 @@ class JsonLinesAgent(Agent):
     A request is `[id, {"func": name, "args": [...]}]`, its answer `[id, result]`; `[0, event]`
     lines are the agent's events (status changes and the like)."""
 
-    def __init__(self, home: Path, endpoint: str, token: str) -> None:
-        super().__init__(home, endpoint, token)
+    def __init__(self, home: Path, endpoint: str, token: str, extra_config: str = "") -> None:
+        super().__init__(home, endpoint, token, extra_config=extra_config)
         self._answers: queue.Queue[list[Any]] = queue.Queue()
         self.events: list[Any] = []
         self._next_id = 1

@@ -207,3 +207,27 @@ def test_tabby_agent_lsp_mode_gets_completions_and_its_silence_is_no_reject(
     (reward,) = stored(engine, rewards)
     assert (reward.outcome, reward.value) == ("unviewed", 0.0)
     engine.dispose()
+
+
+@pytest.mark.parametrize("mode", ["embedded"])
+def test_tabby_agent_sends_the_privacy_header_from_its_config(
+    served: Any, key_factory: Any, agent_home: Path
+) -> None:
+    """docs/EDITORS.md: `requestHeaders` in tabby-agent's [server] puts every completion in
+    privacy mode: served, recorded without code (docs/PRIVACY.md)."""
+    token = key_factory("ingest", name=KEY_NAME)
+    engine = make_engine(served.settings)
+    agent = JsonLinesAgent(agent_home, served.url + "/tabby", token,
+                           extra_config='\n[server.requestHeaders]\n"X-Tabloop-No-Train" = "1"\n')
+    try:
+        ready_agent(agent)
+        answer = completion(agent, agent_home, PREFIX_ADD)
+        assert agent.outbound_attempts() == [], agent.diagnostics()
+    finally:
+        agent.close()
+    (row,) = stored(engine, rollouts)
+    engine.dispose()
+    assert row.suggestion_id == answer["id"].removeprefix("cmpl-")
+    assert row.no_train is True and row.context_token_ids == [] and row.text == ""
+    # the length of what was shown stands in for it (tabby-agent trims whitespace)
+    assert row.text_chars >= len(answer["choices"][0]["text"].strip()) > 0

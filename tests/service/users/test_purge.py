@@ -28,7 +28,9 @@ def _make_data(c: httpx.Client, engine: sa.Engine, user: str) -> list[str]:
         r = c.post("/v1/complete", json={"user_id": user, "prefix": "def f(x):\n    return "})
         assert r.status_code == 200, r.text
         sids.append(r.json()["suggestion_id"])
-    batch = [event("reject", user_id=user, suggestion_id=s) for s in sids]
+    # code_settled: taken for any rollout, shown or not (this policy mostly abstains)
+    batch = [event("code_settled", user_id=user, suggestion_id=s, occurred_at=utcnow().isoformat())
+             for s in sids]
     batch += [event("churn", user_id=user), {"type": "teleport", "user_id": user}]
     r = c.post("/v1/events", json={"events": batch})
     assert r.status_code == 202 and r.json()["accepted"] == 3, r.text

@@ -1,0 +1,185 @@
+"""Which feedback counts: the suggestion's own key and person, and plausible timing.
+
+A suggestion belongs to the API key that asked for it (`rollouts.api_key_id`) and to the person
+it was served to. An event that names a suggestion is refused when it comes through another key
+or names another person, when it judges a suggestion that was never shown, when it says it
+happened before the suggestion was served, or when it arrives long after the suggestion's reward
+horizon. A refused event is kept in `dead_letters` with the reason and reported by index, like
+an invalid one, and never reaches the events table, the feedback topic or a reward.
+
+What is not refused:
+- an event about a suggestion the service does not know (it is stored, as before; it can never
+  count: a reward is only computed for a rollout that exists, and suggestion ids are random);
+- for a rollout recorded without a key (`api_key_id` NULL: rows from before keys were recorded),
+  or an event ingested without one (an internal caller), the key check: the other checks apply;
+- `model_switch` and `churn`, which name a person, not a suggestion.
+
+One query per batch reads the rollouts the batch names (`load_rollouts`), and one the reward
+horizon (`horizon_s`) when any is found.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from service.rewards.core import CLOCK_SKEW_S
+from service.rewards.store import default_spec
+from service.tables import reward_specs, rollouts
+
+# wrong_key: another key's suggestion; wrong_user: another person's; not_shown: a judgment of
+# an abstention; before_served: stamped before the suggestion existed (beyond the clock skew);
+# late: received more than a horizon after the suggestion's reward horizon
+REASONS = ("wrong_key", "wrong_user", "not_shown", "before_served", "late")
+# events that judge what was displayed: about an abstention they cannot be true. code_settled
+# is sent for any request, shown or not (what the person finally wrote there).
+JUDGE_SHOWN = ("view", "accept", "reject", "code_retained")
+# never read by the reward, so never late: what the person wrote may be reported at any time
+NEVER_LATE = ("code_settled",)
+# an event received this many horizons after its rollout was served is refused as late:
+# the reward is final one horizon in; a retry or a slow delivery in the next one is stored and
+# counted late by the trainer (rewards.late_events), anything after that is refused
+LATE_AFTER_HORIZONS = 2.0
+_CHUNK = 1000  # suggestion ids per query: well under SQLite's bound-parameter limit
+_ERROR = re.compile(r"refused \((\w+)\): ")
+
+
+@dataclass(frozen=True)
+class Owned:
+    """What the checks need of a rollout."""
+
+    suggestion_id: str
+    user_id: str
+    api_key_id: str | None  # None: recorded before keys were (not checked)
+    created_at: datetime
+    shown: bool
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str  # one of REASONS
+    message: str
+
+    @property
+    def error(self) -> str:
+        """The text reported in `rejected` and kept in dead_letters.error."""
+        return f"refused ({self.reason}): {self.message}"
+
+
+def refusal_reason(error: str) -> str | None:
+    """The reason of a dead letter's error text written for a refusal; None for another error."""
+    match = _ERROR.match(error)
+    return match[1] if match and match[1] in REASONS else None
+
+
+def load_rollouts(conn: sa.Connection, suggestion_ids: Iterable[str]) -> dict[str, Owned]:
+    """The rollouts among `suggestion_ids`, by id (unknown ids are left out)."""
+    ids = list(dict.fromkeys(suggestion_ids))
+    out: dict[str, Owned] = {}
+    for i in range(0, len(ids), _CHUNK):
+        rows = conn.execute(
+            sa.select(
+                rollouts.c.suggestion_id,
+                rollouts.c.user_id,
+                rollouts.c.api_key_id,
+                rollouts.c.created_at,
+                rollouts.c.shown,
+            ).where(rollouts.c.suggestion_id.in_(ids[i : i + _CHUNK]))
+        )
+        for r in rows:
+            out[r.suggestion_id] = Owned(
+                r.suggestion_id, r.user_id, r.api_key_id, r.created_at, bool(r.shown)
+            )
+    return out
+
+
+def horizon_s(conn: sa.Connection, profile: str) -> float:
+    """The current reward spec's horizon (the profile's default before any spec is stored)."""
+    spec = conn.execute(
+        sa.select(reward_specs.c.spec).order_by(reward_specs.c.version.desc()).limit(1)
+    ).scalar()
+    if isinstance(spec, Mapping) and isinstance(spec.get("horizon_s"), int | float):
+        return float(spec["horizon_s"])
+    return float(default_spec(profile).horizon_s)
+
+
+def refusal(
+    event: Mapping[str, Any],
+    rollout: Owned,
+    *,
+    api_key_id: str | None,
+    received_at: datetime,
+    horizon: float,
+) -> Refusal | None:
+    """Why `event` (validated, naming `rollout`'s suggestion) must not count; None if it may.
+
+    The checks in order: the key, the person, shown, before served, late. `horizon` is the reward
+    spec's horizon_s; `received_at` the server's time."""
+    sid, kind = rollout.suggestion_id, event["type"]
+    if api_key_id is not None and rollout.api_key_id not in (None, api_key_id):
+        return Refusal(
+            "wrong_key",
+            f"suggestion_id {sid} was not served to this API key; feedback about a suggestion "
+            "counts only through the key that asked for it",
+        )
+    if event["user_id"] != rollout.user_id:
+        return Refusal(
+            "wrong_user",
+            f"suggestion_id {sid} was served to another user_id; send the user it was served to",
+        )
+    if kind in JUDGE_SHOWN and not rollout.shown:
+        return Refusal(
+            "not_shown",
+            f"suggestion_id {sid}: the policy abstained (nothing was shown), so there is "
+            f"nothing to {kind.replace('_', ' ')}",
+        )
+    occurred = datetime.fromisoformat(event["occurred_at"])
+    earliest = rollout.created_at - timedelta(seconds=CLOCK_SKEW_S)
+    if occurred < earliest:
+        return Refusal(
+            "before_served",
+            f"occurred_at {event['occurred_at']} is "
+            f"{(rollout.created_at - occurred).total_seconds():.0f} s before suggestion_id {sid} "
+            f"was served (clock skew allowed: {CLOCK_SKEW_S:g} s)",
+        )
+    limit = rollout.created_at + timedelta(seconds=LATE_AFTER_HORIZONS * horizon)
+    if kind not in NEVER_LATE and received_at > limit:
+        return Refusal(
+            "late",
+            f"received {(received_at - rollout.created_at).total_seconds():.0f} s after "
+            f"suggestion_id {sid} was served; its reward was final after {horizon:g} s, and "
+            f"feedback is taken up to {LATE_AFTER_HORIZONS * horizon:g} s",
+        )
+    return None
+
+
+def screen(
+    conn: sa.Connection,
+    events: list[dict[str, Any]],
+    *,
+    api_key_id: str | None,
+    received_at: datetime,
+    profile: str,
+) -> dict[int, Refusal]:
+    """Position in `events` -> why it is refused, for the events naming a known suggestion."""
+    named = [e["suggestion_id"] for e in events if "suggestion_id" in e]
+    if not named:
+        return {}
+    known = load_rollouts(conn, named)
+    if not known:
+        return {}
+    horizon = horizon_s(conn, profile)
+    out: dict[int, Refusal] = {}
+    for i, e in enumerate(events):
+        rollout = known.get(e.get("suggestion_id", ""))
+        if rollout is None:
+            continue
+        why = refusal(e, rollout, api_key_id=api_key_id, received_at=received_at, horizon=horizon)
+        if why is not None:
+            out[i] = why
+    return out
