@@ -216,6 +216,14 @@ class Simulation:
 
         asyncio.get_running_loop().call_later(delay_s, fire)
 
+    async def _complete(self, user_id: str, cursor: Cursor, prefix: str,
+                        suffix: str) -> dict[str, Any] | None:
+        """One POST /v1/complete for a person at `cursor` (None when it failed)."""
+        return await self.client.complete({
+            "user_id": user_id, "session_id": f"{user_id}-s", "workspace_id": "sim",
+            "language": "python", "file_path": cursor.path.name, "prefix": prefix[-8000:],
+            "suffix": suffix[:2000], "max_new_tokens": self.cfg.max_new_tokens})
+
     async def _pause(self, seconds: float) -> None:
         """Sleep, cut short when the run stops."""
         with contextlib.suppress(TimeoutError):
@@ -261,10 +269,7 @@ class Simulation:
             family = in_reject_family(prefix)
             t = self.now()
             fresh = line_key(cursor) not in self.settled_lines
-            resp = await self.client.complete({
-                "user_id": user_id, "session_id": f"{user_id}-s", "workspace_id": "sim",
-                "language": "python", "file_path": cursor.path.name, "prefix": prefix[-8000:],
-                "suffix": suffix[:2000], "max_new_tokens": self.cfg.max_new_tokens})
+            resp = await self._complete(user_id, cursor, prefix, suffix)
             if resp is None:
                 self.counters.errors += 1
                 continue
@@ -311,10 +316,7 @@ class Simulation:
             cursor = self.source.draw(rng, self.cfg.population.reject_family_share)
             prefix, suffix = request_context(cursor)
             t = self.now()
-            resp = await self.client.complete({
-                "user_id": user_id, "session_id": f"{user_id}-s", "workspace_id": "sim",
-                "language": "python", "file_path": cursor.path.name, "prefix": prefix[-8000:],
-                "suffix": suffix[:2000], "max_new_tokens": self.cfg.max_new_tokens})
+            resp = await self._complete(user_id, cursor, prefix, suffix)
             if resp is None:
                 self.counters.errors += 1
                 continue
