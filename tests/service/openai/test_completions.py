@@ -66,9 +66,11 @@ def rollout_rows(served: Any) -> dict[str, Any]:
 
 
 def sampled_text(served: Any, row: Any) -> str:
-    """The whole sampled rest of the line, recomputed from the rollout's tokens."""
+    """The whole sampled rest of the line, recomputed from the rollout's tokens, with a NUL
+    byte stored as U+FFFD as the service stores it (PostgreSQL text refuses NUL)."""
     _model, tokenizer, _ = load_checkpoint(served.settings.base_checkpoint)
-    return bytes_to_text(completion_bytes(tokenizer, row.token_ids, row.heal_text.encode()))
+    text = bytes_to_text(completion_bytes(tokenizer, row.token_ids, row.heal_text.encode()))
+    return text.replace("\x00", "\ufffd")
 
 
 def test_sdk_completion_then_native_feedback_joins_the_rollout(served: Any, token: str) -> None:
