@@ -2,6 +2,7 @@
 against its own baseline phase, on fresh lines (or on all lines), from the runs' report.json.
 
     python benchmarks/summarize.py RUN_DIR [RUN_DIR ...] [--lines all|fresh]
+    python benchmarks/summarize.py RUN_DIR --at 15 30 45 60   # a longer run, along the way
 
 Prints a Markdown table: per run (its directory's name) its seed and corpus, then shown per
 request, accept rate of shown and retained characters per 100 requests (baseline → last
@@ -9,6 +10,11 @@ fifth, relative change), the gated deploys, errors and lost events, and the offl
 rest-of-line rate of the base and the last live policy on fresh lines; then the mean and the
 standard deviation of each change over the runs. Every run given is reported: none is dropped
 or picked.
+
+`--at M ...` reads the runs' records.jsonl instead and compares, for each M, the 3 minutes of
+learning that end at minute M (a fifth of a 15-minute run, so `--at 15` is the last fifth of
+one) with the baseline phase, with the gated deploys made by then: what more minutes of
+learning buy.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from simulator.phases import compare_sides, learning_records
+from simulator.report import RequestRecord, gated_deploys
 
 METRICS = ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100")
 
@@ -44,11 +53,53 @@ def row(run: Path, lines: str) -> tuple[str, dict[str, float]]:
     return "| " + " | ".join(cells) + " |", changes
 
 
+AT_WINDOW_S = 180.0  # a fifth of a 15-minute learning phase
+
+
+def along_the_way(run: Path, minutes: list[float], lines: str) -> None:
+    """The window of AT_WINDOW_S ending at each of `minutes` of learning against the baseline."""
+    report: dict[str, Any] = json.loads((run / "report.json").read_text())
+    baseline_s = 60 * float(report["config"]["baseline_minutes"])
+    assert baseline_s > 0, f"{run}: --at needs a run with a baseline phase"
+    with (run / "records.jsonl").open() as f:
+        records = [RequestRecord(**json.loads(line)) for line in f]
+    if lines == "fresh":
+        records = [r for r in records if r.fresh]
+    baseline = [r for r in records if r.phase == "baseline"]
+    learning = learning_records(records, baseline_s)
+    print(f"{run.name}, on {lines} lines: the {AT_WINDOW_S / 60:g} minutes of learning ending at "
+          "each minute against the baseline phase\n")
+    print("| minutes of learning | requests | shown / request | accept rate of shown "
+          "| retained chars / 100 req | gated deploys by then |")
+    print("|" + "---|" * 6)
+    for m in minutes:
+        end = 60 * m
+        window = [r for r in learning if end - AT_WINDOW_S <= r.t < end]
+        side = compare_sides(baseline, window)
+        cells = [f"{m:g}", str(len(window))]
+        for name in METRICS:
+            ref, last = side["reference"][name], side["last_fifth"][name]
+            change = side["change"][name]
+            fmt = "{:.1f}" if name.endswith("100") else "{:.3f}"
+            cells.append(f"{fmt.format(ref)} → {fmt.format(last)} ({100 * change:+.0f}%)"
+                         if last is not None and change is not None else "")
+        deployments = [d for d in report["deployments"] if d["t"] < baseline_s + end]
+        cells.append(str(gated_deploys(deployments)))
+        print("| " + " | ".join(cells) + " |")
+    print()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("runs", type=Path, nargs="+", help="run directories (with report.json)")
     p.add_argument("--lines", choices=["fresh", "all"], default="fresh")
+    p.add_argument("--at", type=float, nargs="+", metavar="MINUTES",
+                   help="minutes of learning to report along the way (from records.jsonl)")
     args = p.parse_args()
+    if args.at:
+        for run in args.runs:
+            along_the_way(run, args.at, args.lines)
+        return 0
     print(f"On {args.lines} lines, the baseline phase → the learning phase's last fifth:\n")
     print("| run | seed | corpus | shown / request | accept rate of shown | retained chars / 100 "
           "req | gated deploys | errors | lost events | exact rest of line, base → last |")

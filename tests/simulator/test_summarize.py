@@ -1,0 +1,65 @@
+"""benchmarks/summarize.py, run as its docs say: `--at 15` on a 15-minute run is the row of the
+standard table (the learning phase's last fifth), and later minutes read later windows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from simulator.phases import learning_comparison
+from tests.simulator.test_phases import tagged
+
+ROOT = Path(__file__).resolve().parents[2]
+BASELINE_S = 240.0
+
+
+def write_run(out: Path, minutes: float) -> Path:
+    """A run directory with report.json and records.jsonl: in the baseline phase half the
+    requests are accepted; in learning, every request of the last 3 minutes is."""
+    duration = BASELINE_S + 60 * minutes
+    records = []
+    for t in range(0, int(duration), 5):
+        late = t >= duration - 180
+        action = "accept" if late or (t < BASELINE_S and t % 10 == 0) else "reject"
+        records.append(tagged(float(t), action, accepted=4 if action == "accept" else 0,
+                              baseline_s=BASELINE_S, user=f"u{t % 3}"))
+    # a seen line (not fresh) that would change the figures if it were counted
+    records.append(replace(records[-1], t=duration - 1, action="reject", fresh=False,
+                           accepted_chars=0, retained_chars=0.0))
+    out.mkdir()
+    with (out / "records.jsonl").open("w") as f:
+        for r in records:
+            f.write(json.dumps(asdict(r)) + "\n")
+    comparison = learning_comparison(records, BASELINE_S, duration)
+    comparison.update(gated_deploys=1, errors=0, events_lost=0)
+    deployments = [{"t": BASELINE_S + 30, "id": 2, "action": "deploy", "live_version": 1,
+                    "canary_version": 2}]
+    (out / "report.json").write_text(json.dumps({
+        "config": {"seed": 0, "corpus": None, "baseline_minutes": BASELINE_S / 60},
+        "phase_comparison": comparison, "deployments": deployments}))
+    return out
+
+
+def summarize(*args: str) -> list[str]:
+    done = subprocess.run([sys.executable, "benchmarks/summarize.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    return [line for line in done.stdout.splitlines() if line.startswith("| ")]
+
+
+def test_at_the_end_of_a_run_is_its_last_fifth(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", minutes=15)
+    table = summarize(str(run))[1]  # header, then the run's row
+    window = summarize(str(run), "--at", "15")[1]
+    assert window.split(" | ")[2:5] == table.split(" | ")[3:6]
+    assert "+100%" in window  # half accepted in the baseline phase, all at the end
+
+
+def test_earlier_minutes_read_earlier_windows(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", minutes=15)
+    early, end = summarize(str(run), "--at", "6", "15")[1:]
+    assert early.split(" | ")[3].endswith("(-100%)")  # nothing accepted in minutes 3-6
+    assert end.split(" | ")[3].endswith("(+100%)")
+    assert early.endswith("| 1 |") and end.endswith("| 1 |")
