@@ -12,10 +12,14 @@ What is not refused:
   count: a reward is only computed for a rollout that exists, and suggestion ids are random);
 - for a rollout recorded without a key (`api_key_id` NULL: rows from before keys were recorded),
   or an event ingested without one (an internal caller), the key check: the other checks apply;
-- `model_switch` and `churn`, which name a person, not a suggestion.
+- a `model_switch` or `churn` (which name a person, not a suggestion) through a key that has
+  served that person, or about a person the service has served nothing yet. Through a key that
+  has not, while others have, it is refused as `wrong_key`: such events lower the reward of the
+  person's recent suggestions, so only a key that serves the person may send them.
 
 One query per batch reads the rollouts the batch names (`load_rollouts`), and one the reward
-horizon (`horizon_s`) when any is found.
+horizon (`horizon_s`) when any is found; a `model_switch` or `churn` costs up to two one-row
+queries per person (`served_through`).
 """
 
 from __future__ import annotations
@@ -158,6 +162,20 @@ def refusal(
     return None
 
 
+PERSON_EVENTS = ("model_switch", "churn")
+
+
+def served_through(conn: sa.Connection, user_id: str, api_key_id: str) -> bool | None:
+    """True if a rollout of `user_id` was served through `api_key_id` (or recorded without a
+    key), False if only through other keys, None if the person has no rollout."""
+    mine = sa.or_(rollouts.c.api_key_id == api_key_id, rollouts.c.api_key_id.is_(None))
+    person = rollouts.c.user_id == user_id
+    if conn.execute(sa.select(rollouts.c.user_id).where(person, mine).limit(1)).first():
+        return True
+    anyone = conn.execute(sa.select(rollouts.c.user_id).where(person).limit(1)).first()
+    return None if anyone is None else False
+
+
 def screen(
     conn: sa.Connection,
     events: list[dict[str, Any]],
@@ -166,15 +184,28 @@ def screen(
     received_at: datetime,
     profile: str,
 ) -> dict[int, Refusal]:
-    """Position in `events` -> why it is refused, for the events naming a known suggestion."""
-    named = [e["suggestion_id"] for e in events if "suggestion_id" in e]
-    if not named:
-        return {}
-    known = load_rollouts(conn, named)
-    if not known:
-        return {}
-    horizon = horizon_s(conn, profile)
+    """Position in `events` -> why it is refused: the events naming a known suggestion, and
+    a person's model_switch and churn through a key that never served them."""
     out: dict[int, Refusal] = {}
+    if api_key_id is not None:
+        verdicts: dict[str, bool | None] = {}
+        for i, e in enumerate(events):
+            if e["type"] not in PERSON_EVENTS:
+                continue
+            user = e["user_id"]
+            if user not in verdicts:
+                verdicts[user] = served_through(conn, user, api_key_id)
+            if verdicts[user] is False:
+                out[i] = Refusal(
+                    "wrong_key",
+                    f"user_id {user} was served only through other API keys; a {e['type']} "
+                    "counts only through a key that served that person",
+                )
+    named = [e["suggestion_id"] for e in events if "suggestion_id" in e]
+    known = load_rollouts(conn, named) if named else {}
+    if not known:
+        return out
+    horizon = horizon_s(conn, profile)
     for i, e in enumerate(events):
         rollout = known.get(e.get("suggestion_id", ""))
         if rollout is None:

@@ -176,17 +176,30 @@ def test_feedback_about_a_suggestion_counts_only_through_its_key(
     assert db.stored(*[e["event_id"] for e in evs]) == {e["event_id"] for e in evs}
 
 
-def test_person_level_events_and_unknown_suggestions_are_taken_from_any_key(
+def test_a_persons_events_count_only_through_a_key_that_served_them(
     clients: Any, db: Db
 ) -> None:
-    """model_switch and churn name a person, not a suggestion; a model_switch naming one is not
-    a valid event for any key. An unknown suggestion id is stored (it can count for no reward)."""
+    """model_switch and churn name a person, not a suggestion: refused through a key that never
+    served the person while another did; taken through one that did, and about a person no key
+    has served yet. A model_switch naming a suggestion is not a valid event for any key. An
+    unknown suggestion id is stored (it can count for no reward)."""
     alice, bob, _ = clients
-    sid = shown_suggestion(alice)
-    switch, churn = event("model_switch", occurred_at=now_z()), event("churn", occurred_at=now_z())
-    unknown = feedback("accept", str(uuid.uuid4()))
-    body = post(bob, [switch, churn, unknown])
-    assert body == {"accepted": 3, "duplicates": 0, "rejected": []}
+    sid = shown_suggestion(alice, user="u-1")
+    person = [event("model_switch", user_id="u-1", occurred_at=now_z()),
+              event("churn", user_id="u-1", occurred_at=now_z())]
+    before = refused("wrong_key")
+    body = post(bob, person)
+    assert body["accepted"] == 0 and [r["index"] for r in body["rejected"]] == [0, 1]
+    assert all(r["error"].startswith("refused (wrong_key): user_id u-1 was served only")
+               for r in body["rejected"])
+    assert refused("wrong_key") - before == 2
+    assert not db.stored(*[e["event_id"] for e in person])
+    assert post(alice, person) == {"accepted": 2, "duplicates": 0, "rejected": []}
+
+    strangers = [event("model_switch", user_id="u-new", occurred_at=now_z()),
+                 event("churn", user_id="u-new", occurred_at=now_z()),
+                 feedback("accept", str(uuid.uuid4()), user="u-new")]
+    assert post(bob, strangers) == {"accepted": 3, "duplicates": 0, "rejected": []}
     for c in (alice, bob):
         body = post(c, [event("model_switch", suggestion_id=sid, occurred_at=now_z())])
         assert body["accepted"] == 0
