@@ -14,6 +14,7 @@ import logging
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -158,6 +159,17 @@ class TrainerConfig:
             cfg.canary = replace(cfg.canary, min_rollouts=settings.trainer_canary_min_rollouts)
         cfg.max_share = settings.trainer_max_share
         return cfg
+
+
+def lineage_root(parents: Mapping[int, int | None], version: int) -> int:
+    """The root of `version`'s lineage in `parents` (version -> parent), followed parent by
+    parent: a base registered later (pretrained on another corpus) is the root of its own
+    descendants, not the oldest base. A cycle or a missing parent ends the walk."""
+    seen = {version}
+    while (parent := parents.get(version)) is not None and parent not in seen:
+        version = parent
+        seen.add(version)
+    return version
 
 
 class Trainer:
@@ -332,7 +344,7 @@ class Trainer:
             self._remember("skipped", dep.live_version, f"all {len(rows)} rewards equal")
             return
         live_model, tokenizer = self._policy(dep.live_version)
-        ref_model, _ = self._policy(self._base_version())
+        ref_model, _ = self._policy(self._base_version(dep.live_version))
         rows.sort(key=lambda r: r.suggestion_id)  # random uuids: an unbiased train/gate split
         n_gate = max(1, int(len(rows) * self.cfg.gate_fraction))
         train_rows, gate_rows = rows[:-n_gate], rows[-n_gate:]
@@ -514,13 +526,11 @@ class Trainer:
         )
         del history[:-50]
 
-    def _base_version(self) -> int:
+    def _base_version(self, version: int) -> int:
+        """The pretrained base `version` descends from: the KL reference of its updates."""
         with self.engine.connect() as conn:
-            return int(
-                conn.execute(
-                    sa.select(sa.func.min(policies.c.version)).where(policies.c.parent.is_(None))
-                ).scalar_one()
-            )
+            parents = dict(conn.execute(sa.select(policies.c.version, policies.c.parent)).all())
+        return lineage_root(parents, version)
 
     def _policy(self, version: int) -> tuple[GPT, CodeTokenizer]:
         if version not in self._policies:
@@ -533,7 +543,7 @@ class Trainer:
             self._policies[version] = (model, tokenizer)
             self._languages[version] = manifest.languages
             if len(self._policies) > 4:  # keep the base and the recent ones
-                base = self._base_version()
+                base = self._base_version(version)
                 for v in sorted(self._policies)[:-3]:
                     if v != base:
                         del self._policies[v]

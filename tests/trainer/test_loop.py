@@ -30,7 +30,7 @@ from tests.service.conftest import RunningService, make_settings
 from tests.services import stop_process
 from trainer.deploy import CanaryConfig, ServiceClient
 from trainer.gate import GateConfig
-from trainer.loop import Trainer, TrainerConfig
+from trainer.loop import Trainer, TrainerConfig, lineage_root
 from trainer.update import UpdateConfig
 
 PREFIXES = [
@@ -327,3 +327,17 @@ def test_a_new_reward_spec_is_followed_without_a_restart(tmp_path: Path) -> None
     assert join.pending["s1"].due == created + dt.timedelta(seconds=9)
     assert trainer.horizon == dt.timedelta(seconds=longer.horizon_s)
     engine.dispose()
+
+
+@pytest.mark.parametrize(("version", "root"), [
+    pytest.param(1, 1, id="the-first-base"),
+    pytest.param(4, 1, id="trained-from-the-first-base"),
+    pytest.param(5, 5, id="a-base-registered-later"),
+    pytest.param(7, 5, id="trained-from-the-later-base"),
+    pytest.param(9, 9, id="unknown-version"),
+    pytest.param(11, 10, id="a-cycle-ends-the-walk"),
+])
+def test_the_kl_reference_is_the_root_of_the_live_policys_own_lineage(version: int,
+                                                                        root: int) -> None:
+    parents = {1: None, 2: 1, 3: 2, 4: 3, 5: None, 6: 5, 7: 6, 10: 11, 11: 10}
+    assert lineage_root(parents, version) == root
