@@ -53,7 +53,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-# The issue's targets, first fifth of the run against the last.
+# The learning targets: the reference (baseline phase or first fifth) against the last fifth.
 ACCEPT_RATE_GAIN = 0.30  # accept rate of shown up by at least 30% (relative)
 SHOWN_DROP = 0.20  # shown suggestions per request down by at least 20% (relative)
 MIN_GATED_DEPLOYS = 5
@@ -263,9 +263,9 @@ def gated_deploys(deployments: Sequence[dict[str, Any]]) -> int:
 
 def targets(summary: dict[str, Any],
             deployments: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The issue's targets, each with its value and whether it was met (None: not measurable).
+    """The learning targets, each with its value and whether it was met (None: not measurable).
     The three that compare fifths also carry the change's 95% interval (None where unknown):
-    "met" reads the point estimate, as the issue states its targets, the interval says how
+    "met" reads the point estimate, as the targets are stated; the interval says how
     sure one run can be of it."""
     first, last, change = summary["first"], summary["last"], summary["change"]
     interval = summary.get("interval") or {}

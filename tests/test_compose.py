@@ -436,7 +436,6 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
 # -- the operations guide ------------------------------------------------------------------
 
 OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
-# Documented for the issue-6 admin API that lands from another branch; drop once merged.
 _DOC_COMMAND = re.compile(r"\btabloop ((?:up|serve|relay|train|db|keys)\b[^`|#\n]*)")
 _DOC_ROUTE = re.compile(r"\b(GET|POST|PUT|DELETE)(?:\|(?:GET|POST|PUT|DELETE))* (/[\w/{}.-]*)")
 

@@ -1,7 +1,7 @@
 """The reward join: rollouts meet their feedback inside the reward windows.
 
 Rollouts and events arrive on the log in any order (feedback can come before its rollout).
-The join keeps each rollout pending until its reward is final (trainer.reward.finalize_at),
+The join keeps each rollout pending until its reward is final (service.rewards.core.finalize_at),
 then computes the reward from the database — the source of truth for events, so nothing that
 arrived out of order is missed — and writes it once (`rewards` keyed by suggestion id).
 Pending state is rebuilt from the database after a restart, so consumer offsets can be
