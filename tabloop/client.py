@@ -32,6 +32,7 @@ import contextlib
 import email.utils
 import gzip
 import logging
+import math
 import random
 import time
 import uuid
@@ -48,6 +49,7 @@ import orjson
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429, 503})
+REFUSAL_LOG_INTERVAL_S = 60.0  # the most often refused events are logged (EventSender)
 
 
 class ApiError(Exception):
@@ -231,6 +233,8 @@ class EventSender:
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._stop = asyncio.Event()
+        self._refusals_logged_at = -math.inf  # monotonic time of the last refusal warning
+        self._refusals_unlogged = 0  # refused since then
         self._task: asyncio.Task[None] | None = None
 
     def add(self, event: Mapping[str, Any]) -> str:
@@ -281,9 +285,18 @@ class EventSender:
                     kind = _event_type(batch, item)
                     self.stats.rejected_by_type[kind] = self.stats.rejected_by_type.get(kind, 0) + 1
                 if refused:
-                    log.warning("the service refused %d event(s), e.g. %s", len(refused),
-                                refused[0])
+                    self._log_refused(len(refused), refused[0])
             return True
+
+    def _log_refused(self, n: int, example: Any) -> None:
+        """A warning for refused events, at most one per REFUSAL_LOG_INTERVAL_S with the count
+        since the last (a client sending refused feedback all day logs once a minute)."""
+        self._refusals_unlogged += n
+        now = time.monotonic()
+        if now - self._refusals_logged_at >= REFUSAL_LOG_INTERVAL_S:
+            log.warning("the service refused %d event(s) (stats.rejected_by_type has them all), "
+                        "e.g. %s", self._refusals_unlogged, example)
+            self._refusals_logged_at, self._refusals_unlogged = now, 0
 
     async def run(self, stop: asyncio.Event) -> None:
         """Flush every flush_interval_s (sooner when a batch is full) until `stop`."""

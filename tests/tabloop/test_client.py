@@ -237,3 +237,25 @@ def test_an_event_keeps_the_id_it_was_given_or_gets_one_once() -> None:
     minted, queued = asyncio.run(go())
     assert [e["event_id"] for e in queued] == [given, minted]
     assert queued[0]["occurred_at"] == at and queued[1]["occurred_at"].endswith("Z")
+
+
+def test_refused_events_are_counted_each_and_logged_once_a_minute(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three batches, each with one event the service refuses (a churn with an unknown field):
+    all three counted by type, one warning (the next would come a minute later)."""
+    async def go() -> EventSender:
+        async with Client(served.url, served.token) as client:
+            sender = EventSender(client, batch_size=2)
+            for i in range(3):
+                sender.add(churn(i))
+                sender.add({**churn(i), "mood": "bad"})
+                assert await sender.flush()
+            return sender
+
+    with caplog.at_level("WARNING", logger="tabloop.client"):
+        sender = asyncio.run(go())
+    assert (sender.stats.sent, sender.stats.accepted, sender.stats.rejected) == (6, 3, 3)
+    assert sender.stats.rejected_by_type == {"churn": 3}
+    warnings = [r for r in caplog.records if r.name == "tabloop.client"]
+    assert len(warnings) == 1 and "refused 1 event(s)" in warnings[0].getMessage()
