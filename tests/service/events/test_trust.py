@@ -17,13 +17,10 @@ import httpx
 import orjson
 import pytest
 import sqlalchemy as sa
-import torch
 from prometheus_client import REGISTRY
 
 from service.db import make_engine
 from service.events.trust import refusal_reason
-from service.policy.checkpoint import save_checkpoint
-from service.policy.model import GPT, ModelConfig
 from service.rewards.core import CLOCK_SKEW_S
 from service.rewards.store import current_spec, reward_from_db, rollout_info
 from service.stream.topics import FEEDBACK, ROLLOUTS
@@ -32,20 +29,6 @@ from tests.factories import event
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"
 SUGGESTION_TYPES = ("view", "accept", "reject", "code_retained", "code_settled")
-
-
-@pytest.fixture(scope="session")
-def showing_checkpoint(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random policy whose gate shows every non-empty suggestion."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2,
-                      n_embd=32)
-    model = GPT(cfg).eval()
-    with torch.no_grad():
-        model.gate.features.weight.zero_()
-        model.gate.features.bias.fill_(30.0)
-    return save_checkpoint(tmp_path_factory.mktemp("showing"), model, tiny_tokenizer, version=0,
-                           parent=None, summary={"gate": "shows"}, overwrite=True)
 
 
 @pytest.fixture

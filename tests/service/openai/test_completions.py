@@ -16,8 +16,7 @@ import sqlalchemy as sa
 import torch
 
 from service.db import make_engine
-from service.policy.checkpoint import load_checkpoint, save_checkpoint
-from service.policy.model import GPT, ModelConfig
+from service.policy.checkpoint import load_checkpoint
 from service.policy.sampling import bytes_to_text, completion_bytes, score_actions
 from service.rewards.store import current_spec, reward_from_db, rollout_info
 from service.tables import events, rollouts
@@ -26,20 +25,6 @@ from tabloop.client import Client, EventSender
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"
 # Characters an untrained model's random tokens are all but sure to hold: a stop cuts them.
 COMMON = [" ", "e", "t", "a", "o", "i", "n", "s", "r", "(", ".", "_", ":", "l", "d", "c"]
-
-
-@pytest.fixture(scope="session")
-def showing_checkpoint(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random policy whose gate shows every non-empty suggestion (p(show) ~ 1)."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2,
-                      n_embd=32)
-    model = GPT(cfg).eval()
-    with torch.no_grad():
-        model.gate.features.weight.zero_()
-        model.gate.features.bias.fill_(30.0)
-    return save_checkpoint(tmp_path_factory.mktemp("showing"), model, tiny_tokenizer, version=0,
-                           parent=None, summary={"gate": "shows"}, overwrite=True)
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 from typing import Any
 
@@ -12,10 +10,10 @@ import orjson
 import sqlalchemy as sa
 
 from service.db import make_engine
-from service.relay import Relay
 from service.stream.topics import FEEDBACK, ROLLOUTS, USER_PURGED
 from service.tables import dead_letters, events, outbox, rewards, rollouts, utcnow
 from tests.factories import event
+from tests.service.codescan import publish
 from tests.services import consume_all
 
 TABLES = {"rollouts": rollouts, "events": events, "rewards": rewards}
@@ -117,25 +115,7 @@ def test_purge_removes_one_user_only_and_sends_a_tombstone(
 def _assert_topics_after_relay(settings: Any, engine: sa.Engine, gone: str, kept: str) -> None:
     """Nothing was published before the purge: the relay now sends the kept user's messages
     and the tombstones, and none of the purged user's data."""
-    stop = threading.Event()
-    relay = Relay(settings, make_engine(settings))
-    thread = threading.Thread(target=relay.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            with engine.connect() as conn:
-                left = conn.execute(
-                    sa.select(sa.func.count()).select_from(outbox)
-                    .where(outbox.c.published_at.is_(None))
-                ).scalar_one()
-            if left == 0:
-                break
-            assert time.monotonic() < deadline, "the relay did not drain the outbox"
-            time.sleep(0.1)
-    finally:
-        stop.set()
-        thread.join(timeout=60)
+    publish(settings, engine)
     for topic, kept_n in ((ROLLOUTS, 2), (FEEDBACK, 3)):
         records = consume_all(settings.kafka_bootstrap_servers, topic, timeout_s=30)
         of_gone = [orjson.loads(r.value) for r in records if r.key.decode() == gone]
