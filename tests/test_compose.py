@@ -433,6 +433,32 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
 
 
+# -- the image a user builds ---------------------------------------------------------------
+
+def test_the_image_has_every_package_cpu_torch_and_no_root() -> None:
+    """Every package pyproject.toml installs is copied in; torch comes from PyTorch's CPU index
+    at the pinned version (the default index's wheel is the CUDA build); the processes run as
+    an unprivileged user that owns the data directory."""
+    import tomllib
+
+    text = DOCKERFILE.read_text()
+    ops = dockerfile_instructions(text)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    found = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in found}
+    copied = set(dockerfile_image(text)["copy"])
+    assert packages <= copied, f"not copied into the image: {packages - copied}"
+    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
+    runs = [args for op, args in ops if op == "RUN"]
+    torch_run = next((r for r in runs if torch_pin in r), None)
+    assert torch_run and "--index-url https://download.pytorch.org/whl/cpu" in torch_run, runs
+    assert runs.index(torch_run) < next(i for i, r in enumerate(runs) if "pip install ." in r)
+    users = [args for op, args in ops if op == "USER"]
+    assert users and users[-1] not in ("root", "0"), users
+    env = dockerfile_image(text)["env"]
+    assert f"chown {users[-1]}:{users[-1]} {env['TABLOOP_DATA_DIR']}" in " ".join(runs)
+
+
 # -- the operations guide ------------------------------------------------------------------
 
 OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
