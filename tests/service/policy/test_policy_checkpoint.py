@@ -121,12 +121,25 @@ def test_loading_never_unpickles(
 BASE = Path(__file__).resolve().parents[3] / "service" / "policy" / "base"
 
 
-def test_the_shipped_base_reads_as_python_left_to_right() -> None:
-    """Its manifest predates both fields: absent means python and no FIM."""
-    raw = json.loads((BASE / MANIFEST_FILE).read_text())
-    assert "languages" not in raw and "fim" not in raw
-    manifest = read_manifest(BASE)
+def test_the_shipped_base_is_python_and_says_whether_it_reads_the_suffix() -> None:
+    """The shipped base loads, names python, and its manifest's `fim` is its tokenizer's."""
+    _, tok, manifest = load_checkpoint(BASE)
+    assert manifest.languages == ("python",)
+    assert manifest.fim is tok.fim
+
+
+def test_a_manifest_without_languages_or_fim_reads_as_python_left_to_right(
+    tmp_path: Path, tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """A checkpoint written before both fields: absent means python and no FIM."""
+    d = save_checkpoint(tmp_path / "c", tiny_model, tiny_tokenizer, 0, None)
+    raw = json.loads((d / MANIFEST_FILE).read_text())
+    for field in ("languages", "fim", "fim_format"):
+        raw.pop(field, None)
+    (d / MANIFEST_FILE).write_text(json.dumps(raw))
+    manifest = read_manifest(d)
     assert manifest.languages == ("python",) and manifest.fim is False
+    assert load_checkpoint(d)[2].fim is False
 
 
 def test_languages_and_fim_round_trip(
