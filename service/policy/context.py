@@ -1,6 +1,6 @@
 """What the model sees of a request: the context token ids, built from the prefix and suffix.
 
-Left to right (a tokenizer without FIM sentinels: `tabloop pretrain --fim-rate 0`): the tail of the
+Left to right (a tokenizer without FIM sentinels, such as the shipped base's): the tail of the
 prefix, healed, starting at a line boundary, with `<|eof|>` in front when the whole file prefix
 fits. The suffix is not read.
 
