@@ -61,8 +61,10 @@ class PretrainConfig:
     out_dir: Path  # checkpoint directory to write (resume state goes to out_dir/resume)
     corpus: Path | None = None  # a directory of code to train on (None: the standard library)
     # share of training rows in fill-in-the-middle order (0: left to right only, and the
-    # tokenizer has no sentinels); Bavarian et al. 2022 train with 0.5
-    fim_rate: float = 0.5
+    # tokenizer has no sentinels). Bavarian et al. 2022 train with 0.5; at this model size and a
+    # 24-minute budget a FIM base completes lines half as often as a left-to-right one
+    # (docs/MODEL.md), so the default is 0
+    fim_rate: float = 0.0
     fim_max_new_tokens: int = 32  # longest FIM middle (serving's default max_new_tokens)
     minutes: float = 20.0  # wall-clock budget of the training loop
     seed: int = 0  # seeds init, data order, gate-fitting samples

@@ -91,7 +91,7 @@ def test_directory_corpus_files_and_split(corpus: Path) -> None:
 def test_pretrain_on_a_directory(corpus: Path, tmp_path: Path) -> None:
     out = pretrain(PretrainConfig(
         out_dir=tmp_path / "base", corpus=corpus, vocab_size=300, batch_size=4, max_iters=8,
-        warmup_iters=2, eval_every=100, gate_examples=10, progress=False,
+        warmup_iters=2, eval_every=100, gate_examples=10, progress=False, fim_rate=0.5,
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64),
     ))
     model, tok, manifest = load_checkpoint(out)

@@ -124,10 +124,10 @@ def test_refit_gate_fits_only_the_gate_again(tmp_path: Path) -> None:
 
 
 def test_fim_pretraining_makes_a_checkpoint_that_reads_the_suffix(tmp_path: Path) -> None:
-    """The default: half the rows fill in the middle. The tokenizer gets the sentinels, the
+    """--fim-rate 0.5: half the rows fill in the middle. The tokenizer gets the sentinels, the
     manifest records it, serving lays the suffix out in the context, and what it logs rescores
     exactly."""
-    out = pretrain(_cfg(tmp_path / "fim", max_iters=16, gate_examples=10))
+    out = pretrain(_cfg(tmp_path / "fim", max_iters=16, gate_examples=10, fim_rate=0.5))
     model, tok, manifest = load_checkpoint(out)
     assert manifest.fim and tok.fim_ids is not None and manifest.languages == ("python",)
     assert manifest.summary["config"]["fim_rate"] == 0.5
@@ -149,8 +149,8 @@ def test_fim_pretraining_makes_a_checkpoint_that_reads_the_suffix(tmp_path: Path
     )
 
 
-def test_fim_rate_zero_trains_left_to_right_only(tmp_path: Path) -> None:
-    out = pretrain(_cfg(tmp_path / "l2r", max_iters=4, gate_examples=0, fim_rate=0.0))
+def test_by_default_pretraining_is_left_to_right_only(tmp_path: Path) -> None:
+    out = pretrain(_cfg(tmp_path / "l2r", max_iters=4, gate_examples=0))
     model, tok, manifest = load_checkpoint(out)
     assert not manifest.fim and not tok.fim and tok.special_ids == {tok.eof_id}
     c = complete(model, tok, "import os\nx = os.pa", "th\nprint(x)\n", 8, 0.7, 0.95, None)
