@@ -160,20 +160,9 @@ def tiny_checkpoint_factory(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPa
 @pytest.fixture(scope="session")
 def showing_checkpoint(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random policy whose gate shows every non-empty suggestion (p(show) ~ 1)."""
-    import torch
+    from tests.service.codescan import showing_checkpoint as make
 
-    from service.policy.checkpoint import save_checkpoint
-    from service.policy.model import GPT, ModelConfig
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2,
-                      n_embd=32)
-    model = GPT(cfg).eval()
-    with torch.no_grad():
-        model.gate.features.weight.zero_()
-        model.gate.features.bias.fill_(30.0)
-    return save_checkpoint(tmp_path_factory.mktemp("showing"), model, tiny_tokenizer, version=0,
-                           parent=None, summary={"gate": "shows"}, overwrite=True)
+    return make(tiny_tokenizer, tmp_path_factory.mktemp("showing"))
 
 
 @pytest.fixture
