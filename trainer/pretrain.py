@@ -39,7 +39,7 @@ from service.policy.checkpoint import load_checkpoint, save_checkpoint
 from service.policy.languages import languages_of_paths
 from service.policy.model import GATE_FEATURES, GPT, ModelConfig, configure_optimizer, init_gate
 from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete, score_actions
-from service.policy.tokenizer import CodeTokenizer, train_tokenizer
+from service.policy.tokenizer import FIM_TOKENS, CodeTokenizer, train_tokenizer
 from trainer.corpus import Cursor, cursors_from, prefix_match, read_text
 from trainer.fim import FimSource
 from trainer.pretrain_data import (
@@ -66,6 +66,10 @@ class PretrainConfig:
     # (docs/MODEL.md), so the default is 0
     fim_rate: float = 0.0
     fim_max_new_tokens: int = 32  # longest FIM middle (serving's default max_new_tokens)
+    # continue from this checkpoint (its tokenizer, architecture and weights) instead of
+    # starting from scratch; with fim_rate > 0 and a left-to-right checkpoint, the three
+    # sentinels are appended to its vocabulary and get new embedding rows
+    init: Path | None = None
     minutes: float = 20.0  # wall-clock budget of the training loop
     seed: int = 0  # seeds init, data order, gate-fitting samples
     resume: bool = False  # continue from out_dir/resume if it exists
@@ -264,6 +268,29 @@ def fit_gate(
 
 
 # --- the loop ----------------------------------------------------------------------------
+def from_checkpoint(ckpt: Path, fim: bool) -> tuple[GPT, CodeTokenizer, dict[str, Any]]:
+    """The model and tokenizer of checkpoint `ckpt` to continue pretraining from. With `fim`
+    and a left-to-right tokenizer, the three sentinels are appended to the vocabulary (the
+    ids of every other token stay the same) and their embedding rows start at the mean of
+    the others. Returns them with a record of the checkpoint for the summary."""
+    model, tokenizer, manifest = load_checkpoint(ckpt)
+    if fim and not tokenizer.fim:
+        tk = tokenizer.tk
+        tk.add_special_tokens(list(FIM_TOKENS))
+        tokenizer = CodeTokenizer(tk)
+        old = model.wte.weight.detach()
+        extra = tokenizer.vocab_size - old.shape[0]
+        grown = GPT(ModelConfig.from_dict(dict(model.config.to_dict(),
+                                               vocab_size=tokenizer.vocab_size)))
+        state = model.state_dict()
+        state["wte.weight"] = torch.cat([old, old.mean(0, keepdim=True).expand(extra, -1)])
+        grown.load_state_dict(state)
+        model = grown
+    info = {"path": str(ckpt), "version": manifest.version,
+            "weights_sha256": manifest.weights_sha256}
+    return model, tokenizer, info
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX, as oneDNN sees it)."""
     try:
@@ -286,8 +313,13 @@ def pretrain(cfg: PretrainConfig) -> Path:
     train_paths, heldout_paths = split_files(cfg)
     languages = languages_of_paths(train_paths)
     train_texts = [read_text(p) for p in train_paths]
+    init_model, init_info = None, None
+    if cfg.init is not None:
+        init_model, tokenizer, init_info = from_checkpoint(cfg.init, fim=cfg.fim_rate > 0)
     if resuming:
         tokenizer = CodeTokenizer.from_json((state_dir / "tokenizer.json").read_text())
+    elif init_model is not None:
+        log.info("continuing from %s (version %s)", cfg.init, init_info and init_info["version"])
     else:
         t0 = time.perf_counter()
         tokenizer = train_tokenizer(train_texts, cfg.vocab_size, fim=cfg.fim_rate > 0)
@@ -312,9 +344,12 @@ def pretrain(cfg: PretrainConfig) -> Path:
     if cfg.fim_rate > 0:
         fim = FimSource(tokenizer, train_texts, train.tokens, train.starts, cfg.fim_max_new_tokens)
 
-    mcfg = ModelConfig.from_dict(dict(cfg.model.to_dict(), vocab_size=tokenizer.vocab_size))
+    arch = cfg.model if init_model is None else init_model.config
+    mcfg = ModelConfig.from_dict(dict(arch.to_dict(), vocab_size=tokenizer.vocab_size))
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg)
+    if init_model is not None:
+        model.load_state_dict(init_model.state_dict())
     opt = configure_optimizer(model, cfg.weight_decay, cfg.learning_rate, (0.9, cfg.beta2))
     gen = torch.Generator().manual_seed(cfg.seed)
     it, elapsed, tokens_seen, history = 0, 0.0, 0, []
@@ -420,6 +455,8 @@ def pretrain(cfg: PretrainConfig) -> Path:
     log.info("final held-out loss %.4f nats/token, %.4f bits/byte", final_ho, bpb)
     gate_fit: dict[str, float] = {}
     if cfg.gate_examples > 0:
+        if init_model is not None:  # fit from the initial gate, as a base from scratch does
+            init_gate(model.gate, model.config.gate_scale, model.config.gate_threshold)
         cursors = cursors_from(train_paths, cfg.gate_examples, cfg.seed)
         gate_fit = fit_gate(model, tokenizer, cursors, cfg.seed)
         log.info("gate fitted: %s", gate_fit)
@@ -437,6 +474,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
         "heldout_tokens": int(len(heldout.tokens)),
         "params": model.num_params(),
         "gate_fit": gate_fit,
+        "init": init_info,
         "config": _config_json(cfg),
         "history": history,
     }
@@ -482,6 +520,7 @@ def _config_json(cfg: PretrainConfig) -> dict[str, Any]:
     d = asdict(cfg)
     d["out_dir"] = str(cfg.out_dir)
     d["corpus"] = None if cfg.corpus is None else str(cfg.corpus)
+    d["init"] = None if cfg.init is None else str(cfg.init)
     return d
 
 
@@ -495,6 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "Python standard library)")
     p.add_argument("--fim-rate", type=float, default=PretrainConfig.fim_rate,
                    help="share of fill-in-the-middle training rows (0: left to right only)")
+    p.add_argument("--init", type=Path, default=None,
+                   help="continue from this checkpoint instead of starting from scratch (with "
+                        "--fim-rate above 0, a left-to-right one gains the FIM sentinels)")
     p.add_argument("--minutes", type=float, default=20.0, help="training-loop budget")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/resume")
@@ -523,6 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir=args.out,
         corpus=args.corpus,
         fim_rate=args.fim_rate,
+        init=args.init,
         minutes=args.minutes,
         seed=args.seed,
         resume=args.resume,
