@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -12,6 +13,7 @@ from typing import Any, Literal
 import httpx
 
 from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from trainer.caps import cap_weights
 
 
 class ApiError(RuntimeError):
@@ -71,17 +73,51 @@ class ServiceClient:
 
 @dataclass(frozen=True)
 class ArmStats:
-    """Finalized rewards of one policy version over the canary period."""
+    """Finalized rewards of one policy version over the canary period. Under the per-person and
+    per-key caps (`arm_stats`) the counts are effective sizes (Kish), not whole numbers."""
 
-    n: int
-    shown: int
-    accepted: int
+    n: float
+    shown: float
+    accepted: float
     mean_reward: float
     reward_var: float = 0.0  # variance of the per-rollout rewards
 
     @property
     def accept_rate(self) -> float:
         return self.accepted / self.shown if self.shown else 0.0
+
+
+def _effective(weights: Sequence[float]) -> float:
+    """Kish's effective sample size of weighted rows: (sum w)^2 / sum w^2."""
+    sq = sum(w * w for w in weights)
+    return sum(weights) ** 2 / sq if sq > 0 else 0.0
+
+
+def arm_stats(
+    values: Sequence[float],
+    outcomes: Sequence[str],
+    users: Sequence[str],
+    keys: Sequence[str | None],
+    max_share: float,
+) -> ArmStats:
+    """One arm's rewards with no person or key above `max_share` of its weight (the batch caps,
+    trainer/caps.py): the verdict cannot be carried by one person who accepts or rejects
+    everything. Means and the accept rate are weighted; the counts are effective sizes, so a
+    capped arm's standard errors are honest about resting on fewer people."""
+    if not values:
+        return ArmStats(0, 0, 0, 0.0)
+    w = cap_weights(users, keys, max_share)
+    total = sum(w)
+    mean = sum(wi * v for wi, v in zip(w, values, strict=True)) / total
+    var = sum(wi * (v - mean) ** 2 for wi, v in zip(w, values, strict=True)) / total
+    shown_w = [wi for wi, o in zip(w, outcomes, strict=True) if o != "abstained"]
+    accepted_w = sum(wi for wi, o in zip(w, outcomes, strict=True) if o == "accepted")
+    shown = _effective(shown_w)
+    rate = accepted_w / sum(shown_w) if shown_w else 0.0
+    # an arm without capping gives back the plain counts exactly (no float drift)
+    if all(abs(wi - 1.0) < 1e-9 for wi in w):
+        return ArmStats(len(values), len(shown_w), int(round(accepted_w)), mean, var)
+    return ArmStats(_effective(w), shown, rate * shown, mean, var)
 
 
 @dataclass(frozen=True)
@@ -115,11 +151,12 @@ def canary_verdict(
     if canary.n < cfg.min_rollouts or canary.shown < cfg.min_shown:
         if age_s < cfg.timeout_s:
             return "wait", (
-                f"{canary.n}/{cfg.min_rollouts} canary rollouts finalized, "
-                f"{canary.shown}/{cfg.min_shown} shown"
+                f"{canary.n:.0f}/{cfg.min_rollouts} canary rollouts finalized, "
+                f"{canary.shown:.0f}/{cfg.min_shown} shown"
             )
         return "rollback", (
-            f"only {canary.n} canary rollouts ({canary.shown} shown) in {cfg.timeout_s:.0f}s"
+            f"only {canary.n:.0f} canary rollouts ({canary.shown:.0f} shown) in "
+            f"{cfg.timeout_s:.0f}s"
         )
     if canary.shown == 0:
         return "rollback", "the canary showed nothing (collapse)"

@@ -51,7 +51,14 @@ from service.tables import (
     utcnow,
 )
 from trainer.caps import cap_weights, capped
-from trainer.deploy import ApiError, ArmStats, CanaryConfig, ServiceClient, canary_verdict
+from trainer.deploy import (
+    ApiError,
+    ArmStats,
+    CanaryConfig,
+    ServiceClient,
+    arm_stats,
+    canary_verdict,
+)
 from trainer.gate import GateConfig, check, heldout_sample
 from trainer.join import Join
 from trainer.metrics import (
@@ -468,24 +475,21 @@ class Trainer:
     # -- canary ----------------------------------------------------------------------------
 
     def _arm(self, conn: sa.Connection, version: int, since: Any) -> ArmStats:
-        row = conn.execute(
-            sa.select(
-                sa.func.count(),
-                sa.func.sum(sa.case((rewards.c.outcome != "abstained", 1), else_=0)),
-                sa.func.sum(sa.case((rewards.c.outcome == "accepted", 1), else_=0)),
-                sa.func.avg(rewards.c.value),
-                sa.func.avg(rewards.c.value * rewards.c.value),
-            ).where(
+        """The arm's finalized rewards since `since`, capped per person and key like a batch."""
+        rows = conn.execute(
+            sa.select(rewards.c.value, rewards.c.outcome, rewards.c.user_id,
+                      rollouts.c.api_key_id)
+            .select_from(rewards.join(rollouts,
+                                      rollouts.c.suggestion_id == rewards.c.suggestion_id))
+            .where(
                 rewards.c.policy_version == version,
                 rewards.c.rollout_created_at >= since,
                 rewards.c.outcome != UNVIEWED,  # nobody saw it: no evidence either way
             )
-        ).one()
-        mean = float(row[3] or 0.0)
-        return ArmStats(
-            int(row[0] or 0), int(row[1] or 0), int(row[2] or 0), mean,
-            max(0.0, float(row[4] or 0.0) - mean * mean),
-        )
+        ).all()
+        return arm_stats([r.value for r in rows], [r.outcome for r in rows],
+                         [r.user_id for r in rows], [r.api_key_id for r in rows],
+                         self.cfg.max_share)
 
     def _watch_canary(self, dep: Deployment) -> None:
         assert dep.canary_version is not None

@@ -15,7 +15,7 @@ from service.policy.checkpoint import load_checkpoint
 from service.policy.model import GPT
 from service.policy.sampling import Completion, complete
 from service.policy.tokenizer import CodeTokenizer
-from trainer.deploy import ArmStats, CanaryConfig, canary_verdict
+from trainer.deploy import ArmStats, CanaryConfig, arm_stats, canary_verdict
 from trainer.gate import GateConfig, check, heldout_sample, snis
 from trainer.update import Batch, UpdateConfig, make_optimizer, update
 
@@ -42,6 +42,46 @@ def test_canary_verdict(name: str, canary: ArmStats, age_s: float, verdict: str)
     got, why = canary_verdict(canary, LIVE, age_s, CFG)
     assert got == verdict, f"{name}: {why}"
     assert why
+
+
+
+def test_arm_stats_without_capping_are_the_plain_counts() -> None:
+    users = ["a", "b", "c", "d"] * 5
+    outcomes = ["accepted", "rejected", "abstained", "accepted"] * 5
+    values = [0.5, -0.25, 0.0, 0.5] * 5
+    arm = arm_stats(values, outcomes, users, [None] * 20, max_share=0.25)
+    assert (arm.n, arm.shown, arm.accepted) == (20, 15, 10)
+    assert arm.mean_reward == pytest.approx(0.1875)
+    assert arm.reward_var == pytest.approx(sum((v - 0.1875) ** 2 for v in values) / 20)
+
+
+def test_one_person_rejecting_everything_cannot_carry_the_canary() -> None:
+    """Ten honest people accept 60% of what they are shown; an adversary sends as many rejects
+    as all of them together. Unweighted, the canary's accept rate halves and the verdict is a
+    rollback; under the caps the adversary holds a quarter of the weight."""
+    honest = [(f"h{i}", "accepted" if j < 3 else "rejected") for i in range(10) for j in range(5)]
+    adversary = [("adv", "rejected")] * 50
+    rows = honest + adversary
+    users = [u for u, _ in rows]
+    outcomes = [o for _, o in rows]
+    values = [0.5 if o == "accepted" else -0.25 for o in outcomes]
+    keys = ["k-honest"] * len(honest) + ["k-adv"] * len(adversary)
+    plain = arm_stats(values, outcomes, users, keys, max_share=1.0)
+    capped = arm_stats(values, outcomes, users, keys, max_share=0.25)
+    assert plain.accept_rate == pytest.approx(0.3)
+    # the adversary's person and key each hold 25%: 0.75 * 0.6 = 0.45
+    assert capped.accept_rate == pytest.approx(0.45)
+    assert capped.n < plain.n and capped.shown < plain.shown  # fewer effective rows
+    live = ArmStats(n=100, shown=100, accepted=60, mean_reward=0.2, reward_var=0.14)
+    cfg = CanaryConfig(min_rollouts=50, timeout_s=600, min_shown=20, reward_tolerance=0.15,
+                       accept_tolerance=0.2, z=0.0)
+    assert canary_verdict(plain, live, 10, cfg)[0] == "rollback"
+    assert canary_verdict(capped, live, 10, cfg)[0] == "promote"
+
+
+def test_arm_stats_of_nothing() -> None:
+    arm = arm_stats([], [], [], [], max_share=0.25)
+    assert (arm.n, arm.shown, arm.accept_rate) == (0, 0, 0.0)
 
 
 SIG = CanaryConfig(min_rollouts=60, timeout_s=150, min_shown=20, reward_tolerance=0.0,
