@@ -110,7 +110,7 @@ def get_lr(it: int, progress: float, cfg: PretrainConfig) -> float:
 def budget_progress(it: int, elapsed_s: float, cfg: PretrainConfig) -> float:
     """Fraction of the budget used: iterations if max_iters is set, else wall-clock."""
     if cfg.max_iters is not None:
-        return it / max(cfg.max_iters, 1)
+        return it / cfg.max_iters if cfg.max_iters > 0 else 1.0  # 0: no step at all
     return elapsed_s / max(cfg.minutes * 60.0, 1e-9)
 
 
