@@ -78,7 +78,7 @@ fi
 # the whole suite (no pytest arguments) is linted and type checked first
 if [ "$#" -eq 0 ]; then
   bash scripts/lint.sh
-  set -- -q
+  set -- -q --durations=25  # the slowest tests, to keep the run short
 fi
 say "running pytest"
 exec .venv/bin/python -m pytest "$@"
