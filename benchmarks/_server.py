@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.services import stop_process, wait_http_ready  # noqa: E402
+from tests.support.procs import stop_process, wait_http_ready  # noqa: E402
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
 

@@ -1,9 +1,10 @@
 """Full mode on this machine, as docker-compose.yml runs it, with handles to break every part.
 
-PostgreSQL (tests/services.PostgresServer, fast=False: fsync and synchronous_commit on), a Tansu
-broker with durable S3 storage (tests/services.KafkaBroker(durable=True): messages and committed
-offsets survive a SIGKILL), then `tabloop serve`, `tabloop relay` and `tabloop train` (with a
-deploy-scoped key), each in its own process group. Used by benchmarks/faults.py and soak.py.
+PostgreSQL (tests/support/postgres.PostgresServer, fast=False: fsync and synchronous_commit on),
+a Tansu broker with durable S3 storage (tests/support/kafka.KafkaBroker(durable=True): messages
+and committed offsets survive a SIGKILL), then `tabloop serve`, `tabloop relay` and
+`tabloop train` (with a deploy-scoped key), each in its own process group. Used by
+benchmarks/faults.py and soak.py.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class Cluster:
     # -- start and stop ------------------------------------------------------------------
 
     def start(self) -> Cluster:
-        from tests.services import KafkaBroker, PostgresServer
+        from tests.support.kafka import KafkaBroker
+        from tests.support.postgres import PostgresServer
 
         # its own mkdtemp: the `postgres` OS user must be able to reach it (see PostgresServer)
         self._pg_dir = Path(tempfile.mkdtemp(prefix="tabloop-faults-pg-"))

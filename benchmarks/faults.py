@@ -186,7 +186,7 @@ def verify(cluster: Cluster, plugins: plugin.Plugins) -> dict[str, Any]:
 
     from service.relay import HEADER
     from service.stream.topics import FEEDBACK, ROLLOUTS
-    from tests.services import consume_all
+    from tests.support.kafka import consume_all
 
     out: dict[str, Any] = {}
     with psycopg.connect(cluster.pg.dsn(DATABASE), autocommit=True) as conn:

@@ -15,9 +15,10 @@ types over 10,000 users, every event_id fresh). Per mode, after a warm-up:
 Modes:
 - embedded: the API of `tabloop up` (SQLite in WAL mode, the outbox is the log, no broker),
   run as `tabloop serve` without the in-process trainer that `tabloop up` adds;
-- full: PostgreSQL (tests/services.PostgresServer, fast=False: fsync, synchronous_commit and
-  full_page_writes on, so a 202 is durable) + Tansu (tests/services.KafkaBroker, in-memory
-  storage), `tabloop serve` (TABLOOP_WORKERS=--workers) and `tabloop relay` draining the outbox;
+- full: PostgreSQL (tests/support/postgres.PostgresServer, fast=False: fsync, synchronous_commit
+  and full_page_writes on, so a 202 is durable) + Tansu (tests/support/kafka.KafkaBroker,
+  in-memory storage), `tabloop serve` (TABLOOP_WORKERS=--workers) and `tabloop relay` draining
+  the outbox;
 - naive: benchmarks/naive_ingest.py on the same PostgreSQL and broker (per event: one ORM
   insert + commit and one synchronous Kafka send). The full / naive ratio is the headline.
 
@@ -212,7 +213,7 @@ def base_checkpoint(work: Path) -> Path:
 
 
 def free_port() -> int:
-    from tests.services import free_port as fp
+    from tests.support.procs import free_port as fp
 
     return fp()
 
@@ -247,7 +248,8 @@ class Bench:
 
     def pg_and_broker(self) -> tuple[Any, Any]:
         """PostgreSQL with durable commits and a Tansu broker, shared by full and naive."""
-        from tests.services import KafkaBroker, PostgresServer
+        from tests.support.kafka import KafkaBroker
+        from tests.support.postgres import PostgresServer
 
         if self.pg is None:
             # its own mkdtemp: the `postgres` OS user must be able to reach it (see PostgresServer)
@@ -408,7 +410,7 @@ class Bench:
         return result
 
     def naive(self) -> Result:
-        from tests.services import create_topics
+        from tests.support.kafka import create_topics
 
         pg, broker = self.pg_and_broker()
         url = pg.create_database("naive_bench")

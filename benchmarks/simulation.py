@@ -11,8 +11,8 @@ reward windows, the sim trainer profile) and otherwise default settings, except 
 rate limit, which is lifted (16 people send ~10 requests/s with one key).
 
 - embedded: `tabloop up` (SQLite, the outbox table as the log, the trainer in-process);
-- full: PostgreSQL (tests/services.PostgresServer: fsync on) and a Tansu broker
-  (tests/services.KafkaBroker), then the production processes: `tabloop serve`,
+- full: PostgreSQL (tests/support/postgres.PostgresServer: fsync on) and a Tansu broker
+  (tests/support/kafka.KafkaBroker), then the production processes: `tabloop serve`,
   `tabloop relay`, `tabloop train` (with a deploy-scoped key), as docker-compose.yml runs them.
 
 Then `tabloop simulate --no-live` writes DIR/report.json, records.jsonl and
@@ -118,7 +118,8 @@ def main() -> int:
                             env=env).strip()
             procs.append(Proc("up", [sys.executable, "-m", "tabloop.cli", "up"], env, logs))
         else:
-            from tests.services import KafkaBroker, PostgresServer
+            from tests.support.kafka import KafkaBroker
+            from tests.support.postgres import PostgresServer
 
             pg_dir = Path(tempfile.mkdtemp(prefix="tabloop-sim-pg-"))  # reachable by `postgres`
             pg = PostgresServer(pg_dir, fast=False).start()

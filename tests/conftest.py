@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # ============================================================================
 # Service fixtures: real PostgreSQL and a real Kafka-protocol broker.
-# Test infrastructure (see tests/services.py and scripts/test.sh); nothing is
+# Test infrastructure (see tests/support/ and scripts/test.sh); nothing is
 # skipped: if a service cannot start, the fixture raises with the log tail.
 #
 #   postgres_server  session   PostgresServer (fsync off), one per test session
@@ -14,8 +14,8 @@ from __future__ import annotations
 #   durable_kafka    function  KafkaBroker with durable S3 storage (SeaweedFS),
 #                              for kill()/restart() tests; closed after the test
 #
-# Import helpers as `tests.services` (pyproject: pythonpath = ["."],
-# --import-mode=importlib).
+# Import helpers from `tests.support.procs`, `.postgres` and `.kafka` (pyproject:
+# pythonpath = ["."], --import-mode=importlib).
 # ============================================================================
 import shutil
 import sysconfig
@@ -29,7 +29,8 @@ import torch
 
 from service.policy.model import GPT, ModelConfig
 from service.policy.tokenizer import CodeTokenizer, train_tokenizer
-from tests.services import KafkaBroker, PostgresServer
+from tests.support.kafka import KafkaBroker
+from tests.support.postgres import PostgresServer
 
 
 @pytest.fixture(scope="session")
@@ -79,6 +80,72 @@ def durable_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBro
 # ============================================================================
 # End of service fixtures. Application fixtures go below.
 # ============================================================================
+
+
+# ============================================================================
+# The `integration` marker (pyproject.toml): a test is integration when it starts real
+# processes: PostgreSQL, a Kafka-protocol broker, a browser, the HTTP app over a socket, or
+# tabby-agent. `pytest -m "not integration"` runs the unit tests only.
+#
+# Marked here, from the fixtures a test uses (item.fixturenames: the transitive closure, so
+# `client`, `tabby`, `full_settings` ... are covered through the fixtures they need).
+# Tests that start such processes themselves are marked in their modules
+# (`pytestmark = pytest.mark.integration` or `@pytest.mark.integration`).
+# ============================================================================
+INTEGRATION_FIXTURES = frozenset({
+    # tests/conftest.py
+    "postgres_server",  # PostgreSQL
+    "pg_url",  # a database on postgres_server
+    "kafka_broker",  # Tansu
+    "durable_kafka",  # Tansu + SeaweedFS
+    # tests/service/conftest.py: the app served by uvicorn on a loopback port; `served` is
+    # also the name of the modules' own in simulator/test_run.py, tabloop/test_client.py and
+    # service/dashboard/test_dashboard_browser.py, which serve it too
+    "service_factory",
+    "service",
+    "served",
+    # fixtures of a test module
+    "served_sim",  # tests/simulator/test_run.py: the app on a loopback port
+    "embedded",  # tests/trainer/test_loop.py: the app on a loopback port
+    "up",  # tests/simulator/test_e2e.py: `tabloop up` in a subprocess
+    "browser_page",  # tests/service/dashboard/test_dashboard_browser.py: chromium
+})
+# Parameters of a fixture that then asks for PostgreSQL and the broker with
+# request.getfixturevalue (not in item.fixturenames): fixture name -> that parameter.
+INTEGRATION_PARAMS = {
+    "mode": "full",  # tests/service/conftest.py: settings_factory
+    "db_settings": "postgresql",  # tests/migrations/test_migrations.py
+}
+
+
+def _direct_params(item: pytest.Item) -> set[str]:
+    """Argument names of the item's direct (not indirect) parametrize marks: values, not
+    fixtures, although item.fixturenames lists them (e.g. a bool `served` parameter)."""
+    names: set[str] = set()
+    for mark in item.iter_markers("parametrize"):
+        argnames = mark.args[0] if mark.args else mark.kwargs["argnames"]
+        if isinstance(argnames, str):
+            argnames = [n.strip() for n in argnames.split(",") if n.strip()]
+        indirect = mark.kwargs.get("indirect", False)
+        names.update(n for n in argnames
+                     if not (indirect is True or (isinstance(indirect, list | tuple)
+                                                  and n in indirect)))
+    return names
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    fixtures = set(getattr(item, "fixturenames", ())) - _direct_params(item)
+    if INTEGRATION_FIXTURES.intersection(fixtures):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(params.get(name) == value for name, value in INTEGRATION_PARAMS.items())
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("integration") is None and _starts_processes(item):
+            item.add_marker(pytest.mark.integration)
 
 
 # ============================================================================

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # benchmarks/faults.py --short: PostgreSQL, Tansu, the app
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

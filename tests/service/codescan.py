@@ -27,7 +27,7 @@ from service.relay import Relay
 from service.stream.topics import ALL_TOPICS
 from service.tables import outbox, utcnow
 from tests.factories import event
-from tests.services import consume_all
+from tests.support.kafka import consume_all
 
 
 def showing_checkpoint(tokenizer: CodeTokenizer, out: Path) -> Path:

@@ -16,7 +16,7 @@ import uvicorn
 from service.auth.keys import create_key
 from service.config import Settings
 from service.db import make_engine, upgrade
-from tests.services import free_port
+from tests.support.procs import free_port
 
 
 class RunningService:

@@ -17,7 +17,7 @@ from service.db import make_engine, upgrade
 from service.deps import DB_STALL_S, Health
 from tests.factories import event
 from tests.service.conftest import RunningService, make_settings
-from tests.services import PostgresServer
+from tests.support.postgres import PostgresServer
 
 
 @pytest.mark.parametrize(
@@ -38,6 +38,7 @@ def post(url: str, token: str, n: int) -> httpx.Response:
                       headers={"Authorization": f"Bearer {token}"})
 
 
+@pytest.mark.integration  # its own PostgreSQL, the app on a socket
 def test_stalled_database_gets_503_with_retry_after(tmp_path: Path, kafka_broker: Any) -> None:
     base = Path(tempfile.mkdtemp(prefix="tabloop-pg-stall-"))  # reachable by `postgres`
     pg = PostgresServer(base, fast=True).start()

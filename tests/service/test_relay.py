@@ -26,7 +26,7 @@ from service.stream.topics import FEEDBACK
 from service.tables import events, outbox
 from tests.factories import event
 from tests.service.conftest import make_settings
-from tests.services import consume_all
+from tests.support.kafka import consume_all
 
 
 @pytest.fixture

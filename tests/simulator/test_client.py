@@ -70,6 +70,7 @@ def event(i: int) -> dict[str, Any]:
             "occurred_at": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
 
 
+@pytest.mark.integration  # the app on a socket
 def test_sender_honours_429_from_the_real_service(tmp_path: Path) -> None:
     """A per-key limit of 1 request/s (burst 2): batches beyond it get 429 + Retry-After and
     are delivered after waiting, each event stored once."""

@@ -37,8 +37,10 @@ import torch
 from service.policy.checkpoint import load_checkpoint
 from service.policy.sampling import Completion, complete, score_actions
 from simulator.population import CursorSource, in_reject_family, request_context
-from tests.services import free_port, stop_process, wait_http_ready
+from tests.support.procs import free_port, stop_process, wait_http_ready
 from trainer.corpus import heldout_lines
+
+pytestmark = pytest.mark.integration  # `tabloop up` in a subprocess
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
 MINUTES = 2

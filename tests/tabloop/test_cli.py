@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from service.auth.keys import authenticate
 from service.config import Settings
 from service.db import make_engine
 from tests.factories import event
-from tests.services import free_port, wait_http_ready
+from tests.support.procs import free_port, wait_http_ready
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
 TRAINER_METRICS = (
@@ -102,6 +103,7 @@ def test_up_on_a_port_in_use_says_so_before_anything_else(tmp_path: Path) -> Non
     assert not (tmp_path / "data" / "tabloop.db").exists()
 
 
+@pytest.mark.integration  # `tabloop up` serving
 def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
     port = free_port()
     env = env_for(tmp_path, TABLOOP_PORT=str(port))
@@ -163,6 +165,7 @@ def test_log_format_flag_on_the_long_running_commands() -> None:
         assert args.log_format == "text"
 
 
+@pytest.mark.integration  # `tabloop train` serving its metrics
 def test_train_serves_its_metrics_on_the_metrics_port(tmp_path: Path) -> None:
     port = free_port()
     env = env_for(tmp_path, TABLOOP_METRICS_PORT=str(port), TABLOOP_TRAINER_API_KEY="tlk_x_y",
@@ -195,6 +198,7 @@ def _series(metrics: str, prefix: str) -> float:
     return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
 
+@pytest.mark.integration  # `tabloop serve --workers 2`
 def test_serve_with_workers_sums_every_workers_metrics(tmp_path: Path) -> None:
     """`tabloop serve --workers 2`: whichever worker answers a scrape, the counters count the
     requests of both (prometheus_client's multiprocess mode), and the directory the workers

@@ -27,7 +27,7 @@ from service.db import make_engine, upgrade
 from service.registry.store import bootstrap
 from service.tables import deployments, policies, rewards, rollouts
 from tests.service.conftest import RunningService, make_settings
-from tests.services import stop_process
+from tests.support.procs import stop_process
 from trainer.deploy import CanaryConfig, ServiceClient
 from trainer.gate import GateConfig
 from trainer.loop import Trainer, TrainerConfig, lineage_root
@@ -216,6 +216,7 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
     engine.dispose()
 
 
+@pytest.mark.integration  # the app on a socket, `tabloop train`
 def test_kill_9_loses_no_reward_and_trains_nothing_twice(
     tmp_path: Path, pg_url: str, durable_kafka: Any
 ) -> None:

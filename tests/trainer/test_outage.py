@@ -10,15 +10,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from service.db import make_engine, upgrade
 from service.registry.store import bootstrap
 from service.tables import trainer_state
 from tests.service.conftest import make_settings
-from tests.services import PostgresServer
+from tests.support.postgres import PostgresServer
 from trainer.deploy import ServiceClient
 from trainer.loop import Trainer
+
+pytestmark = pytest.mark.integration  # its own PostgreSQL
 
 
 def heartbeat(engine: sa.Engine) -> Any:

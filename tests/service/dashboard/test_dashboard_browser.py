@@ -24,6 +24,8 @@ from tests.factories import event
 from tests.service.registry.test_registry import upload, wait_for_routing
 from trainer.join import Join
 
+pytestmark = pytest.mark.integration  # chromium
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from service.tables import TRAINER_STATE_NAME, rollouts, trainer_state
@@ -18,6 +19,8 @@ from tests.service.dashboard.test_dashboard_browser import (  # noqa: F401 (fixt
     mode,
     served,
 )
+
+pytestmark = pytest.mark.integration  # chromium
 
 
 def test_refused_and_capped_people_are_listed(

@@ -29,7 +29,7 @@ import torch
 from service.policy.checkpoint import save_checkpoint
 from service.policy.model import GPT, ModelConfig
 from service.policy.tokenizer import CodeTokenizer
-from tests.services import stop_process
+from tests.support.procs import stop_process
 
 REPO = Path(__file__).resolve().parents[3]
 AGENT_VERSION = "1.5.0"

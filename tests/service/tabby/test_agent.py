@@ -37,6 +37,8 @@ from tests.service.tabby.conftest import (
 )
 from trainer.join import Join
 
+pytestmark = pytest.mark.integration  # tabby-agent under node
+
 KEY_NAME = "vim-tabby"  # the key's name is the person: tabby-agent sends no user with a token
 
 

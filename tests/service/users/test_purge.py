@@ -14,7 +14,7 @@ from service.stream.topics import FEEDBACK, ROLLOUTS, USER_PURGED
 from service.tables import dead_letters, events, outbox, rewards, rollouts, utcnow
 from tests.factories import event
 from tests.service.codescan import publish
-from tests.services import consume_all
+from tests.support.kafka import consume_all
 
 TABLES = {"rollouts": rollouts, "events": events, "rewards": rewards}
 

@@ -1,4 +1,4 @@
-"""Tests of the test infrastructure itself (tests/services.py, tests/conftest.py)."""
+"""Tests of the test infrastructure itself (tests/support/, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import psycopg
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from tests.services import (
+from tests.support.kafka import (
     KafkaBroker,
-    PostgresServer,
     committed_offsets,
     consume_all,
     create_topics,
-    free_port,
     kafka_ready,
 )
+from tests.support.postgres import PostgresServer
+from tests.support.procs import free_port
 
 # consumer-group settings for Tansu: it holds a JoinGroup for half the session
 GROUP_KW = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
@@ -83,6 +83,7 @@ def test_pg_databases_are_isolated_and_dropped(postgres_server: PostgresServer) 
         )
 
 
+@pytest.mark.integration  # starts its own PostgreSQL
 def test_postgres_restart_and_crash_keep_committed_data() -> None:
     base = Path(tempfile.mkdtemp(prefix="tabloop-pgtest-"))  # reachable for the postgres user
     try:
@@ -198,6 +199,7 @@ def test_group_commit_survives_broker_restart(durable_kafka: KafkaBroker) -> Non
     assert sorted(got) == sorted(f"new{i}".encode() for i in range(4))
 
 
+@pytest.mark.integration  # starts its own broker and SeaweedFS
 def test_broker_close_leaves_no_processes(tmp_path: Path) -> None:
     broker = KafkaBroker(tmp_path / "k", durable=True).start()
     pids = [broker._broker.pid, broker._weed.pid]  # type: ignore[union-attr]
