@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,6 +18,7 @@ from service.auth import endpoints as key_endpoints
 from service.auth.keys import KeyCache, RateLimiter
 from service.body import BodyLimitMiddleware
 from service.completions import endpoints as complete_endpoints
+from service.completions.batching import Batcher, SamplingSettings
 from service.completions.serving import PolicyServer
 from service.config import Settings, load_settings
 from service.dashboard import endpoints as dashboard
@@ -78,7 +78,11 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
         limiter=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst),
         health=Health(broker_ok=None),
         policies=PolicyServer(settings, engine),
-        inference=ThreadPoolExecutor(settings.inference_threads, thread_name_prefix="inference"),
+        inference=Batcher(
+            SamplingSettings(settings.temperature, settings.top_p, settings.stop_logprob),
+            settings.inference_threads, settings.inference_batch_max,
+            settings.inference_batch_wait_ms,
+        ),
         keys=KeyCache(settings.auth_cache_ttl_s),
     )
     monitor = Monitor(settings, engine, ctx.health)
@@ -92,7 +96,7 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
         finally:
             ctx.policies.stop()
             monitor.stop()
-            ctx.inference.shutdown(wait=True)
+            ctx.inference.close()
             engine.dispose()
 
     app = FastAPI(

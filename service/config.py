@@ -83,6 +83,12 @@ class Settings(BaseSettings):
     # Threads running inference (each uses torch_threads cores); ingestion keeps its own pool.
     inference_threads: int = Field(2, ge=1, le=64)
     torch_threads: int = Field(1, ge=1, le=64)
+    # Concurrent completions of one policy share their forward passes: an inference thread
+    # takes every request waiting (at most this many; 1: one at a time), after waiting at most
+    # inference_batch_wait_ms for more (0: only those already queued; a lone request never
+    # waits). service/completions/batching.py
+    inference_batch_max: int = Field(32, ge=1, le=256)
+    inference_batch_wait_ms: float = Field(0.0, ge=0, le=50)
     # How often each API process looks for a new deployment to load and swap in.
     policy_poll_interval_s: float = Field(1.0, gt=0)
     # Trainer overrides of its profile's defaults (batch size, canary size); unset: the profile's.

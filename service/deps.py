@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -17,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from service.audit.recorder import AuditEntry, open_entry
 from service.audit.store import key_actor
 from service.auth.keys import ApiKey, KeyCache, RateLimiter, authenticate
+from service.completions.batching import Batcher
 from service.completions.serving import PolicyServer
 from service.config import Settings
 from service.errors import Forbidden, RateLimited, Unauthorized, Unavailable
@@ -56,7 +56,7 @@ class AppContext:
     limiter: RateLimiter
     health: Health
     policies: PolicyServer
-    inference: ThreadPoolExecutor  # runs the model off the event loop and off ingestion's pool
+    inference: Batcher  # runs the model off the event loop and off ingestion's pool, batched
     keys: KeyCache  # recently authenticated keys (see KeyCache for how revocation stays prompt)
 
 

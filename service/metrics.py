@@ -51,6 +51,16 @@ COMPLETE_SECONDS = Histogram(
     "Time spent sampling a completion (model only).",
     buckets=(0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0),
 )
+COMPLETE_BATCH_SIZE = Histogram(
+    "tabloop_complete_batch_size",
+    "Completions sampled together in one batch (service/completions/batching.py).",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
+COMPLETE_QUEUE_SECONDS = Histogram(
+    "tabloop_complete_queue_seconds",
+    "Time a completion waited for an inference thread before its batch started.",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
 UNSUPPORTED_LANGUAGE = Counter(
     "tabloop_complete_unsupported_language_total",
     "Requests in a language the routed policy was not trained on: abstained without a model "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Sequence
@@ -14,39 +13,27 @@ import torch
 from starlette.concurrency import run_in_threadpool
 
 from service.completions.schemas import CompleteRequest
-from service.completions.serving import LoadedPolicy
 from service.config import Settings
 from service.deps import AppContext
 from service.errors import Unavailable, Unprocessable
-from service.metrics import COMPLETE_SECONDS, COMPLETIONS, UNSUPPORTED_LANGUAGE
+from service.metrics import COMPLETIONS, UNSUPPORTED_LANGUAGE
 from service.outbox import outbox_row
 from service.policy.languages import metric_label, request_language, supports
-from service.policy.sampling import Completion, complete, unsupported_language
+from service.policy.sampling import Completion, Prompt, unsupported_language
 from service.privacy import rollout_without_code
 from service.stream.topics import ROLLOUTS
 from service.tables import outbox, rollouts, utcnow
 
 
-def sample(
-    policy: LoadedPolicy, req: CompleteRequest, settings: Settings
-) -> tuple[Completion, float]:
-    """Run the policy on the bounded context; returns the completion and its latency in ms."""
-    started = time.perf_counter()
-    generator = torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "big"))
-    completion = complete(
-        policy.model,
-        policy.tokenizer,
+def prompt_of(req: CompleteRequest, settings: Settings) -> Prompt:
+    """The request as the policy reads it: the bounded prefix and suffix, the token budget,
+    and a generator of its own."""
+    return Prompt(
         prefix=req.prefix[-settings.max_prefix_chars :],
         suffix=req.suffix[: settings.max_suffix_chars],
         max_new_tokens=min(req.max_new_tokens, settings.max_new_tokens_limit),
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        generator=generator,
-        stop_logprob=settings.stop_logprob,
+        generator=torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "big")),
     )
-    elapsed = time.perf_counter() - started
-    COMPLETE_SECONDS.observe(elapsed)
-    return completion, elapsed * 1000
 
 
 def abstain_for_language(language: str | None, settings: Settings) -> tuple[Completion, float]:
@@ -182,10 +169,7 @@ async def serve(
     policy = ctx.policies.route(req.user_id)
     language = request_language(req.language, req.file_path)
     if supports(policy.languages, language):
-        loop = asyncio.get_running_loop()
-        completion, latency_ms = await loop.run_in_executor(
-            ctx.inference, sample, policy, req, settings
-        )
+        completion, latency_ms = await ctx.inference.sample(policy, prompt_of(req, settings))
     else:
         completion, latency_ms = abstain_for_language(language, settings)
     suggestion_id = str(uuid.uuid4())

@@ -53,6 +53,24 @@ class KVCache:
         self.pos = 0  # tokens already in the cache
 
 
+class RaggedKVCache(KVCache):
+    """A batch of sequences of different lengths decoded together: the prompts are prefilled
+    right-padded (causal attention keeps every real position off the padding), then each step
+    writes one token per row at that row's own length and attends to its own positions only.
+    `lengths` is set after the prefill (each row's real prompt length); a row that is not
+    `advance`d by a step keeps its length (its write lands on a position it never reads)."""
+
+    def __init__(self, config: ModelConfig, batch: int, dtype: torch.dtype = torch.float32):
+        super().__init__(config, batch, dtype)
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # real tokens per row
+        self.advance = torch.ones(batch, dtype=torch.bool)  # rows whose step token is real
+
+    def write_index(self) -> torch.Tensor:
+        """Each row's position for this step (a finished row at the end of the block rewrites
+        its last slot: it is never read again)."""
+        return self.lengths.clamp(max=self.k.size(3) - 1)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -72,6 +90,20 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         causal = True
+        if isinstance(cache, RaggedKVCache) and cache.pos > 0:
+            assert T == 1, "a ragged cache decodes one token per row at a time"
+            at = cache.write_index()
+            rows = torch.arange(B)
+            cache.k[layer, rows, :, at] = k[:, :, 0]
+            cache.v[layer, rows, :, at] = v[:, :, 0]
+            end = int(at.max()) + 1
+            keys = torch.arange(end) <= at.unsqueeze(1)  # (B, end): each row's own positions
+            y = F.scaled_dot_product_attention(
+                q, cache.k[layer, :B, :, :end], cache.v[layer, :B, :, :end],
+                attn_mask=keys[:, None, None, :],
+            )
+            y = y.transpose(1, 2).contiguous().view(B, T, C)
+            return self.resid_dropout(self.c_proj(y))
         if cache is not None:
             # prefill (empty cache, causal over the prompt) or one new token attending to all
             assert cache.pos == 0 or T == 1, "KV cache supports a prefill or one token at a time"
@@ -159,15 +191,21 @@ class GPT(nn.Module):
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final (post-LayerNorm) hidden states for token ids idx (B, T)."""
         B, T = idx.size()
-        start = cache.pos if cache is not None else 0
+        ragged_step = isinstance(cache, RaggedKVCache) and cache.pos > 0
+        start = cache.pos if cache is not None and not ragged_step else 0
         assert start + T <= self.config.block_size, (
             f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}"
         )
-        pos = torch.arange(start, start + T, dtype=torch.long)
+        if isinstance(cache, RaggedKVCache) and ragged_step:
+            pos = cache.write_index().unsqueeze(1)  # (B, 1): each row at its own position
+        else:
+            pos = torch.arange(start, start + T, dtype=torch.long)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for i, block in enumerate(self.h):
             x = block(x, cache, i)
-        if cache is not None:
+        if isinstance(cache, RaggedKVCache) and ragged_step:
+            cache.lengths += cache.advance.long()
+        elif cache is not None:
             cache.pos += T
         return self.ln_f(x)
 

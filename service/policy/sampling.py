@@ -36,7 +36,7 @@ import torch
 from torch.nn import functional as F
 
 from service.policy.context import MIN_PREFIX_TOKENS, context_overhead, prepare_context
-from service.policy.model import GPT, KVCache, gate_features
+from service.policy.model import GPT, KVCache, RaggedKVCache, gate_features
 from service.policy.tokenizer import CodeTokenizer
 
 DEFAULT_TEMPERATURE = 0.7  # serving default; the gate is fitted for it
@@ -194,7 +194,32 @@ def bytes_to_text(b: bytes) -> str:
 
 
 # --- sampling ----------------------------------------------------------------------------
-@torch.inference_mode()
+@dataclass(frozen=True)
+class Prompt:
+    """One request of a batch: the text around the cursor, its budget and its random stream."""
+
+    prefix: str
+    suffix: str
+    max_new_tokens: int
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Row:
+    """A request being decoded in `complete_batch`."""
+
+    prompt: Prompt
+    context_ids: list[int]
+    constraint: bytes
+    max_new_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    model_lps: list[float] = field(default_factory=list)
+    done: bytes = b""
+    stop: str = "length"
+    active: bool = True
+
+
 def complete(
     model: GPT,
     tokenizer: CodeTokenizer,
@@ -220,80 +245,134 @@ def complete(
     is dropped and stop_reason is "confidence". The completion can then be empty (an
     abstention). None (or -inf) samples to the end of the line.
     """
-    assert max_new_tokens >= 1, "max_new_tokens must be >= 1"
+    return complete_batch(
+        model, tokenizer, [Prompt(prefix, suffix, max_new_tokens, generator)], temperature,
+        top_p, heal=heal, max_context_tokens=max_context_tokens, stop_logprob=stop_logprob,
+    )[0]
+
+
+@torch.inference_mode()
+def complete_batch(
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    prompts: Sequence[Prompt],
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float | None = DEFAULT_TOP_P,
+    heal: bool = True,
+    max_context_tokens: int | None = DEFAULT_MAX_CONTEXT_TOKENS,
+    stop_logprob: float | None = DEFAULT_STOP_LOGPROB,
+) -> list[Completion]:
+    """`complete` for several requests at once: one forward pass for all the prompts, then one
+    per decoding step for every row still sampling (service.policy.model.RaggedKVCache). Each
+    row draws from its own generator in the same order as alone, so a row samples what
+    `complete` samples with that generator, up to float rounding; its logged log-probs are its
+    own distribution's either way."""
+    assert prompts, "an empty batch"
     assert temperature >= 0.0, "temperature must be >= 0"
     assert top_p is None or 0.0 < top_p <= 1.0, "top_p must be in (0, 1]"
     cfg = model.config
     room = cfg.block_size - MIN_PREFIX_TOKENS - context_overhead(tokenizer)
-    max_new_tokens = min(max_new_tokens, room)
-    healing = prepare_context(
-        tokenizer, prefix, cfg.block_size, max_new_tokens, heal, max_context_tokens, suffix
-    )
-    constraint = healing.constraint
+    rows: list[_Row] = []
+    for p in prompts:
+        assert p.max_new_tokens >= 1, "max_new_tokens must be >= 1"
+        budget = min(p.max_new_tokens, room)
+        healing = prepare_context(
+            tokenizer, p.prefix, cfg.block_size, budget, heal, max_context_tokens, p.suffix
+        )
+        rows.append(_Row(p, list(healing.context_ids), healing.constraint, budget))
 
-    cache = KVCache(cfg, 1)
-    h = model.hidden(torch.tensor([healing.context_ids]), cache)[:, -1]
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    model_lps: list[float] = []
-    done = b""
-    stop = "length"
-    while True:
-        logits = model.logits(h)  # (1, V)
-        remaining = constraint[len(done) :] if len(done) < len(constraint) else b""
-        allowed = tokenizer.allowed_mask(remaining) if remaining else None
-        if temperature == 0.0:
-            masked = logits if allowed is None else logits.masked_fill(~allowed, NEG_INF)
-            tok, lp = int(masked.argmax(-1)), 0.0
-        else:
-            tok, lp = sample_token(logits[0], temperature, top_p or 1.0, allowed, generator)
-        raw = logits[0] if allowed is None else logits[0].masked_fill(~allowed, NEG_INF)
-        model_lp = float(raw[tok] - torch.logsumexp(raw, dim=-1))
-        if stop_logprob is not None and not remaining and model_lp < stop_logprob:
-            stop = "confidence"  # h stays the hidden state at the last token kept
+    B = len(rows)
+    # one row: the plain cache (its decode step skips the ragged bookkeeping, ~7% of a request)
+    cache = RaggedKVCache(cfg, B) if B > 1 else KVCache(cfg, 1)
+    longest = max(len(r.context_ids) for r in rows)
+    ids = torch.zeros((B, longest), dtype=torch.long)  # right-padded with token 0
+    for b, r in enumerate(rows):
+        ids[b, : len(r.context_ids)] = torch.tensor(r.context_ids)
+    lengths = torch.tensor([len(r.context_ids) for r in rows])
+    h = model.hidden(ids, cache)[torch.arange(B), lengths - 1]  # (B, C): each row's last
+    if isinstance(cache, RaggedKVCache):
+        cache.lengths = lengths.clone()
+    step = torch.zeros((B, 1), dtype=torch.long)
+    while any(r.active for r in rows):
+        logits = model.logits(h)  # (B, V)
+        fed = torch.zeros(B, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            if not r.active:
+                continue
+            remaining = r.constraint[len(r.done) :] if len(r.done) < len(r.constraint) else b""
+            allowed = tokenizer.allowed_mask(remaining) if remaining else None
+            if temperature == 0.0:
+                masked = logits[b] if allowed is None else logits[b].masked_fill(~allowed, NEG_INF)
+                tok, lp = int(masked.argmax(-1)), 0.0
+            else:
+                tok, lp = sample_token(logits[b], temperature, top_p or 1.0, allowed,
+                                       r.prompt.generator)
+            raw = logits[b] if allowed is None else logits[b].masked_fill(~allowed, NEG_INF)
+            model_lp = float(raw[tok] - torch.logsumexp(raw, dim=-1))
+            if stop_logprob is not None and not remaining and model_lp < stop_logprob:
+                r.stop, r.active = "confidence", False  # h stays at the last token kept
+                continue
+            r.model_lps.append(model_lp)
+            r.tokens.append(tok)
+            r.logprobs.append(lp)
+            step[b, 0], fed[b] = tok, True
+        if not bool(fed.any()):
             break
-        model_lps.append(model_lp)
-        tokens.append(tok)
-        logprobs.append(lp)
-        h = model.hidden(torch.tensor([[tok]]), cache)[:, -1]  # also the gate's input at the end
-        if tok in tokenizer.special_ids:  # <|eof|> (or a FIM sentinel: nothing to say here)
-            stop = "eof"
-            break
-        done += tokenizer.token_bytes[tok]
-        if len(done) > len(constraint) and b"\n" in done[len(constraint) :]:
-            stop = "newline"
-            break
-        if len(tokens) >= max_new_tokens:
-            break
+        if isinstance(cache, RaggedKVCache):
+            cache.advance = fed
+        h_new = model.hidden(step, cache)[:, -1]  # also the gate's input at the end
+        h = torch.where(fed.unsqueeze(1), h_new, h)
+        for b, r in enumerate(rows):
+            if not fed[b]:
+                continue
+            tok = r.tokens[-1]
+            if tok in tokenizer.special_ids:  # <|eof|> (or a FIM sentinel: nothing to say)
+                r.stop, r.active = "eof", False
+                continue
+            r.done += tokenizer.token_bytes[tok]
+            if len(r.done) > len(r.constraint) and b"\n" in r.done[len(r.constraint) :]:
+                r.stop, r.active = "newline", False
+            elif len(r.tokens) >= r.max_new_tokens:
+                r.active = False
 
-    out = completion_bytes(tokenizer, tokens, constraint)
-    text = bytes_to_text(out)
+    outs = [completion_bytes(tokenizer, r.tokens, r.constraint) for r in rows]
     feats = gate_features(
-        torch.tensor([sum(model_lps)]), torch.tensor([len(tokens)]), torch.tensor([len(out)])
+        torch.tensor([sum(r.model_lps) for r in rows]),
+        torch.tensor([len(r.tokens) for r in rows]),
+        torch.tensor([len(o) for o in outs]),
     )
-    gate_logit = float(model.gate_logit(h, feats)[0])
+    gate_logits = model.gate_logit(h, feats)
+    return [_decide(r, out, float(g), temperature, top_p)
+            for r, out, g in zip(rows, outs, gate_logits, strict=True)]
+
+
+def _decide(
+    r: _Row, out: bytes, gate_logit: float, temperature: float, top_p: float | None
+) -> Completion:
+    """The row's show/abstain draw (after its tokens, from its generator) and its Completion."""
+    text = bytes_to_text(out)
     p_show = 1.0 / (1.0 + math.exp(-gate_logit))
     if not text:
         shown, dec_lp = False, 0.0
     elif temperature == 0.0:
         shown, dec_lp = p_show >= 0.5, 0.0
     else:
-        shown = bool(torch.rand(1, generator=generator)[0] < p_show)
+        shown = bool(torch.rand(1, generator=r.prompt.generator)[0] < p_show)
         dec_lp = float(F.logsigmoid(torch.tensor(gate_logit if shown else -gate_logit)))
     return Completion(
         text=text,
-        token_ids=tokens,
-        token_logprobs=logprobs,
-        context_token_ids=list(healing.context_ids),
-        heal_text=constraint.decode("utf-8"),
+        token_ids=r.tokens,
+        token_logprobs=r.logprobs,
+        context_token_ids=r.context_ids,
+        heal_text=r.constraint.decode("utf-8"),
         temperature=temperature,
         top_p=top_p,
         gate_prob_show=p_show,
         shown=shown,
         decision_logprob=dec_lp,
-        logprob_total=sum(logprobs) + dec_lp,
-        stop_reason=stop,
-        model_logprobs=model_lps,
+        logprob_total=sum(r.logprobs) + dec_lp,
+        stop_reason=r.stop,
+        model_logprobs=r.model_lps,
     )
 
 
