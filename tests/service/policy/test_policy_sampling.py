@@ -10,9 +10,9 @@ import torch
 from service.policy.model import GPT
 from service.policy.sampling import (
     Completion,
+    Prompt,
     action_logprob,
     batch_action_logprobs,
-    Prompt,
     complete,
     complete_batch,
     constraint_steps,
