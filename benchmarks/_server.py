@@ -37,9 +37,14 @@ def tabloop_up(**env_overrides: str) -> Iterator[Server]:
     data_dir = Path(tempfile.mkdtemp(prefix="tabloop-bench-"))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TABLOOP_")}
-    env.update(TABLOOP_DATA_DIR=str(data_dir), TABLOOP_PORT=str(port),
-               TABLOOP_LOG_LEVEL="WARNING", TABLOOP_RATE_LIMIT_PER_S="100000",
-               TABLOOP_RATE_LIMIT_BURST="100000", **env_overrides)
+    env.update(
+        TABLOOP_DATA_DIR=str(data_dir),
+        TABLOOP_PORT=str(port),
+        TABLOOP_LOG_LEVEL="WARNING",
+        TABLOOP_RATE_LIMIT_PER_S="100000",
+        TABLOOP_RATE_LIMIT_BURST="100000",
+        **env_overrides,
+    )
     proc = subprocess.Popen([TABLOOP, "up"], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -69,22 +69,32 @@ class Cluster:
         self.pg = PostgresServer(self._pg_dir, fast=False).start()
         self.broker = KafkaBroker(self.work / "kafka", durable=True).start()
         self.env = clean_env(
-            TABLOOP_PROFILE="sim", TABLOOP_PORT=str(self.port),
-            TABLOOP_DATA_DIR=str(self.work / "data"), TABLOOP_LOG_LEVEL="INFO",
-            TABLOOP_RATE_LIMIT_PER_S="100000", TABLOOP_RATE_LIMIT_BURST="100000",
+            TABLOOP_PROFILE="sim",
+            TABLOOP_PORT=str(self.port),
+            TABLOOP_DATA_DIR=str(self.work / "data"),
+            TABLOOP_LOG_LEVEL="INFO",
+            TABLOOP_RATE_LIMIT_PER_S="100000",
+            TABLOOP_RATE_LIMIT_BURST="100000",
             TABLOOP_DATABASE_URL=self.pg.create_database(DATABASE),
-            TABLOOP_KAFKA_BOOTSTRAP_SERVERS=self.broker.bootstrap, **self.settings)
+            TABLOOP_KAFKA_BOOTSTRAP_SERVERS=self.broker.bootstrap,
+            **self.settings,
+        )
         tabloop("db", "upgrade", env=self.env)
-        self.token = tabloop("keys", "create", "--scope", "admin,ingest", "--name", "faults",
-                             env=self.env).strip()
-        trainer_key = tabloop("keys", "create", "--scope", "deploy", "--name", "trainer",
-                              env=self.env).strip()
+        self.token = tabloop(
+            "keys", "create", "--scope", "admin,ingest", "--name", "faults", env=self.env
+        ).strip()
+        trainer_key = tabloop(
+            "keys", "create", "--scope", "deploy", "--name", "trainer", env=self.env
+        ).strip()
         self.env_of = {
             "serve": self.env,
             "relay": {**self.env, "TABLOOP_METRICS_PORT": str(free_port())},
-            "train": {**self.env, "TABLOOP_METRICS_PORT": str(free_port()),
-                      "TABLOOP_TRAINER_API_KEY": trainer_key,
-                      "TABLOOP_TRAINER_API_URL": self.url},
+            "train": {
+                **self.env,
+                "TABLOOP_METRICS_PORT": str(free_port()),
+                "TABLOOP_TRAINER_API_KEY": trainer_key,
+                "TABLOOP_TRAINER_API_URL": self.url,
+            },
         }
         self.spawn("serve")
         self.wait_ready()  # serve registers the base policy
@@ -151,14 +161,21 @@ class Cluster:
         for _ in range(50):
             while True:
                 try:
-                    held.append(psycopg.connect(self.pg.dsn(DATABASE), autocommit=True,
-                                                connect_timeout=2))
+                    held.append(
+                        psycopg.connect(self.pg.dsn(DATABASE), autocommit=True, connect_timeout=2)
+                    )
                 except psycopg.OperationalError:
                     break
             mine = [c.info.backend_pid for c in held]
-            ended = held[0].execute(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE datname = %s AND pid <> ALL(%s)", (DATABASE, mine)).fetchone()[0]
+            ended = (
+                held[0]
+                .execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> ALL(%s)",
+                    (DATABASE, mine),
+                )
+                .fetchone()[0]
+            )
             if not ended:
                 break
             time.sleep(0.2)  # their slots free up as the backends exit

@@ -36,14 +36,27 @@ def prompts(n: int) -> list[dict]:
     out = []
     for i, c in enumerate(sample_cursors("heldout", n, seed=0)):
         # the text after the cursor, less the rest of its line (what the person is about to type)
-        after = c.suffix[len(c.rest_of_line):]
-        out.append({"user_id": f"bench-{i % 50}", "prefix": c.prefix[-4096:],
-                    "suffix": after[:1024], "language": "python", "max_new_tokens": 32})
+        after = c.suffix[len(c.rest_of_line) :]
+        out.append(
+            {
+                "user_id": f"bench-{i % 50}",
+                "prefix": c.prefix[-4096:],
+                "suffix": after[:1024],
+                "language": "python",
+                "max_new_tokens": 32,
+            }
+        )
     return out
 
 
-def load(url: str, token: str, bodies: list[dict], concurrency: int, seconds: float,
-         max_requests: int = 100_000) -> tuple[list[tuple[float, float, float]], int]:
+def load(
+    url: str,
+    token: str,
+    bodies: list[dict],
+    concurrency: int,
+    seconds: float,
+    max_requests: int = 100_000,
+) -> tuple[list[tuple[float, float, float]], int]:
     """Closed-loop load; returns [(t_sent, client_ms, server_ms)] and the error count."""
     results: list[tuple[float, float, float]] = []
     errors = 0
@@ -53,8 +66,9 @@ def load(url: str, token: str, bodies: list[dict], concurrency: int, seconds: fl
 
     def worker() -> None:
         nonlocal errors
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
-                          timeout=30) as c:
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ) as c:
             for i in counter:
                 if time.monotonic() > deadline:
                     return
@@ -79,14 +93,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="per concurrency level")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--batch-max", type=int, nargs="+", default=[1, 32],
-                    help="TABLOOP_INFERENCE_BATCH_MAX of each server (1: unbatched)")
+    ap.add_argument(
+        "--batch-max",
+        type=int,
+        nargs="+",
+        default=[1, 32],
+        help="TABLOOP_INFERENCE_BATCH_MAX of each server (1: unbatched)",
+    )
     ap.add_argument("--prompts", type=int, default=400)
     args = ap.parse_args()
     bodies = prompts(args.prompts)
     print(f"{len(bodies)} held-out prompts, max_new_tokens 32")
-    print(f"{'batch max':>9} {'concurrency':>11} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'model p50':>9} {'model p99':>9} {'errors':>6}")
+    print(
+        f"{'batch max':>9} {'concurrency':>11} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'model p50':>9} {'model p99':>9} {'errors':>6}"
+    )
     for i, batch_max in enumerate(args.batch_max):
         with tabloop_up(TABLOOP_INFERENCE_BATCH_MAX=str(batch_max)) as srv:
             load(srv.url, srv.token, bodies, 1, 3.0)  # warm-up
@@ -96,9 +117,12 @@ def main() -> None:
                 rate = len(res) / (time.monotonic() - t0)
                 client = [r[1] for r in res]
                 model = [r[2] for r in res]
-                print(f"{batch_max:>9} {conc:>11} {rate:>7.1f} {pct(client, 50):>7.1f} "
-                      f"{pct(client, 99):>7.1f} {pct(model, 50):>9.1f} {pct(model, 99):>9.1f} "
-                      f"{errs:>6}", flush=True)
+                print(
+                    f"{batch_max:>9} {conc:>11} {rate:>7.1f} {pct(client, 50):>7.1f} "
+                    f"{pct(client, 99):>7.1f} {pct(model, 50):>9.1f} {pct(model, 99):>9.1f} "
+                    f"{errs:>6}",
+                    flush=True,
+                )
             if i == len(args.batch_max) - 1:
                 hot_swaps(srv, bodies)
 
@@ -106,11 +130,17 @@ def main() -> None:
 def hot_swaps(srv: Server, bodies: list[dict]) -> None:
     # Hot swaps under load: register v2 (same weights), canary, promote, roll back.
     base = srv.data_dir / "policies" / "v1"
-    files = {k: (n, (base / n).read_bytes()) for k, n in
-             (("manifest", "manifest.json"), ("weights", "model.safetensors"),
-              ("tokenizer", "tokenizer.json"))}
-    admin = httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {srv.token}"},
-                         timeout=60)
+    files = {
+        k: (n, (base / n).read_bytes())
+        for k, n in (
+            ("manifest", "manifest.json"),
+            ("weights", "model.safetensors"),
+            ("tokenizer", "tokenizer.json"),
+        )
+    }
+    admin = httpx.Client(
+        base_url=srv.url, headers={"Authorization": f"Bearer {srv.token}"}, timeout=60
+    )
     assert admin.post("/admin/policies", files=files, data={"parent": "1"}).status_code == 201
     swaps: list[float] = []
 
@@ -131,10 +161,12 @@ def hot_swaps(srv: Server, bodies: list[dict]) -> None:
     op.join()
     near = [ms for t, ms, _ in res if any(0 <= t - s <= 2.0 for s in swaps)]
     far = [ms for t, ms, _ in res if not any(0 <= t - s <= 2.0 for s in swaps)]
-    print(f"hot swap (3 swaps, concurrency 1): {len(res)} requests, {errs} errors; "
-          f"p99 within 2 s after a swap {pct(near, 99):.1f} ms vs {pct(far, 99):.1f} ms "
-          f"otherwise (p50 {statistics.median(near) if near else float('nan'):.1f} vs "
-          f"{statistics.median(far) if far else float('nan'):.1f})")
+    print(
+        f"hot swap (3 swaps, concurrency 1): {len(res)} requests, {errs} errors; "
+        f"p99 within 2 s after a swap {pct(near, 99):.1f} ms vs {pct(far, 99):.1f} ms "
+        f"otherwise (p50 {statistics.median(near) if near else float('nan'):.1f} vs "
+        f"{statistics.median(far) if far else float('nan'):.1f})"
+    )
 
 
 if __name__ == "__main__":

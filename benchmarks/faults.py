@@ -50,8 +50,10 @@ from benchmarks.cluster import DATABASE, Cluster, one, wait_for  # noqa: E402
 from benchmarks.ingest import machine  # noqa: E402
 
 SHORT = "broker-kill,relay-kill,pg-kill,trainer-kill"
-FULL = ("broker-kill,relay-kill,pg-restart,trainer-kill,broker-stop,pg-stop,pg-full,"
-        "broker-kill,pg-kill,relay-kill,trainer-kill,broker-kill")
+FULL = (
+    "broker-kill,relay-kill,pg-restart,trainer-kill,broker-stop,pg-stop,pg-full,"
+    "broker-kill,pg-kill,relay-kill,trainer-kill,broker-kill"
+)
 RECOVERY_LIMIT_S = 120.0
 
 
@@ -89,15 +91,24 @@ class Faults:
         return int(self.query(sql))
 
     def first_202_after(self, t: float) -> bool:
-        return any(a.route == "events" and a.status == 202 and a.t0 >= t
-                   for a in reversed(self.p.answers[-2000:]))
+        return any(
+            a.route == "events" and a.status == 202 and a.t0 >= t
+            for a in reversed(self.p.answers[-2000:])
+        )
 
     def trained(self) -> bool:
         return int(self.query("SELECT count(*) FROM rewards WHERE trained_at IS NOT NULL")) > 0
 
     def heartbeat_after(self, wall: float) -> bool:
-        return float(self.query("SELECT extract(epoch FROM heartbeat_at) FROM trainer_state "
-                                "WHERE name = 'trainer'")) > wall
+        return (
+            float(
+                self.query(
+                    "SELECT extract(epoch FROM heartbeat_at) FROM trainer_state "
+                    "WHERE name = 'trainer'"
+                )
+            )
+            > wall
+        )
 
     # -- the schedule ----------------------------------------------------------------------
 
@@ -193,23 +204,26 @@ def verify(cluster: Cluster, plugins: plugin.Plugins) -> dict[str, Any]:
         db_events = {r[0] for r in conn.execute("SELECT event_id FROM events")}
         db_rollouts = {r[0] for r in conn.execute("SELECT suggestion_id FROM rollouts")}
         out["dead_letters"] = one(conn, "SELECT count(*) FROM dead_letters")[0]
-        out["unpublished"] = one(
-            conn, "SELECT count(*) FROM outbox WHERE published_at IS NULL")[0]
+        out["unpublished"] = one(conn, "SELECT count(*) FROM outbox WHERE published_at IS NULL")[0]
         out["rewards"], out["reward_rows_per_suggestion_max"] = one(
-            conn, "SELECT count(*), coalesce(max(n), 0) FROM "
-            "(SELECT count(*) AS n FROM rewards GROUP BY suggestion_id) r")
+            conn,
+            "SELECT count(*), coalesce(max(n), 0) FROM "
+            "(SELECT count(*) AS n FROM rewards GROUP BY suggestion_id) r",
+        )
         # each registered candidate: rollouts it trained on vs rewards stamped trained_into it
         trained = conn.execute(
             "SELECT p.version, (p.summary->>'rollouts')::int, "
             "(SELECT count(*) FROM rewards r WHERE r.trained_into = p.version) "
-            "FROM policies p WHERE p.parent IS NOT NULL ORDER BY 1").fetchall()
+            "FROM policies p WHERE p.parent IS NOT NULL ORDER BY 1"
+        ).fetchall()
         out["candidates"] = [list(r) for r in trained]
         # a reward trained into two candidates leaves the first with part of its batch
         out["candidates_partial"] = [v for v, n, got in trained if got not in (0, n)]
         # none: the trainer died between registering and stamping (its rewards stay used)
         out["candidates_unstamped"] = [v for v, n, got in trained if got == 0]
         out["rewards_trained"] = one(
-            conn, "SELECT count(*) FROM rewards WHERE trained_at IS NOT NULL")[0]
+            conn, "SELECT count(*) FROM rewards WHERE trained_at IS NOT NULL"
+        )[0]
         out["candidate_rollouts"] = sum(n for _, n, _ in trained)
         out["rewards_into_untrained"] = one(
             conn,
@@ -220,45 +234,72 @@ def verify(cluster: Cluster, plugins: plugin.Plugins) -> dict[str, Any]:
         in_topic = Counter(orjson.loads(r.value)["event_id"] for r in feedback)
         lost = sorted(plugins.acked - set(in_topic))
         # where the lost ones were: their outbox rows (id, partition key, written, stamped)
-        out["lost_examples"] = [list(map(str, r)) for r in conn.execute(
-            "SELECT id, key, created_at, published_at, payload::jsonb->>'event_id' FROM outbox "
-            "WHERE topic = %s AND payload::jsonb->>'event_id' = ANY(%s) ORDER BY id LIMIT 20",
-            (FEEDBACK, lost))]
+        out["lost_examples"] = [
+            list(map(str, r))
+            for r in conn.execute(
+                "SELECT id, key, created_at, published_at, payload::jsonb->>'event_id' FROM outbox "
+                "WHERE topic = %s AND payload::jsonb->>'event_id' = ANY(%s) ORDER BY id LIMIT 20",
+                (FEEDBACK, lost),
+            )
+        ]
         out["missing_db_examples"] = missing
-        where = {int(v): (r.partition, r.offset) for r in feedback
-                 for k, v in (r.headers or ()) if k == HEADER}
+        where = {
+            int(v): (r.partition, r.offset)
+            for r in feedback
+            for k, v in (r.headers or ())
+            if k == HEADER
+        }
         out["lost_neighbours"] = [
             {i: where.get(i) for i in range(int(row[0]) - 3, int(row[0]) + 4)}
-            for row in out["lost_examples"][:3]]
+            for row in out["lost_examples"][:3]
+        ]
     outbox_ids = Counter(v for r in feedback for k, v in (r.headers or ()) if k == HEADER)
     rollouts = consume_all(cluster.broker.bootstrap, ROLLOUTS, timeout_s=180)
     rollouts_in_topic = Counter(orjson.loads(r.value)["suggestion_id"] for r in rollouts)
     acked = plugins.acked
     out.update(
-        events_sent=len(plugins.sent), events_acked=len(acked),
-        events_in_db=len(db_events), events_in_topic=len(in_topic),
-        missing_in_db=len(acked - db_events), missing_in_topic=len(acked - set(in_topic)),
+        events_sent=len(plugins.sent),
+        events_acked=len(acked),
+        events_in_db=len(db_events),
+        events_in_topic=len(in_topic),
+        missing_in_db=len(acked - db_events),
+        missing_in_topic=len(acked - set(in_topic)),
         duplicated_in_topic=sum(1 for n in in_topic.values() if n > 1),
         duplicated_outbox_ids=sum(1 for n in outbox_ids.values() if n > 1),
         stored_not_acked=len(db_events - acked),
         rollouts_in_db=len(db_rollouts),
         rollouts_missing_in_topic=len(db_rollouts - set(rollouts_in_topic)),
         rollouts_duplicated_in_topic=sum(1 for n in rollouts_in_topic.values() if n > 1),
-        unexpected_answers=plugins.unexpected, batches_given_up=plugins.gave_up,
+        unexpected_answers=plugins.unexpected,
+        batches_given_up=plugins.gave_up,
     )
     return out
 
 
 def failures(v: dict[str, Any], answers: list[plugin.Answer]) -> list[str]:
-    bad = [k for k in ("missing_in_db", "missing_in_topic", "duplicated_in_topic",
-                       "duplicated_outbox_ids", "rollouts_missing_in_topic",
-                       "rollouts_duplicated_in_topic", "unpublished", "dead_letters",
-                       "rewards_into_untrained", "batches_given_up") if v[k]]
+    bad = [
+        k
+        for k in (
+            "missing_in_db",
+            "missing_in_topic",
+            "duplicated_in_topic",
+            "duplicated_outbox_ids",
+            "rollouts_missing_in_topic",
+            "rollouts_duplicated_in_topic",
+            "unpublished",
+            "dead_letters",
+            "rewards_into_untrained",
+            "batches_given_up",
+        )
+        if v[k]
+    ]
     if v["candidates_partial"]:
         bad.append(f"candidates with part of their batch stamped: {v['candidates_partial']}")
     if v["candidate_rollouts"] > v["rewards_trained"]:
-        bad.append(f"candidates trained on {v['candidate_rollouts']} rewards, only "
-                   f"{v['rewards_trained']} used: some were used twice")
+        bad.append(
+            f"candidates trained on {v['candidate_rollouts']} rewards, only "
+            f"{v['rewards_trained']} used: some were used twice"
+        )
     if v["reward_rows_per_suggestion_max"] > 1:
         bad.append("a suggestion with two reward rows")
     if not v["trainer_running"]:
@@ -274,39 +315,58 @@ def failures(v: dict[str, Any], answers: list[plugin.Answer]) -> list[str]:
 # -- report ----------------------------------------------------------------------------------
 
 
-def fault_rows(faults: list[Fault], answers: list[plugin.Answer], rss: list[Any]
-               ) -> list[dict[str, Any]]:
+def fault_rows(
+    faults: list[Fault], answers: list[plugin.Answer], rss: list[Any]
+) -> list[dict[str, Any]]:
     """Per fault, the answers started between its start and its recovery (or +5 s)."""
     rows = []
     windows = []
     for f in faults:
         end = f.cleared + (f.recovered_s if f.recovered_s is not None else 5.0)
         windows.append((f.start, end))
-        rows.append(_window_row(f.name, [a for a in answers if f.start <= a.t0 <= end],
-                                [r for t, r in rss if f.start <= t <= end],
-                                f.cleared - f.start, f.recovered_s, f.crashed))
+        rows.append(
+            _window_row(
+                f.name,
+                [a for a in answers if f.start <= a.t0 <= end],
+                [r for t, r in rss if f.start <= t <= end],
+                f.cleared - f.start,
+                f.recovered_s,
+                f.crashed,
+            )
+        )
         rows[-1]["readyz"] = f.readyz
     calm = [a for a in answers if not any(s <= a.t0 <= e for s, e in windows)]
     rows.insert(0, _window_row("(no fault)", calm, [r for _, r in rss], 0.0, None, []))
     return rows
 
 
-def _window_row(name: str, answers: list[plugin.Answer], rss: list[dict[str, float]],
-                down_s: float, recovered_s: float | None, crashed: list[str]) -> dict[str, Any]:
+def _window_row(
+    name: str,
+    answers: list[plugin.Answer],
+    rss: list[dict[str, float]],
+    down_s: float,
+    recovered_s: float | None,
+    crashed: list[str],
+) -> dict[str, Any]:
     ev = [a for a in answers if a.route == "events"]
     comp = [a for a in answers if a.route == "complete"]
     statuses = Counter(str(a.status) for a in answers)
     return {
-        "fault": name, "down_s": round(down_s, 1),
+        "fault": name,
+        "down_s": round(down_s, 1),
         "recovered_s": None if recovered_s is None else round(recovered_s, 1),
-        "event_posts": len(ev), "event_202": sum(a.status == 202 for a in ev),
-        "complete_posts": len(comp), "complete_200": sum(a.status == 200 for a in comp),
-        "n503": statuses.get("503", 0), "n429": statuses.get("429", 0),
+        "event_posts": len(ev),
+        "event_202": sum(a.status == 202 for a in ev),
+        "complete_posts": len(comp),
+        "complete_200": sum(a.status == 200 for a in comp),
+        "n503": statuses.get("503", 0),
+        "n429": statuses.get("429", 0),
         "errors": {k: n for k, n in statuses.items() if k not in ("200", "202", "503", "429")},
         "max_answer_s": round(max((a.seconds for a in answers), default=0.0), 2),
         "max_503_s": round(max((a.seconds for a in answers if a.status == 503), default=0.0), 3),
-        "p50_503_s": round(plugin.percentile([a.seconds for a in answers if a.status == 503],
-                                             0.5), 3),
+        "p50_503_s": round(
+            plugin.percentile([a.seconds for a in answers if a.status == 503], 0.5), 3
+        ),
         "timeouts": statuses.get("timeout", 0),
         "p99_s": round(plugin.percentile([a.seconds for a in answers], 0.99), 3),
         "serve_rss_max_mib": round(max((r["serve"] for r in rss), default=0.0)),
@@ -314,48 +374,73 @@ def _window_row(name: str, answers: list[plugin.Answer], rss: list[dict[str, flo
     }
 
 
-def report(rows: list[dict[str, Any]], v: dict[str, Any], args: argparse.Namespace,
-           elapsed: float) -> None:
+def report(
+    rows: list[dict[str, Any]], v: dict[str, Any], args: argparse.Namespace, elapsed: float
+) -> None:
     print()
-    print(f"machine: {machine()}; load: {args.rate:.0f} events/s in {args.batch}-event batches, "
-          f"<= {args.concurrency} in flight, {args.complete_rate:.0f} completions/s; "
-          f"client timeout {plugin.CLIENT_TIMEOUT_S:.0f} s; {elapsed:.0f} s under load")
-    head = (f"{'fault':<14}{'down s':>7}{'recov s':>8}{'posts':>7}{'202':>6}{'503':>6}"
-            f"{'429':>5}{'max s':>7}{'503 p50':>8}{'503 max':>8}{'p99 s':>7}{'cmpl':>6}{'200':>5}"
-            f"{'RSS MiB':>8}  readyz / errors / crashed")
+    print(
+        f"machine: {machine()}; load: {args.rate:.0f} events/s in {args.batch}-event batches, "
+        f"<= {args.concurrency} in flight, {args.complete_rate:.0f} completions/s; "
+        f"client timeout {plugin.CLIENT_TIMEOUT_S:.0f} s; {elapsed:.0f} s under load"
+    )
+    head = (
+        f"{'fault':<14}{'down s':>7}{'recov s':>8}{'posts':>7}{'202':>6}{'503':>6}"
+        f"{'429':>5}{'max s':>7}{'503 p50':>8}{'503 max':>8}{'p99 s':>7}{'cmpl':>6}{'200':>5}"
+        f"{'RSS MiB':>8}  readyz / errors / crashed"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         rec = "-" if r["recovered_s"] is None else f"{r['recovered_s']:.1f}"
-        extra = ", ".join(([f"readyz {r['readyz']}"] if r.get("readyz") else [])
-                          + [f"{k} x{n}" for k, n in r["errors"].items()]
-                          + [f"{app} exited" for app in r["crashed"]]) or "-"
-        print(f"{r['fault']:<14}{r['down_s']:>7.1f}{rec:>8}{r['event_posts']:>7}"
-              f"{r['event_202']:>6}{r['n503']:>6}{r['n429']:>5}{r['max_answer_s']:>7.2f}"
-              f"{r['p50_503_s']:>8.3f}{r['max_503_s']:>8.3f}{r['p99_s']:>7.3f}{r['complete_posts']:>6}"
-              f"{r['complete_200']:>5}{r['serve_rss_max_mib']:>8}  {extra}")
+        extra = (
+            ", ".join(
+                ([f"readyz {r['readyz']}"] if r.get("readyz") else [])
+                + [f"{k} x{n}" for k, n in r["errors"].items()]
+                + [f"{app} exited" for app in r["crashed"]]
+            )
+            or "-"
+        )
+        print(
+            f"{r['fault']:<14}{r['down_s']:>7.1f}{rec:>8}{r['event_posts']:>7}"
+            f"{r['event_202']:>6}{r['n503']:>6}{r['n429']:>5}{r['max_answer_s']:>7.2f}"
+            f"{r['p50_503_s']:>8.3f}{r['max_503_s']:>8.3f}{r['p99_s']:>7.3f}{r['complete_posts']:>6}"
+            f"{r['complete_200']:>5}{r['serve_rss_max_mib']:>8}  {extra}"
+        )
     print()
-    print(f"events: sent {v['events_sent']}, acknowledged {v['events_acked']}, in PostgreSQL "
-          f"{v['events_in_db']}, in {'tabloop.feedback'} {v['events_in_topic']}; "
-          f"stored but never acknowledged {v['stored_not_acked']}")
-    print(f"missing: PostgreSQL {v['missing_in_db']}, topic {v['missing_in_topic']}; "
-          f"duplicated in the topic: {v['duplicated_in_topic']} event ids, "
-          f"{v['duplicated_outbox_ids']} outbox ids")
-    print(f"rollouts: {v['rollouts_in_db']} in PostgreSQL, missing in the topic "
-          f"{v['rollouts_missing_in_topic']}, duplicated {v['rollouts_duplicated_in_topic']}")
-    print(f"rewards: {v['rewards']} rows (at most {v['reward_rows_per_suggestion_max']} per "
-          f"suggestion), {v['rewards_trained']} trained; candidates [version, trained on, "
-          f"rewards trained_into it]: {v['candidates']}")
-    print(f"trainer: running at the end {v['trainer_running']}, heartbeat fresh "
-          f"{v['heartbeat_fresh']}; candidates registered but never stamped (trainer killed "
-          f"in between): {v['candidates_unstamped'] or 'none'}")
+    print(
+        f"events: sent {v['events_sent']}, acknowledged {v['events_acked']}, in PostgreSQL "
+        f"{v['events_in_db']}, in {'tabloop.feedback'} {v['events_in_topic']}; "
+        f"stored but never acknowledged {v['stored_not_acked']}"
+    )
+    print(
+        f"missing: PostgreSQL {v['missing_in_db']}, topic {v['missing_in_topic']}; "
+        f"duplicated in the topic: {v['duplicated_in_topic']} event ids, "
+        f"{v['duplicated_outbox_ids']} outbox ids"
+    )
+    print(
+        f"rollouts: {v['rollouts_in_db']} in PostgreSQL, missing in the topic "
+        f"{v['rollouts_missing_in_topic']}, duplicated {v['rollouts_duplicated_in_topic']}"
+    )
+    print(
+        f"rewards: {v['rewards']} rows (at most {v['reward_rows_per_suggestion_max']} per "
+        f"suggestion), {v['rewards_trained']} trained; candidates [version, trained on, "
+        f"rewards trained_into it]: {v['candidates']}"
+    )
+    print(
+        f"trainer: running at the end {v['trainer_running']}, heartbeat fresh "
+        f"{v['heartbeat_fresh']}; candidates registered but never stamped (trainer killed "
+        f"in between): {v['candidates_unstamped'] or 'none'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--short", action="store_true",
-                   help=f"the CI form: {SHORT}, 3 s down, 4 s between faults, "
-                   "100 events/s, trainer batches of 48")
+    p.add_argument(
+        "--short",
+        action="store_true",
+        help=f"the CI form: {SHORT}, 3 s down, 4 s between faults, "
+        "100 events/s, trainer batches of 48",
+    )
     p.add_argument("--faults", help=f"comma-separated schedule (default: {FULL})")
     p.add_argument("--rate", type=float, default=200, help="feedback events per second")
     p.add_argument("--batch", type=int, default=20, help="events per POST")
@@ -364,11 +449,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--down", type=float, default=5, help="seconds a killed process stays down")
     p.add_argument("--slow", type=float, default=15, help="seconds of a stopped dependency")
     p.add_argument("--gap", type=float, default=10, help="seconds of plain load between faults")
-    p.add_argument("--trainer-batch", type=int, default=160,
-                   help="TABLOOP_TRAINER_BATCH_SIZE (the sim profile's is 160)")
-    p.add_argument("--until-trained", type=float, default=90, metavar="S",
-                   help="after the faults, keep the load on up to S seconds until the trainer "
-                   "has used some rewards")
+    p.add_argument(
+        "--trainer-batch",
+        type=int,
+        default=160,
+        help="TABLOOP_TRAINER_BATCH_SIZE (the sim profile's is 160)",
+    )
+    p.add_argument(
+        "--until-trained",
+        type=float,
+        default=90,
+        metavar="S",
+        help="after the faults, keep the load on up to S seconds until the trainer "
+        "has used some rewards",
+    )
     p.add_argument("--json", type=Path, help="write the figures and checks here")
     p.add_argument("--keep", type=Path, help="keep the logs in this directory")
     args = p.parse_args(argv)
@@ -384,8 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         faults = Faults(cluster, plugins, args)
-        print(f"service on {cluster.url}; logs in {cluster.logs}; faults: {', '.join(names)}",
-              flush=True)
+        print(
+            f"service on {cluster.url}; logs in {cluster.logs}; faults: {', '.join(names)}",
+            flush=True,
+        )
         stop_rss = threading.Event()
         sampler = threading.Thread(target=faults.sample_rss, args=(stop_rss,), daemon=True)
         sampler.start()
@@ -393,12 +489,26 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_load(cluster, plugins, faults, names, args))
         elapsed = time.monotonic() - t0
         drained = wait_for(lambda: faults.backlog() == 0, 180)
-        print(f"  outbox drained {drained if drained is None else round(drained, 1)} s after "
-              f"the load stopped", flush=True)
-        fresh = wait_for(lambda: float(faults.query(
-            "SELECT extract(epoch FROM now() - heartbeat_at) FROM trainer_state")) < 5, 60)
-        print(f"  trainer heartbeat fresh {fresh if fresh is None else round(fresh, 1)} s after "
-              f"that", flush=True)
+        print(
+            f"  outbox drained {drained if drained is None else round(drained, 1)} s after "
+            f"the load stopped",
+            flush=True,
+        )
+        fresh = wait_for(
+            lambda: (
+                float(
+                    faults.query(
+                        "SELECT extract(epoch FROM now() - heartbeat_at) FROM trainer_state"
+                    )
+                )
+                < 5
+            ),
+            60,
+        )
+        print(
+            f"  trainer heartbeat fresh {fresh if fresh is None else round(fresh, 1)} s after that",
+            flush=True,
+        )
         heartbeat_fresh = fresh is not None
         stop_rss.set()
         crashed = cluster.exited()
@@ -414,15 +524,29 @@ def main(argv: list[str] | None = None) -> int:
         if not heartbeat_fresh:
             bad.append("no fresh trainer heartbeat within 60 s of the end")
         bad += [f"{f.name}: {a} exited by itself" for f in faults.done for a in f.crashed]
-        bad += [f"{f.name}: not recovered in {RECOVERY_LIMIT_S:.0f} s" for f in faults.done
-                if f.recovered_s is None]
+        bad += [
+            f"{f.name}: not recovered in {RECOVERY_LIMIT_S:.0f} s"
+            for f in faults.done
+            if f.recovered_s is None
+        ]
         print("\nchecks: " + ("all passed" if not bad else "FAILED: " + "; ".join(map(str, bad))))
         if args.json:
-            no_retry = sum(1 for a in plugins.answers
-                           if a.status in (429, 503) and not a.retry_after)
-            args.json.write_text(json.dumps(
-                {"checks": v, "faults": rows, "failures": bad, "no_retry_after": no_retry,
-                 "schedule": [asdict(f) for f in faults.done]}, indent=1, default=str))
+            no_retry = sum(
+                1 for a in plugins.answers if a.status in (429, 503) and not a.retry_after
+            )
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "checks": v,
+                        "faults": rows,
+                        "failures": bad,
+                        "no_retry_after": no_retry,
+                        "schedule": [asdict(f) for f in faults.done],
+                    },
+                    indent=1,
+                    default=str,
+                )
+            )
         return 1 if bad else 0
     finally:
         cluster.close()
@@ -432,16 +556,31 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-async def _load(cluster: Cluster, plugins: plugin.Plugins, faults: Faults, names: list[str],
-                args: argparse.Namespace) -> None:
+async def _load(
+    cluster: Cluster,
+    plugins: plugin.Plugins,
+    faults: Faults,
+    names: list[str],
+    args: argparse.Namespace,
+) -> None:
     stop = asyncio.Event()
     async with plugin.client(cluster.url, cluster.token, args.concurrency + 4) as client:
         load = [
-            asyncio.create_task(plugin.events_loop(client, plugins, rate=args.rate,
-                                                   batch=args.batch,
-                                                   concurrency=args.concurrency, stop=stop)),
-            asyncio.create_task(plugin.complete_loop(client, plugins, rate=args.complete_rate,
-                                                     concurrency=2, stop=stop)),
+            asyncio.create_task(
+                plugin.events_loop(
+                    client,
+                    plugins,
+                    rate=args.rate,
+                    batch=args.batch,
+                    concurrency=args.concurrency,
+                    stop=stop,
+                )
+            ),
+            asyncio.create_task(
+                plugin.complete_loop(
+                    client, plugins, rate=args.complete_rate, concurrency=2, stop=stop
+                )
+            ),
         ]
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, faults.run, names)

@@ -73,9 +73,14 @@ TOKEN_LEVEL = 3 + len(STOPS)  # more_inputs: the lowest, first and last log-prob
 AGREEMENT = 3  # more_inputs after those: repeated, continued, matched
 
 
-def sample(n: int, seed: int, spec: dict[str, Any], checkpoint: Path = BASE,
-           stop_logprob: float | None = None,
-           more: int = 0) -> tuple[list[dict[str, Any]], torch.Tensor]:
+def sample(
+    n: int,
+    seed: int,
+    spec: dict[str, Any],
+    checkpoint: Path = BASE,
+    stop_logprob: float | None = None,
+    more: int = 0,
+) -> tuple[list[dict[str, Any]], torch.Tensor]:
     """The completions with their scores, and the gate's hidden-state input for each (n, C);
     `more` > 0: with the token-level and self-consistency inputs (module docstring)."""
     model, tokenizer, _ = load_checkpoint(checkpoint)
@@ -90,16 +95,32 @@ def sample(n: int, seed: int, spec: dict[str, Any], checkpoint: Path = BASE,
     with torch.no_grad():
         for i in range(n):
             cursor = source.draw(rng, population.reject_family_share)
-            c, s = complete_and_score(model, tokenizer, cursor, people, spec, rng, g,
-                                      stop_logprob=stop_logprob)
+            c, s = complete_and_score(
+                model, tokenizer, cursor, people, spec, rng, g, stop_logprob=stop_logprob
+            )
             lps = c.model_logprobs
-            items.append({"p_show": c.gate_prob_show, "chars": s.chars, "family": s.family,
-                          "accept": s.accept, "retained": s.retained_chars, "reward": s.reward,
-                          "tokens": len(lps), "sum_logprob": sum(lps)})
+            items.append(
+                {
+                    "p_show": c.gate_prob_show,
+                    "chars": s.chars,
+                    "family": s.family,
+                    "accept": s.accept,
+                    "retained": s.retained_chars,
+                    "reward": s.reward,
+                    "tokens": len(lps),
+                    "sum_logprob": sum(lps),
+                }
+            )
             if more:
-                items[-1]["more"] = more_inputs(c, [
-                    complete_cursor(model, tokenizer, cursor, g_more,
-                                    stop_logprob=stop_logprob)[0].text for _ in range(more)])
+                items[-1]["more"] = more_inputs(
+                    c,
+                    [
+                        complete_cursor(
+                            model, tokenizer, cursor, g_more, stop_logprob=stop_logprob
+                        )[0].text
+                        for _ in range(more)
+                    ],
+                )
             hidden.append(score_actions(model, tokenizer, [c]).gate_hidden[0])
             if (i + 1) % 500 == 0:
                 print(f"{i + 1}/{n} completions scored", file=sys.stderr, flush=True)
@@ -111,15 +132,21 @@ def more_inputs(c: Any, others: list[str]) -> list[float]:
     lps = c.model_logprobs or [0.0]
     text = c.text.rstrip()
     k = len(others)
-    agree = [sum(o.rstrip() == text for o in others) / k,
-             sum(o.startswith(text) for o in others) / k if text else 0.0,
-             sum(matched_fraction(text, o) for o in others) / k]
+    agree = [
+        sum(o.rstrip() == text for o in others) / k,
+        sum(o.startswith(text) for o in others) / k if text else 0.0,
+        sum(matched_fraction(text, o) for o in others) / k,
+    ]
     return [min(lps), lps[0], lps[-1]] + [float(c.stop_reason == s) for s in STOPS] + agree
 
 
 def features(it: dict[str, Any], family: bool) -> list[float]:
-    row = [it["sum_logprob"] / max(it["tokens"], 1), it["sum_logprob"],
-           math.log1p(it["tokens"]), math.log1p(it["chars"])]
+    row = [
+        it["sum_logprob"] / max(it["tokens"], 1),
+        it["sum_logprob"],
+        math.log1p(it["tokens"]),
+        math.log1p(it["chars"]),
+    ]
     return row + [float(it["family"])] if family else row
 
 
@@ -149,8 +176,9 @@ def rates(items: list[dict[str, Any]], show: list[float]) -> dict[str, float]:
     return {
         "shown_per_request": shown / n,
         "accept_rate_of_shown": accepted / shown if shown else float("nan"),
-        "retained_chars_per_100": 100 * sum(s * it["retained"]
-                                            for s, it in zip(show, items, strict=True)) / n,
+        "retained_chars_per_100": 100
+        * sum(s * it["retained"] for s, it in zip(show, items, strict=True))
+        / n,
         "reward_per_request": sum(s * it["reward"] for s, it in zip(show, items, strict=True)) / n,
     }
 
@@ -160,41 +188,61 @@ def main() -> int:
     p.add_argument("--cursors", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
-    p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a field of the sim reward spec")
-    p.add_argument("--stop-logprob", type=float,
-                   help="the confidence stop (default: the service's; -inf: whole lines)")
+    p.add_argument(
+        "--reward",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a field of the sim reward spec",
+    )
+    p.add_argument(
+        "--stop-logprob",
+        type=float,
+        help="the confidence stop (default: the service's; -inf: whole lines)",
+    )
     p.add_argument("--checkpoint", type=Path, default=BASE, help="the policy to sample")
-    p.add_argument("--more-inputs", type=int, default=0, metavar="K",
-                   help="also fit with inputs the gate lacks; K more samples per cursor")
+    p.add_argument(
+        "--more-inputs",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also fit with inputs the gate lacks; K more samples per cursor",
+    )
     args = p.parse_args()
     spec = sim_reward_spec(args.reward)
     print(f"reward spec: {spec}", flush=True)
     torch.set_num_threads(1)
-    items, hidden = sample(args.cursors, args.seed, spec, args.checkpoint, args.stop_logprob,
-                           args.more_inputs)
+    items, hidden = sample(
+        args.cursors, args.seed, spec, args.checkpoint, args.stop_logprob, args.more_inputs
+    )
     half = len(items) // 2
     fit_on = [i for i in range(half) if items[i]["chars"]]
     test = items[half:]
     rows: list[tuple[str, dict[str, float]]] = []
     base = rates(test, [it["p_show"] if it["chars"] else 0.0 for it in test])
     rows.append(("base policy, its stochastic gate", base))
-    worth = [spec["accept_reward"] * size_scale(it["chars"], spec["chars_norm"],
-                                                spec["chars_exponent"]) for it in test]
+    worth = [
+        spec["accept_reward"] * size_scale(it["chars"], spec["chars_norm"], spec["chars_exponent"])
+        for it in test
+    ]
 
     def gain(p_accept: list[float]) -> list[float]:
         """Shown where the reward expects a gain from showing, by the fitted p(accept)."""
-        return [float(bool(it["chars"]) and pa * w > (1 - pa) * spec["reject_penalty"])
-                for it, pa, w in zip(test, p_accept, worth, strict=True)]
+        return [
+            float(bool(it["chars"]) and pa * w > (1 - pa) * spec["reject_penalty"])
+            for it, pa, w in zip(test, p_accept, worth, strict=True)
+        ]
 
     def inputs(idx: list[int], family: bool, with_hidden: bool, more: int = 0) -> torch.Tensor:
         """`more`: the first `more` of more_inputs (TOKEN_LEVEL, or + AGREEMENT) too."""
-        x = torch.tensor([features(items[i], family) + items[i].get("more", [])[:more]
-                          for i in idx])
+        x = torch.tensor(
+            [features(items[i], family) + items[i].get("more", [])[:more] for i in idx]
+        )
         return torch.cat([hidden[idx], x], 1) if with_hidden else x
 
-    def fitted(on: list[int], labels: list[float], family: bool,
-               with_hidden: bool = False, more: int = 0) -> list[float]:
+    def fitted(
+        on: list[int], labels: list[float], family: bool, with_hidden: bool = False, more: int = 0
+    ) -> list[float]:
         """p(accept) on the test half from a logistic fit of `labels` on the items `on` (with
         the hidden state: L2 HIDDEN_L2 on its weights, none on the confidence features)."""
         x = inputs(on, family, with_hidden, more)
@@ -209,8 +257,9 @@ def main() -> int:
         p_accept = fitted(fit_on, [items[i]["accept"] for i in fit_on], family)
         name = "logistic gate, confidence" + (" + def/class flag" if family else "")
         for t in (0.3, 0.4, 0.5, 0.6):
-            show = [float(bool(it["chars"]) and pa >= t) for it, pa in zip(test, p_accept,
-                                                                            strict=True)]
+            show = [
+                float(bool(it["chars"]) and pa >= t) for it, pa in zip(test, p_accept, strict=True)
+            ]
             rows.append((f"{name}, p(accept) >= {t}", rates(test, show)))
         if family:
             rows.append((f"{name}, where the reward expects a gain", rates(test, gain(p_accept))))
@@ -218,43 +267,64 @@ def main() -> int:
     # p(show)), one person's verdict each, a few hundred of them. Knowing nothing of the
     # context, knowing the def/class lines (the simulator's rule), or reading the gate's own
     # hidden-state input; three draws each.
-    for name, family, with_hidden in (("confidence", False, False),
-                                      ("confidence + def/class flag", True, False),
-                                      ("confidence + the gate's hidden state", False, True)):
+    for name, family, with_hidden in (
+        ("confidence", False, False),
+        ("confidence + def/class flag", True, False),
+        ("confidence + the gate's hidden state", False, True),
+    ):
         for draw in range(3):
             rng = random.Random(f"live-labels:{args.seed}:{draw}")
             seen = [i for i in fit_on if rng.random() < items[i]["p_show"]][:LIVE_LABELS]
             verdicts = [float(rng.random() < items[i]["accept"]) for i in seen]
             p_accept = fitted(seen, verdicts, family, with_hidden)
-            rows.append((f"{name}, fit on {len(seen)} shown verdicts (draw {draw}), expected gain",
-                         rates(test, gain(p_accept))))
+            rows.append(
+                (
+                    f"{name}, fit on {len(seen)} shown verdicts (draw {draw}), expected gain",
+                    rates(test, gain(p_accept)),
+                )
+            )
     if args.more_inputs:
         soft = [items[i]["accept"] for i in fit_on]
-        for name, more in (("the gate's inputs", 0),
-                           ("+ token-level confidence", TOKEN_LEVEL),
-                           (f"+ agreement of {args.more_inputs} more samples",
-                            TOKEN_LEVEL + AGREEMENT)):
-            rows.append((f"{name}, fit on every verdict, expected gain",
-                         rates(test, gain(fitted(fit_on, soft, False, True, more)))))
+        for name, more in (
+            ("the gate's inputs", 0),
+            ("+ token-level confidence", TOKEN_LEVEL),
+            (f"+ agreement of {args.more_inputs} more samples", TOKEN_LEVEL + AGREEMENT),
+        ):
+            rows.append(
+                (
+                    f"{name}, fit on every verdict, expected gain",
+                    rates(test, gain(fitted(fit_on, soft, False, True, more))),
+                )
+            )
     for bar in (-0.2, -0.1, 0.0):
-        show = [0.0 if (not it["chars"] or it["family"] or it["reward"] < bar) else it["p_show"]
-                for it in test]
-        rows.append((f"oracle: base gate, hide def/class and expected reward < {bar}",
-                     rates(test, show)))
+        show = [
+            0.0 if (not it["chars"] or it["family"] or it["reward"] < bar) else it["p_show"]
+            for it in test
+        ]
+        rows.append(
+            (f"oracle: base gate, hide def/class and expected reward < {bar}", rates(test, show))
+        )
     # the reward's own optimum, suggestion by suggestion: what a perfect gate converges to
-    rows.append(("oracle: show exactly the completions with expected reward > 0",
-                 rates(test, [float(bool(it["chars"]) and it["reward"] > 0) for it in test])))
+    rows.append(
+        (
+            "oracle: show exactly the completions with expected reward > 0",
+            rates(test, [float(bool(it["chars"]) and it["reward"] > 0) for it in test]),
+        )
+    )
 
     def rel(r: dict[str, float], k: str) -> str:
         return f"{100 * (r[k] / base[k] - 1):+.0f}%"
+
     print(f"{len(test)} evaluation cursors (a gate fit on the other {half})")
     width = max(len(name) for name, _ in rows)
     for name, r in rows:
-        print(f"{name:{width}s} "
-              f"shown {r['shown_per_request']:.3f} ({rel(r, 'shown_per_request')})  "
-              f"accept {r['accept_rate_of_shown']:.3f} ({rel(r, 'accept_rate_of_shown')})  "
-              f"retained {r['retained_chars_per_100']:.1f} ({rel(r, 'retained_chars_per_100')})  "
-              f"reward {r['reward_per_request']:.4f}")
+        print(
+            f"{name:{width}s} "
+            f"shown {r['shown_per_request']:.3f} ({rel(r, 'shown_per_request')})  "
+            f"accept {r['accept_rate_of_shown']:.3f} ({rel(r, 'accept_rate_of_shown')})  "
+            f"retained {r['retained_chars_per_100']:.1f} ({rel(r, 'retained_chars_per_100')})  "
+            f"reward {r['reward_per_request']:.4f}"
+        )
     if args.out:
         args.out.write_text(json.dumps({"rows": rows, "items": items}, indent=1))
     return 0

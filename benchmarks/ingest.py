@@ -58,8 +58,11 @@ NAIVE = Path(__file__).resolve().parent / "naive_ingest.py"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("TABLOOP_") and "proxy" not in k.lower()}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TABLOOP_") and "proxy" not in k.lower()
+    }
     env.update(extra)
     return env
 
@@ -89,8 +92,15 @@ def sim_reward_spec(pairs: list[str]) -> dict[str, Any]:
 
 def tabloop(*args: str, env: dict[str, str]) -> str:
     """Run a short `tabloop` command; its stdout."""
-    done = subprocess.run([sys.executable, "-m", "tabloop.cli", *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "tabloop.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if done.returncode != 0:
         raise SystemExit(f"tabloop {' '.join(args)} failed:\n{done.stderr[-2000:]}")
     return done.stdout
@@ -103,9 +113,15 @@ class Proc:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(argv, env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
-                                          stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+            self.popen = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.pid = self.popen.pid
 
     def stop(self) -> None:
@@ -192,8 +208,10 @@ def base_checkpoint(work: Path) -> Path:
     from service.config import Settings
     from service.policy.checkpoint import MANIFEST_FILE
 
-    shipped = Path(os.environ.get("TABLOOP_BASE_CHECKPOINT")
-                   or Settings.model_fields["base_checkpoint"].default)
+    shipped = Path(
+        os.environ.get("TABLOOP_BASE_CHECKPOINT")
+        or Settings.model_fields["base_checkpoint"].default
+    )
     if (shipped / MANIFEST_FILE).is_file():
         return shipped
     import sysconfig
@@ -208,8 +226,14 @@ def base_checkpoint(work: Path) -> Path:
     tok = train_tokenizer([(stdlib / "textwrap.py").read_text()], vocab_size=300)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=32)
-    return save_checkpoint(work / "tiny-policy", GPT(cfg).eval(), tok, version=0, parent=None,
-                           summary={"note": "stand-in for the ingestion benchmark"})
+    return save_checkpoint(
+        work / "tiny-policy",
+        GPT(cfg).eval(),
+        tok,
+        version=0,
+        parent=None,
+        summary={"note": "stand-in for the ingestion benchmark"},
+    )
 
 
 def free_port() -> int:
@@ -277,32 +301,48 @@ class Bench:
     def tabloop_env(self, **extra: str) -> dict[str, str]:
         if self.checkpoint is None:
             self.checkpoint = base_checkpoint(self.base)
-        return clean_env(TABLOOP_RATE_LIMIT_PER_S="1000000", TABLOOP_RATE_LIMIT_BURST="1000000",
-                         TABLOOP_LOG_LEVEL="WARNING", TABLOOP_BASE_CHECKPOINT=str(self.checkpoint),
-                         **extra)
+        return clean_env(
+            TABLOOP_RATE_LIMIT_PER_S="1000000",
+            TABLOOP_RATE_LIMIT_BURST="1000000",
+            TABLOOP_LOG_LEVEL="WARNING",
+            TABLOOP_BASE_CHECKPOINT=str(self.checkpoint),
+            **extra,
+        )
 
-    def load(self, port: int, token: str | None, duration: float, rate_rps: float | None = None
-             ) -> Stats:
+    def load(
+        self, port: int, token: str | None, duration: float, rate_rps: float | None = None
+    ) -> Stats:
         a = self.args
         self.seed += 1
         if rate_rps is None:
-            return asyncio.run(closed_loop(port, token, a.connections, duration, a.max_requests,
-                                           self.seed))
-        return asyncio.run(open_loop(port, token, a.connections, rate_rps, duration,
-                                     a.max_requests, self.seed))
+            return asyncio.run(
+                closed_loop(port, token, a.connections, duration, a.max_requests, self.seed)
+            )
+        return asyncio.run(
+            open_loop(port, token, a.connections, rate_rps, duration, a.max_requests, self.seed)
+        )
 
-    def measure(self, mode: str, port: int, token: str | None,
-                components: dict[str, int | None], *, at70: bool,
-                before_phase: Callable[[str], None] | None = None,
-                after_phase: Callable[[str, Result], None] | None = None,
-                between: Callable[[], None] | None = None) -> Result:
+    def measure(
+        self,
+        mode: str,
+        port: int,
+        token: str | None,
+        components: dict[str, int | None],
+        *,
+        at70: bool,
+        before_phase: Callable[[str], None] | None = None,
+        after_phase: Callable[[str, Result], None] | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> Result:
         """Warm up, then the peak phase and (`at70`) the 70% phase; the hooks run around each
         phase (named "peak" and "70%"), `between` before each (e.g. to drain a backlog)."""
         if between:
             between()
         if self.args.quiet_wait and not wait_quiet(self.args.quiet_wait):
-            print(f"  the machine stayed busy for {self.args.quiet_wait:.0f} s; measuring anyway",
-                  flush=True)
+            print(
+                f"  the machine stayed busy for {self.args.quiet_wait:.0f} s; measuring anyway",
+                flush=True,
+            )
         self.load(port, token, self.args.warmup)
         if between:
             between()
@@ -316,12 +356,19 @@ class Bench:
         cpu = {k: 100 * (after[k] - before[k]) / peak.elapsed for k in after}
         cpu["other"] = 100 * (machine_busy() - busy0) / peak.elapsed - sum(cpu.values())
         result = Result(mode, peak, cpu)
-        print(f"  peak: {peak.rate:,.0f} events/s, p50 {peak.pct(0.5):.1f} ms, "
-              f"p99 {peak.pct(0.99):.1f} ms, {len(peak.latencies)} batches"
-              + (f", other answers {peak.statuses}" if peak.statuses else ""), flush=True)
-        print("  cpu, % of one core: " + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items())
-              + "; µs per event: " + ", ".join(f"{k} {result.per_event(k):.0f}"
-                                                for k in cpu if k != "other"), flush=True)
+        print(
+            f"  peak: {peak.rate:,.0f} events/s, p50 {peak.pct(0.5):.1f} ms, "
+            f"p99 {peak.pct(0.99):.1f} ms, {len(peak.latencies)} batches"
+            + (f", other answers {peak.statuses}" if peak.statuses else ""),
+            flush=True,
+        )
+        print(
+            "  cpu, % of one core: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items())
+            + "; µs per event: "
+            + ", ".join(f"{k} {result.per_event(k):.0f}" for k in cpu if k != "other"),
+            flush=True,
+        )
         if after_phase:
             after_phase("peak", result)
         if at70 and peak.rate > 0:
@@ -330,9 +377,12 @@ class Bench:
             if before_phase:
                 before_phase("70%")
             s = result.at70 = self.load(port, token, self.args.duration, 0.7 * peak.rate / BATCH)
-            print(f"  70%: {s.rate:,.0f} events/s (offered {0.7 * peak.rate:,.0f}), "
-                  f"p50 {s.pct(0.5):.1f} ms, p99 {s.pct(0.99):.1f} ms"
-                  + (f", other answers {s.statuses}" if s.statuses else ""), flush=True)
+            print(
+                f"  70%: {s.rate:,.0f} events/s (offered {0.7 * peak.rate:,.0f}), "
+                f"p50 {s.pct(0.5):.1f} ms, p99 {s.pct(0.99):.1f} ms"
+                + (f", other answers {s.statuses}" if s.statuses else ""),
+                flush=True,
+            )
             if after_phase:
                 after_phase("70%", result)
         return result
@@ -344,8 +394,9 @@ class Bench:
         tabloop("db", "upgrade", env=env)
         token = tabloop("keys", "create", "--scope", "ingest", "--name", "bench", env=env).strip()
         port = free_port()
-        server = self.spawn("embedded", [sys.executable, "-m", "tabloop.cli", "serve",
-                                         "--port", str(port)], env)
+        server = self.spawn(
+            "embedded", [sys.executable, "-m", "tabloop.cli", "serve", "--port", str(port)], env
+        )
         wait_ready(port, "/readyz", server)
         result = self.measure("embedded", port, token, {"server": server.pid}, at70=True)
         server.stop()
@@ -354,15 +405,18 @@ class Bench:
     def full(self) -> Result:
         pg, broker = self.pg_and_broker()
         url = pg.create_database("tabloop_bench")
-        env = self.tabloop_env(TABLOOP_DATABASE_URL=url,
-                               TABLOOP_KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap,
-                               TABLOOP_DATA_DIR=str(self.base / "full"),
-                               TABLOOP_WORKERS=str(self.args.workers))
+        env = self.tabloop_env(
+            TABLOOP_DATABASE_URL=url,
+            TABLOOP_KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap,
+            TABLOOP_DATA_DIR=str(self.base / "full"),
+            TABLOOP_WORKERS=str(self.args.workers),
+        )
         tabloop("db", "upgrade", env=env)
         token = tabloop("keys", "create", "--scope", "ingest", "--name", "bench", env=env).strip()
         port = free_port()
-        server = self.spawn("serve", [sys.executable, "-m", "tabloop.cli", "serve",
-                                      "--port", str(port)], env)
+        server = self.spawn(
+            "serve", [sys.executable, "-m", "tabloop.cli", "serve", "--port", str(port)], env
+        )
         relay = self.spawn("relay", [sys.executable, "-m", "tabloop.cli", "relay"], env)
         wait_ready(port, "/readyz", server)
         state: dict[str, Any] = {}
@@ -370,8 +424,10 @@ class Bench:
         def outbox() -> tuple[int, int]:
             """(rows waiting for the relay, highest outbox id)"""
             with pg.connect("tabloop_bench", autocommit=True) as conn:
-                row = conn.execute("SELECT count(*) FILTER (WHERE published_at IS NULL), "
-                                   "coalesce(max(id), 0) FROM outbox").fetchone()
+                row = conn.execute(
+                    "SELECT count(*) FILTER (WHERE published_at IS NULL), "
+                    "coalesce(max(id), 0) FROM outbox"
+                ).fetchone()
                 return int(row[0]), int(row[1])
 
         def drain(timeout_s: float = 120) -> None:
@@ -396,13 +452,26 @@ class Bench:
             published = (max1 - max0) - (waiting1 - waiting0)
             result.notes.append(
                 f"{phase}: relay published {published / (time.monotonic() - t0):,.0f} rows/s; "
-                f"{waiting1} rows waiting at the end")
+                f"{waiting1} rows waiting at the end"
+            )
             print(f"  {result.notes[-1]}", flush=True)
 
-        components = {"server": server.pid, "relay": relay.pid, "postgres": pg.pid,
-                      "broker": broker.pid}
-        result = self.measure("full", port, token, components, at70=True,
-                              before_phase=before_phase, after_phase=after_phase, between=drain)
+        components = {
+            "server": server.pid,
+            "relay": relay.pid,
+            "postgres": pg.pid,
+            "broker": broker.pid,
+        }
+        result = self.measure(
+            "full",
+            port,
+            token,
+            components,
+            at70=True,
+            before_phase=before_phase,
+            after_phase=after_phase,
+            between=drain,
+        )
         if "drain" in state:
             result.notes.append(f"relay alone (no load) drained {state['drain']:,.0f} rows/s")
         server.stop()
@@ -416,8 +485,9 @@ class Bench:
         url = pg.create_database("naive_bench")
         create_topics(broker.bootstrap, "bench.naive", partitions=6)
         port = free_port()
-        server = self.spawn("naive", [sys.executable, str(NAIVE), str(port), url,
-                                      broker.bootstrap], clean_env())
+        server = self.spawn(
+            "naive", [sys.executable, str(NAIVE), str(port), url, broker.bootstrap], clean_env()
+        )
         wait_ready(port, "/healthz", server)
         components = {"server": server.pid, "postgres": pg.pid, "broker": broker.pid}
         result = self.measure("naive", port, None, components, at70=False)
@@ -432,18 +502,42 @@ class Bench:
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         for name, pid in pids.items():
             subprocess.Popen(
-                [spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--gil",
-                 "--rate", "100", "--duration", str(int(self.args.duration)),
-                 "--format", "raw", "-o", str(out / f"{name}.txt")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    spy,
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--subprocesses",
+                    "--nonblocking",
+                    "--gil",
+                    "--rate",
+                    "100",
+                    "--duration",
+                    str(int(self.args.duration)),
+                    "--format",
+                    "raw",
+                    "-o",
+                    str(out / f"{name}.txt"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
 
 
 def machine() -> str:
     info = Path("/proc/cpuinfo").read_text()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                  if ln.startswith("model name")), "?")
-    mem = next((int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
-                if ln.startswith("MemTotal")), 0)
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+        "?",
+    )
+    mem = next(
+        (
+            int(ln.split()[1])
+            for ln in Path("/proc/meminfo").read_text().splitlines()
+            if ln.startswith("MemTotal")
+        ),
+        0,
+    )
     python = sys.version.split()[0]
     return f"{os.cpu_count()} CPUs ({model}), {mem / 2**20:.0f} GiB RAM, Python {python}"
 
@@ -451,28 +545,39 @@ def machine() -> str:
 def report(results: list[Result], args: argparse.Namespace) -> None:
     print()
     print(f"machine: {machine()}")
-    print(f"load: {BATCH}-event batches, {args.connections} connections, {args.duration:.0f} s per "
-          f"phase, loopback. full: PostgreSQL fsync=on synchronous_commit=on (durable), Tansu "
-          f"in-memory, TABLOOP_WORKERS={args.workers}")
-    head = (f"{'mode':<10}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'70% ev/s':>10}"
-            f"{'70% p50':>9}{'70% p99':>9}  non-202")
+    print(
+        f"load: {BATCH}-event batches, {args.connections} connections, {args.duration:.0f} s per "
+        f"phase, loopback. full: PostgreSQL fsync=on synchronous_commit=on (durable), Tansu "
+        f"in-memory, TABLOOP_WORKERS={args.workers}"
+    )
+    head = (
+        f"{'mode':<10}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'70% ev/s':>10}"
+        f"{'70% p50':>9}{'70% p99':>9}  non-202"
+    )
     print(head)
     print("-" * len(head))
     for r in results:
         s, t = r.peak, r.at70
         errors = {**s.statuses, **(t.statuses if t else {})}
-        cells = (f"{t.rate:>10,.0f}{t.pct(0.5):>9.1f}{t.pct(0.99):>9.1f}" if t
-                 else f"{'-':>10}{'-':>9}{'-':>9}")
-        print(f"{r.mode:<10}{s.rate:>10,.0f}{s.pct(0.5):>9.1f}{s.pct(0.99):>9.1f}{cells}  "
-              f"{errors or '-'}")
+        cells = (
+            f"{t.rate:>10,.0f}{t.pct(0.5):>9.1f}{t.pct(0.99):>9.1f}"
+            if t
+            else f"{'-':>10}{'-':>9}{'-':>9}"
+        )
+        print(
+            f"{r.mode:<10}{s.rate:>10,.0f}{s.pct(0.5):>9.1f}{s.pct(0.99):>9.1f}{cells}  "
+            f"{errors or '-'}"
+        )
     by_mode = {r.mode: r for r in results}
     if "full" in by_mode and "naive" in by_mode and by_mode["naive"].peak.rate:
         print(f"full / naive: {by_mode['full'].peak.rate / by_mode['naive'].peak.rate:.1f}x")
     for r in results:
-        print(f"{r.mode} peak, cpu % of one core: "
-              + ", ".join(f"{k} {v:.0f}" for k, v in r.cpu.items())
-              + "; µs/event: " + ", ".join(f"{k} {r.per_event(k):.0f}"
-                                          for k in r.cpu if k != "other"))
+        print(
+            f"{r.mode} peak, cpu % of one core: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in r.cpu.items())
+            + "; µs/event: "
+            + ", ".join(f"{k} {r.per_event(k):.0f}" for k in r.cpu if k != "other")
+        )
         for note in r.notes:
             print(f"{r.mode}: {note}")
 
@@ -484,12 +589,23 @@ def main() -> None:
     p.add_argument("--connections", type=int, default=16, help="concurrent connections")
     p.add_argument("--max-requests", type=int, default=20_000, help="batches per phase, at most")
     p.add_argument("--workers", type=int, default=1, help="TABLOOP_WORKERS of `tabloop serve`")
-    p.add_argument("--modes", default="embedded,full,naive",
-                   help="comma-separated, among embedded, full, naive")
-    p.add_argument("--quiet-wait", type=float, default=0, metavar="S",
-                   help="before each mode, wait up to S seconds for the machine to be idle")
-    p.add_argument("--profile", metavar="DIR",
-                   help="py-spy the full-mode server and relay during the peak phase")
+    p.add_argument(
+        "--modes",
+        default="embedded,full,naive",
+        help="comma-separated, among embedded, full, naive",
+    )
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0,
+        metavar="S",
+        help="before each mode, wait up to S seconds for the machine to be idle",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="py-spy the full-mode server and relay during the peak phase",
+    )
     args = p.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := set(modes) - {"embedded", "full", "naive"}:

@@ -93,22 +93,42 @@ def main() -> int:
     p.add_argument("--panel", type=int, default=16, help="people judging each evaluation item")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
-    p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a field of the sim reward spec (training and scoring)")
-    p.add_argument("--temperature", type=float,
-                   help="serving temperature (default: the service's, 0.7)")
-    p.add_argument("--stop-logprob", type=float,
-                   help="the confidence stop (default: the service's, -1.0; -inf: whole lines)")
+    p.add_argument(
+        "--reward",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a field of the sim reward spec (training and scoring)",
+    )
+    p.add_argument(
+        "--temperature", type=float, help="serving temperature (default: the service's, 0.7)"
+    )
+    p.add_argument(
+        "--stop-logprob",
+        type=float,
+        help="the confidence stop (default: the service's, -1.0; -inf: whole lines)",
+    )
     p.add_argument("--out", type=Path, help="write the per-round figures as JSON")
-    p.add_argument("--items", type=Path,
-                   help="write every round's scored evaluation items as JSON (one list per "
-                        "round of [p_show, chars, def/class, accept, accepted_chars, "
-                        "retained_chars, reward]; with the language model frozen the "
-                        "completions are the same each round, so decisions can be followed)")
-    p.add_argument("--settled", type=float, default=0.0, metavar="SHARE",
-                   help="share of rollouts with a settled text (code_settled), default 0")
-    p.add_argument("--corpus", type=Path, help="the people's code: *.py under DIR "
-                   "(default: the standard library's held-out files)")
+    p.add_argument(
+        "--items",
+        type=Path,
+        help="write every round's scored evaluation items as JSON (one list per "
+        "round of [p_show, chars, def/class, accept, accepted_chars, "
+        "retained_chars, reward]; with the language model frozen the "
+        "completions are the same each round, so decisions can be followed)",
+    )
+    p.add_argument(
+        "--settled",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="share of rollouts with a settled text (code_settled), default 0",
+    )
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        help="the people's code: *.py under DIR (default: the standard library's held-out files)",
+    )
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -132,8 +152,7 @@ def main() -> int:
     rng = random.Random(f"learning:{args.seed}")
     people = [draw_person(population, rng) for _ in range(16)]
     panel = [draw_person(population, rng) for _ in range(args.panel)]
-    eval_cursors = [eval_source.draw(rng, population.reject_family_share)
-                    for _ in range(args.eval)]
+    eval_cursors = [eval_source.draw(rng, population.reject_family_share) for _ in range(args.eval)]
     sample_gen = torch.Generator().manual_seed(args.seed)
 
     def evaluate() -> dict[str, Any]:
@@ -142,9 +161,17 @@ def main() -> int:
         items, exact = [], 0
         with torch.no_grad():
             for c in eval_cursors:
-                comp, item = complete_and_score(model, tokenizer, c, panel, spec, judge_rng, g,
-                                                temperature=args.temperature,
-                                                stop_logprob=args.stop_logprob)
+                comp, item = complete_and_score(
+                    model,
+                    tokenizer,
+                    c,
+                    panel,
+                    spec,
+                    judge_rng,
+                    g,
+                    temperature=args.temperature,
+                    stop_logprob=args.stop_logprob,
+                )
                 items.append(item)
                 exact += bool(comp.text.strip()) and exact_match(comp.text, c.rest_of_line)
         scored.append([dataclasses.astuple(s) for s in items])
@@ -177,13 +204,24 @@ def main() -> int:
                 c = source.draw(rng, population.reject_family_share)
                 opted_in = args.settled and rng.random() < args.settled
                 settled.append(c.rest_of_line if opted_in else None)
-                comp, family = complete_cursor(model, tokenizer, c, sample_gen,
-                                                temperature=args.temperature,
-                                                stop_logprob=args.stop_logprob)
+                comp, family = complete_cursor(
+                    model,
+                    tokenizer,
+                    c,
+                    sample_gen,
+                    temperature=args.temperature,
+                    stop_logprob=args.stop_logprob,
+                )
                 d = None
                 if comp.shown and comp.text:
-                    d = decide(rng.choice(people), comp.text, c.rest_of_line, family,
-                               float(spec["decision_window_s"]), rng)
+                    d = decide(
+                        rng.choice(people),
+                        comp.text,
+                        c.rest_of_line,
+                        family,
+                        float(spec["decision_window_s"]),
+                        rng,
+                    )
                 actions.append(comp)
                 rewards.append(decision_reward(spec, len(comp.text), d))
         n_train = int(len(actions) * 0.8)
@@ -192,17 +230,28 @@ def main() -> int:
         opt = make_optimizer(candidate, cfg)
         carry_state(opt, state)
         earlier = Batch.of(*zip(*replay, strict=True)) if replay else None
-        earlier_settled = (Batch.of(*zip(*settled_replay, strict=True))
-                           if settled_replay else None)
-        metrics = update(candidate, ref, tokenizer,
-                         Batch.of(actions[:n_train], rewards[:n_train], settled[:n_train]),
-                         opt, cfg, replay=earlier, settled_replay=earlier_settled)
-        settled_replay = [(a, rw, t) for a, rw, t in zip(actions[:n_train], rewards[:n_train],
-                                                          settled[:n_train], strict=True)
-                          if t is not None][::-1] + settled_replay
+        earlier_settled = Batch.of(*zip(*settled_replay, strict=True)) if settled_replay else None
+        metrics = update(
+            candidate,
+            ref,
+            tokenizer,
+            Batch.of(actions[:n_train], rewards[:n_train], settled[:n_train]),
+            opt,
+            cfg,
+            replay=earlier,
+            settled_replay=earlier_settled,
+        )
+        settled_replay = [
+            (a, rw, t)
+            for a, rw, t in zip(
+                actions[:n_train], rewards[:n_train], settled[:n_train], strict=True
+            )
+            if t is not None
+        ][::-1] + settled_replay
         settled_replay = settled_replay[: cfg.settled_replay]
-        replay = [(a, rw) for a, rw in zip(actions[:n_train], rewards[:n_train], strict=True)
-                  if a.shown][::-1] + replay
+        replay = [
+            (a, rw) for a, rw in zip(actions[:n_train], rewards[:n_train], strict=True) if a.shown
+        ][::-1] + replay
         replay = replay[: cfg.gate_fit_replay]
         state = copy.deepcopy(opt.state_dict())
         candidate.requires_grad_(False)
@@ -214,8 +263,13 @@ def main() -> int:
     if args.items:
         args.items.write_text(json.dumps(scored))
     if args.out:
-        args.out.write_text(json.dumps({"config": vars(args), "update": str(cfg),
-                                        "history": history}, indent=1, default=str))
+        args.out.write_text(
+            json.dumps(
+                {"config": vars(args), "update": str(cfg), "history": history},
+                indent=1,
+                default=str,
+            )
+        )
     return 0
 
 
@@ -224,19 +278,25 @@ def _line(r: int, m: dict[str, Any], first: dict[str, Any], metrics: dict[str, f
         """m[k] (or m[k][sub]) against the base policy's m[k] (or m[sub])."""
         now, was = (m[k], first[k]) if sub is None else (m[k][sub], first[sub])
         return f"{100 * (now / was - 1):+.0f}%" if was and now is not None else "n/a"
-    extra = (f"  clipfrac {metrics['charts/clipfrac']:.2f} p_show {metrics['charts/p_show']:.2f}"
-             if metrics else "")
-    return (f"round {r:2d}: shown {m['shown_per_request']:.3f} ({rel('shown_per_request')}) "
-            f"accept {m['accept_rate_of_shown']:.3f} ({rel('accept_rate_of_shown')}) "
-            f"retained {m['retained_chars_per_100']:.1f} ({rel('retained_chars_per_100')}) "
-            f"reward {m['reward_per_request']:.4f} family {m['family_shown_rate']:.3f} "
-            f"chars {m['mean_shown_chars']:.2f} (all {m['mean_chars']:.2f}) "
-            f"all-shown retained {m['retained_all_per_100']:.1f} "
-            f"exact {m['exact_rate']:.3f} ({rel('exact_rate')}){extra}"
-            f"\n    greedy (shown iff p(show) >= 1/2): shown {rel('greedy', 'shown_per_request')} "
-            f"accept {rel('greedy', 'accept_rate_of_shown')} "
-            f"retained {rel('greedy', 'retained_chars_per_100')} "
-            f"reward {m['greedy']['reward_per_request']:.4f}")
+
+    extra = (
+        f"  clipfrac {metrics['charts/clipfrac']:.2f} p_show {metrics['charts/p_show']:.2f}"
+        if metrics
+        else ""
+    )
+    return (
+        f"round {r:2d}: shown {m['shown_per_request']:.3f} ({rel('shown_per_request')}) "
+        f"accept {m['accept_rate_of_shown']:.3f} ({rel('accept_rate_of_shown')}) "
+        f"retained {m['retained_chars_per_100']:.1f} ({rel('retained_chars_per_100')}) "
+        f"reward {m['reward_per_request']:.4f} family {m['family_shown_rate']:.3f} "
+        f"chars {m['mean_shown_chars']:.2f} (all {m['mean_chars']:.2f}) "
+        f"all-shown retained {m['retained_all_per_100']:.1f} "
+        f"exact {m['exact_rate']:.3f} ({rel('exact_rate')}){extra}"
+        f"\n    greedy (shown iff p(show) >= 1/2): shown {rel('greedy', 'shown_per_request')} "
+        f"accept {rel('greedy', 'accept_rate_of_shown')} "
+        f"retained {rel('greedy', 'retained_chars_per_100')} "
+        f"reward {m['greedy']['reward_per_request']:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -77,8 +77,10 @@ class Conn:
             head = await self.reader.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
             status = int(lines[0].split(" ", 2)[1])
-            headers = {k.strip().lower(): v.strip()
-                       for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+            headers = {
+                k.strip().lower(): v.strip()
+                for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)
+            }
             assert "chunked" not in headers.get("transfer-encoding", ""), "chunked reply"
             payload = await self.reader.readexactly(int(headers.get("content-length", "0")))
             if headers.get("connection", "").lower() == "close":
@@ -128,8 +130,9 @@ async def _send(conn: Conn, body: bytes, stats: Stats, start: float) -> None:
     stats.record(status, payload, time.perf_counter() - start)
 
 
-async def closed_loop(port: int, token: str | None, connections: int, duration: float,
-                      max_requests: int, seed: int) -> Stats:
+async def closed_loop(
+    port: int, token: str | None, connections: int, duration: float, max_requests: int, seed: int
+) -> Stats:
     """`connections` clients posting back to back until the time or request budget runs out."""
     stats = Stats()
     rng = random.Random(seed)
@@ -151,8 +154,15 @@ async def closed_loop(port: int, token: str | None, connections: int, duration: 
     return stats
 
 
-async def open_loop(port: int, token: str | None, connections: int, rate_rps: float,
-                    duration: float, max_requests: int, seed: int) -> Stats:
+async def open_loop(
+    port: int,
+    token: str | None,
+    connections: int,
+    rate_rps: float,
+    duration: float,
+    max_requests: int,
+    seed: int,
+) -> Stats:
     """Batches started on a fixed schedule, whatever the server's pace; a batch waiting for a
     free connection is late, and its latency counts from when it should have been sent."""
     stats = Stats()

@@ -216,10 +216,12 @@ def suffix_report(
     (with the suffix iff `suffix`), the other side is computed here."""
     gen = torch.Generator().manual_seed(seed + 2)
     other = [(c.prefix, "" if suffix else c.suffix) for c in cursors]
-    other_greedy = [complete(model, tok, p, s, 32, 0.0, None, None, stop_logprob=None)
-                    for p, s in other]
-    other_served = [complete(model, tok, p, s, 32, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, gen)
-                    for p, s in other]
+    other_greedy = [
+        complete(model, tok, p, s, 32, 0.0, None, None, stop_logprob=None) for p, s in other
+    ]
+    other_served = [
+        complete(model, tok, p, s, 32, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, gen) for p, s in other
+    ]
     sides = {"with": (greedy, served), "without": (other_greedy, other_served)}
     if not suffix:
         sides = {"with": sides["without"], "without": sides["with"]}
@@ -245,10 +247,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--latency-only", action="store_true", help="skip the quality figures")
-    p.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=True,
-                   help="send the text after the cursor (read by FIM checkpoints only)")
-    p.add_argument("--corpus", type=Path, default=None,
-                   help="held-out files of this directory corpus (default: the standard library)")
+    p.add_argument(
+        "--suffix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send the text after the cursor (read by FIM checkpoints only)",
+    )
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="held-out files of this directory corpus (default: the standard library)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     heldout = (
@@ -295,13 +305,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in cursors
     ]
     no_heal = [
-        complete(model, tok, c.prefix, c.suffix, 32, 0.0, None, None, heal=False,
-                 stop_logprob=whole)
+        complete(
+            model, tok, c.prefix, c.suffix, 32, 0.0, None, None, heal=False, stop_logprob=whole
+        )
         for c in cursors
     ]
     sampled = [
-        complete(model, tok, c.prefix, c.suffix, 32, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, gen,
-                 stop_logprob=whole)
+        complete(
+            model,
+            tok,
+            c.prefix,
+            c.suffix,
+            32,
+            DEFAULT_TEMPERATURE,
+            DEFAULT_TOP_P,
+            gen,
+            stop_logprob=whole,
+        )
         for c in cursors
     ]
     served = [

@@ -60,12 +60,17 @@ def naive_app(database_url: str, bootstrap: str) -> FastAPI:
         for raw in batch["events"]:
             ev = parse_event(raw)
             with Session(engine) as session:
-                session.add(NaiveEvent(
-                    event_id=ev["event_id"], type=ev["type"], user_id=ev["user_id"],
-                    suggestion_id=ev.get("suggestion_id"),
-                    occurred_at=datetime.fromisoformat(ev["occurred_at"]),
-                    received_at=datetime.now(UTC), payload=ev,
-                ))
+                session.add(
+                    NaiveEvent(
+                        event_id=ev["event_id"],
+                        type=ev["type"],
+                        user_id=ev["user_id"],
+                        suggestion_id=ev.get("suggestion_id"),
+                        occurred_at=datetime.fromisoformat(ev["occurred_at"]),
+                        received_at=datetime.now(UTC),
+                        payload=ev,
+                    )
+                )
                 session.commit()
             producer.send(TOPIC, key=ev["user_id"].encode(), value=orjson.dumps(ev)).get(30)
         return {"accepted": len(batch["events"]), "duplicates": 0, "rejected": []}
@@ -75,5 +80,10 @@ def naive_app(database_url: str, bootstrap: str) -> FastAPI:
 
 if __name__ == "__main__":
     port, url, bootstrap = sys.argv[1:4]
-    uvicorn.run(naive_app(url, bootstrap), host="127.0.0.1", port=int(port), log_level="warning",
-                access_log=False)
+    uvicorn.run(
+        naive_app(url, bootstrap),
+        host="127.0.0.1",
+        port=int(port),
+        log_level="warning",
+        access_log=False,
+    )

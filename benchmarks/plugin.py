@@ -69,8 +69,12 @@ class Plugins:
             n, self.next_n = self.next_n, self.next_n + 1
             if self.suggestions and rng.random() < 0.5:  # feedback about a real suggestion
                 sid, user, text = self.suggestions.popleft()
-                ev: dict[str, Any] = {"type": "reject", "suggestion_id": sid, "user_id": user,
-                                      "occurred_at": now}
+                ev: dict[str, Any] = {
+                    "type": "reject",
+                    "suggestion_id": sid,
+                    "user_id": user,
+                    "occurred_at": now,
+                }
                 if rng.random() < 0.35:
                     ev.update(type="accept", accepted_chars=max(1, len(text)))
             else:
@@ -81,14 +85,22 @@ class Plugins:
         return out
 
     def record(self, route: str, t0: float, status: int | str, headers: Any, body: bytes) -> None:
-        self.answers.append(Answer(route, t0, time.monotonic() - t0, status,
-                                   headers is not None and "retry-after" in headers))
+        self.answers.append(
+            Answer(
+                route,
+                t0,
+                time.monotonic() - t0,
+                status,
+                headers is not None and "retry-after" in headers,
+            )
+        )
         if status not in EXPECTED and isinstance(status, int) and len(self.unexpected) < 50:
             self.unexpected.append(f"{route} {status}: {body[:300]!r}")
 
 
-async def _post(client: httpx.AsyncClient, plugins: Plugins, route: str, body: bytes
-                ) -> tuple[int | str, httpx.Response | None]:
+async def _post(
+    client: httpx.AsyncClient, plugins: Plugins, route: str, body: bytes
+) -> tuple[int | str, httpx.Response | None]:
     t0 = time.monotonic()
     try:
         r = await client.post(f"/v1/{route}", content=body)
@@ -102,8 +114,9 @@ async def _post(client: httpx.AsyncClient, plugins: Plugins, route: str, body: b
     return r.status_code, r
 
 
-async def send_events(client: httpx.AsyncClient, plugins: Plugins, events: list[dict[str, Any]],
-                      give_up_s: float) -> None:
+async def send_events(
+    client: httpx.AsyncClient, plugins: Plugins, events: list[dict[str, Any]], give_up_s: float
+) -> None:
     """Post one batch until it is acknowledged (or `give_up_s` passes): the plugin's retry."""
     ids = [e["event_id"] for e in events]
     plugins.sent.update(ids)
@@ -132,9 +145,18 @@ async def send_events(client: httpx.AsyncClient, plugins: Plugins, events: list[
         await asyncio.sleep(wait * random.uniform(0.8, 1.2))
 
 
-async def events_loop(client: httpx.AsyncClient, plugins: Plugins, *, rate: float, batch: int,
-                      concurrency: int, stop: asyncio.Event, give_up_s: float = 120,
-                      seed: int = 0, max_events: int | None = None) -> None:
+async def events_loop(
+    client: httpx.AsyncClient,
+    plugins: Plugins,
+    *,
+    rate: float,
+    batch: int,
+    concurrency: int,
+    stop: asyncio.Event,
+    give_up_s: float = 120,
+    seed: int = 0,
+    max_events: int | None = None,
+) -> None:
     """Batches started at `rate` events/s with at most `concurrency` in flight (a full pipe slows
     the start of new batches, as a plugin's send buffer would)."""
     rng = random.Random(seed)
@@ -167,8 +189,15 @@ PREFIXES = (
 )
 
 
-async def complete_loop(client: httpx.AsyncClient, plugins: Plugins, *, rate: float,
-                        concurrency: int, stop: asyncio.Event, seed: int = 1) -> None:
+async def complete_loop(
+    client: httpx.AsyncClient,
+    plugins: Plugins,
+    *,
+    rate: float,
+    concurrency: int,
+    stop: asyncio.Event,
+    seed: int = 1,
+) -> None:
     """Completions at `rate` per second (at most `concurrency` at once), never retried."""
     rng = random.Random(seed)
     slots = asyncio.Semaphore(concurrency)
@@ -180,8 +209,7 @@ async def complete_loop(client: httpx.AsyncClient, plugins: Plugins, *, rate: fl
         k += 1
         await slots.acquire()
         user = f"u-{rng.randrange(plugins.users)}"
-        body = orjson.dumps({"user_id": user, "prefix": rng.choice(PREFIXES),
-                             "max_new_tokens": 16})
+        body = orjson.dumps({"user_id": user, "prefix": rng.choice(PREFIXES), "max_new_tokens": 16})
 
         async def one(body: bytes, user: str) -> None:
             try:
@@ -201,9 +229,12 @@ async def complete_loop(client: httpx.AsyncClient, plugins: Plugins, *, rate: fl
 
 def client(url: str, token: str, connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(
-        base_url=url, trust_env=False, timeout=CLIENT_TIMEOUT_S,
+        base_url=url,
+        trust_env=False,
+        timeout=CLIENT_TIMEOUT_S,
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    )
 
 
 def percentile(xs: list[float], q: float) -> float:

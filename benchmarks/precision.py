@@ -28,13 +28,13 @@ from trainer.pretrain import cpu_has_bf16  # noqa: E402
 
 def step_seconds(bf16: bool, steps: int, batch: int) -> float:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=4096, block_size=192, n_layer=3, n_head=6,
-                            n_embd=192)).train()
+    model = GPT(
+        ModelConfig(vocab_size=4096, block_size=192, n_layer=3, n_head=6, n_embd=192)
+    ).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 4096, (batch, 192))
     y = torch.randint(0, 4096, (batch, 192))
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
-                else contextlib.nullcontext())
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -55,8 +55,10 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=24)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"native bf16 {cpu_has_bf16()}, {args.threads} thread(s), batch {args.batch} x 192")
+    print(
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"native bf16 {cpu_has_bf16()}, {args.threads} thread(s), batch {args.batch} x 192"
+    )
     for name, bf16 in (("fp32", False), ("bf16 autocast", True)):
         print(f"  {name:<14} {step_seconds(bf16, args.steps, args.batch):.2f} s a step")
     return 0

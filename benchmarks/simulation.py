@@ -76,26 +76,60 @@ def main() -> int:
     p.add_argument("--baseline", type=Path, help="an offline baseline JSON to reuse")
     p.add_argument("--baseline-cursors", type=int, default=2000)
     p.add_argument("--no-dump", action="store_true", help="do not write DIR/db/*.jsonl")
-    p.add_argument("--reward", action="append", default=[], metavar="NAME=VALUE",
-                   help="PUT /admin/reward-spec with these fields before simulating "
-                        "(an operator's spec; default: the sim profile's)")
-    p.add_argument("--paused", action="store_true",
-                   help="pause the trainer first: the base policy serves throughout (a control)")
-    p.add_argument("--baseline-minutes", type=float, default=0.0,
-                   help="tabloop simulate --baseline-minutes: first this long with the trainer "
-                   "paused (the run is this plus --minutes)")
-    p.add_argument("--settled", type=float, default=0.0, metavar="SHARE",
-                   help="tabloop simulate --settled: share of people sending code_settled")
-    p.add_argument("--corpus", type=Path, metavar="DIR",
-                   help="tabloop simulate --corpus: people edit the *.py files under DIR")
-    p.add_argument("--adversaries", type=int, default=0, metavar="N",
-                   help="tabloop simulate --adversaries: the last N of --users seats are "
-                   "adversaries (default 0)")
-    p.add_argument("--adversary-kinds", default="accept_all,reject_all", metavar="KINDS",
-                   help="tabloop simulate --adversary-kinds (default accept_all,reject_all)")
-    p.add_argument("--exact-cursors", type=int, default=1000,
-                   help="fresh-line cursors for the offline exact rest-of-line check of the base "
-                   "and the last live policy (0: skip)")
+    p.add_argument(
+        "--reward",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="PUT /admin/reward-spec with these fields before simulating "
+        "(an operator's spec; default: the sim profile's)",
+    )
+    p.add_argument(
+        "--paused",
+        action="store_true",
+        help="pause the trainer first: the base policy serves throughout (a control)",
+    )
+    p.add_argument(
+        "--baseline-minutes",
+        type=float,
+        default=0.0,
+        help="tabloop simulate --baseline-minutes: first this long with the trainer "
+        "paused (the run is this plus --minutes)",
+    )
+    p.add_argument(
+        "--settled",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="tabloop simulate --settled: share of people sending code_settled",
+    )
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        metavar="DIR",
+        help="tabloop simulate --corpus: people edit the *.py files under DIR",
+    )
+    p.add_argument(
+        "--adversaries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tabloop simulate --adversaries: the last N of --users seats are "
+        "adversaries (default 0)",
+    )
+    p.add_argument(
+        "--adversary-kinds",
+        default="accept_all,reject_all",
+        metavar="KINDS",
+        help="tabloop simulate --adversary-kinds (default accept_all,reject_all)",
+    )
+    p.add_argument(
+        "--exact-cursors",
+        type=int,
+        default=1000,
+        help="fresh-line cursors for the offline exact rest-of-line check of the base "
+        "and the last live policy (0: skip)",
+    )
     args = p.parse_args()
 
     out = args.out.resolve()
@@ -105,17 +139,23 @@ def main() -> int:
     checkpoints = Path(tempfile.mkdtemp(prefix="tabloop-sim-policies-"))
     policies: tuple[Path, Path] | None = None
     port = free_port()
-    env = clean_env(TABLOOP_PROFILE="sim", TABLOOP_PORT=str(port),
-                    TABLOOP_DATA_DIR=str(work / "data"), TABLOOP_LOG_LEVEL="INFO",
-                    TABLOOP_RATE_LIMIT_PER_S="100000", TABLOOP_RATE_LIMIT_BURST="100000")
+    env = clean_env(
+        TABLOOP_PROFILE="sim",
+        TABLOOP_PORT=str(port),
+        TABLOOP_DATA_DIR=str(work / "data"),
+        TABLOOP_LOG_LEVEL="INFO",
+        TABLOOP_RATE_LIMIT_PER_S="100000",
+        TABLOOP_RATE_LIMIT_BURST="100000",
+    )
     procs: list[Proc] = []
     pg = broker = None
     pg_dir: Path | None = None
     try:
         if args.mode == "embedded":
             tabloop("db", "upgrade", env=env)
-            token = tabloop("keys", "create", "--scope", "admin,deploy,ingest", "--name", "sim",
-                            env=env).strip()
+            token = tabloop(
+                "keys", "create", "--scope", "admin,deploy,ingest", "--name", "sim", env=env
+            ).strip()
             procs.append(Proc("up", [sys.executable, "-m", "tabloop.cli", "up"], env, logs))
         else:
             from tests.support.kafka import KafkaBroker
@@ -124,34 +164,75 @@ def main() -> int:
             pg_dir = Path(tempfile.mkdtemp(prefix="tabloop-sim-pg-"))  # reachable by `postgres`
             pg = PostgresServer(pg_dir, fast=False).start()
             broker = KafkaBroker(work / "kafka", durable=False).start()
-            env.update(TABLOOP_DATABASE_URL=pg.create_database("tabloop_sim"),
-                       TABLOOP_KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap)
+            env.update(
+                TABLOOP_DATABASE_URL=pg.create_database("tabloop_sim"),
+                TABLOOP_KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap,
+            )
             tabloop("db", "upgrade", env=env)
-            token = tabloop("keys", "create", "--scope", "admin,deploy,ingest", "--name", "sim",
-                            env=env).strip()
-            trainer_key = tabloop("keys", "create", "--scope", "deploy", "--name", "trainer",
-                                  env=env).strip()
+            token = tabloop(
+                "keys", "create", "--scope", "admin,deploy,ingest", "--name", "sim", env=env
+            ).strip()
+            trainer_key = tabloop(
+                "keys", "create", "--scope", "deploy", "--name", "trainer", env=env
+            ).strip()
             procs.append(Proc("serve", [sys.executable, "-m", "tabloop.cli", "serve"], env, logs))
             wait_ready(port, "/readyz", procs[-1])  # serve registers the base policy
-            procs.append(Proc("relay", [sys.executable, "-m", "tabloop.cli", "relay"],
-                              {**env, "TABLOOP_METRICS_PORT": str(free_port())}, logs))
-            procs.append(Proc("train", [sys.executable, "-m", "tabloop.cli", "train"],
-                              {**env, "TABLOOP_METRICS_PORT": str(free_port()),
-                               "TABLOOP_TRAINER_API_KEY": trainer_key,
-                               "TABLOOP_TRAINER_API_URL": f"http://127.0.0.1:{port}"}, logs))
+            procs.append(
+                Proc(
+                    "relay",
+                    [sys.executable, "-m", "tabloop.cli", "relay"],
+                    {**env, "TABLOOP_METRICS_PORT": str(free_port())},
+                    logs,
+                )
+            )
+            procs.append(
+                Proc(
+                    "train",
+                    [sys.executable, "-m", "tabloop.cli", "train"],
+                    {
+                        **env,
+                        "TABLOOP_METRICS_PORT": str(free_port()),
+                        "TABLOOP_TRAINER_API_KEY": trainer_key,
+                        "TABLOOP_TRAINER_API_URL": f"http://127.0.0.1:{port}",
+                    },
+                    logs,
+                )
+            )
         wait_ready(port, "/readyz", procs[0])
-        print(f"{args.mode}: service on :{port}, logs in {logs}; simulating "
-              f"{args.baseline_minutes} + {args.minutes} min", flush=True)
+        print(
+            f"{args.mode}: service on :{port}, logs in {logs}; simulating "
+            f"{args.baseline_minutes} + {args.minutes} min",
+            flush=True,
+        )
         if args.reward:
             put_reward_spec(port, token, args.reward)
         if args.paused:
             pause_trainer(port, token)
-        argv = [sys.executable, "-m", "tabloop.cli", "simulate", "--api",
-                f"http://127.0.0.1:{port}", "--users", str(args.users),
-                "--minutes", str(args.minutes), "--seed", str(args.seed), "--out", str(out),
-                "--no-live", "--baseline-minutes", str(args.baseline_minutes),
-                "--settled", str(args.settled), "--adversaries", str(args.adversaries),
-                "--adversary-kinds", args.adversary_kinds]
+        argv = [
+            sys.executable,
+            "-m",
+            "tabloop.cli",
+            "simulate",
+            "--api",
+            f"http://127.0.0.1:{port}",
+            "--users",
+            str(args.users),
+            "--minutes",
+            str(args.minutes),
+            "--seed",
+            str(args.seed),
+            "--out",
+            str(out),
+            "--no-live",
+            "--baseline-minutes",
+            str(args.baseline_minutes),
+            "--settled",
+            str(args.settled),
+            "--adversaries",
+            str(args.adversaries),
+            "--adversary-kinds",
+            args.adversary_kinds,
+        ]
         if args.corpus:
             argv += ["--corpus", str(args.corpus.resolve())]
         if args.baseline:
@@ -159,8 +240,9 @@ def main() -> int:
         else:
             argv += ["--baseline-cursors", str(args.baseline_cursors)]
         # the key by environment, not argv: argv shows in `ps` and in report.json
-        rc = subprocess.run(argv, cwd=ROOT, env={**env, "TABLOOP_SIMULATE_KEY": token},
-                            check=False).returncode
+        rc = subprocess.run(
+            argv, cwd=ROOT, env={**env, "TABLOOP_SIMULATE_KEY": token}, check=False
+        ).returncode
         url = env.get("TABLOOP_DATABASE_URL") or f"sqlite:///{work / 'data' / 'tabloop.db'}"
         if rc == 0 and args.exact_cursors > 0:  # the checkpoints, before the database goes
             policies = export_policies(port, token, url, checkpoints)
@@ -183,8 +265,18 @@ def main() -> int:
         if policies is None:  # no offline check to come
             shutil.rmtree(checkpoints, ignore_errors=True)
     if rc == 0 and args.baseline:
-        rc = subprocess.run([sys.executable, "-m", "simulator.report", str(out / "report.json"),
-                             "--baseline", str(args.baseline)], cwd=ROOT, check=False).returncode
+        rc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "simulator.report",
+                str(out / "report.json"),
+                "--baseline",
+                str(args.baseline),
+            ],
+            cwd=ROOT,
+            check=False,
+        ).returncode
     if policies is not None:
         try:
             if rc == 0:
@@ -202,8 +294,11 @@ def export_policies(port: int, token: str, url: str, directory: Path) -> tuple[P
 
     from service.registry.store import artifact_files, write_files
 
-    r = httpx.get(f"http://127.0.0.1:{port}/admin/policies",
-                  headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    r = httpx.get(
+        f"http://127.0.0.1:{port}/admin/policies",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
     r.raise_for_status()
     live = int(r.json()["deployment"]["live_version"])
     engine = sa.create_engine(url)
@@ -226,10 +321,14 @@ def exact_check(out: Path, policies: tuple[Path, Path], args: argparse.Namespace
 
     torch.set_num_threads(1)
     base, last = policies
-    print(f"offline exact rest-of-line check: {base.name} (base) and {last.name} (last live) on "
-          f"{args.exact_cursors} fresh-line cursors ...", flush=True)
-    result = check(base, last, load_lines(args.corpus), read_settled_lines(out),
-                   args.exact_cursors, args.seed)
+    print(
+        f"offline exact rest-of-line check: {base.name} (base) and {last.name} (last live) on "
+        f"{args.exact_cursors} fresh-line cursors ...",
+        flush=True,
+    )
+    result = check(
+        base, last, load_lines(args.corpus), read_settled_lines(out), args.exact_cursors, args.seed
+    )
     for name in ("base", "last"):  # the temporary copy is gone after the run
         version = result[name]["policy_version_in_manifest"]
         result[name]["checkpoint"] = f"policy v{version}, from the service's database"
@@ -240,9 +339,12 @@ def exact_check(out: Path, policies: tuple[Path, Path], args: argparse.Namespace
     print(f"  {result['sampling']}; {result['fresh_lines']} of {result['lines']} lines fresh")
     for name in ("base", "last"):
         r = result[name]
-        print(f"  {name} v{r['policy_version_in_manifest']}: exact {pct(r['exact_rate'])} of "
-              f"{r['cursors']} cursors; {pct(r['exact_rate_non_empty'])} of {r['non_empty']} "
-              "non-empty completions", flush=True)
+        print(
+            f"  {name} v{r['policy_version_in_manifest']}: exact {pct(r['exact_rate'])} of "
+            f"{r['cursors']} cursors; {pct(r['exact_rate_non_empty'])} of {r['non_empty']} "
+            "non-empty completions",
+            flush=True,
+        )
 
 
 def pct(x: float | None) -> str:
@@ -253,8 +355,12 @@ def put_reward_spec(port: int, token: str, pairs: list[str]) -> None:
     """Store a reward spec with the given fields changed, as an operator would."""
     import httpx
 
-    r = httpx.put(f"http://127.0.0.1:{port}/admin/reward-spec", json=parse_pairs(pairs),
-                  headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    r = httpx.put(
+        f"http://127.0.0.1:{port}/admin/reward-spec",
+        json=parse_pairs(pairs),
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
     r.raise_for_status()
     print(f"reward spec v{r.json()['version']}: {r.json()['spec']}", flush=True)
 
@@ -263,8 +369,11 @@ def pause_trainer(port: int, token: str) -> None:
     """Pause the trainer as an operator would; it takes no step while paused."""
     import httpx
 
-    r = httpx.post(f"http://127.0.0.1:{port}/admin/training/pause",
-                   headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/admin/training/pause",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
     r.raise_for_status()
     print(f"trainer paused: {r.json()['paused']}", flush=True)
 

@@ -46,16 +46,19 @@ def peak_rate(cluster: Cluster, args: argparse.Namespace) -> float:
     back; the relay's D by timing how fast it drains the backlog that left, alone. Both use the
     same CPUs, so the pipeline holds X with X/A + X/D = 1 (more would grow the outbox until the
     API sheds load with 503s)."""
-    peak = asyncio.run(closed_loop(cluster.port, cluster.token, args.connections, args.peak_s,
-                                   10**9, 0))
+    peak = asyncio.run(
+        closed_loop(cluster.port, cluster.token, args.connections, args.peak_s, 10**9, 0)
+    )
     waiting0, t0 = backlog(cluster), time.monotonic()
     wait_for(lambda: backlog(cluster) == 0, 600)
     drain = waiting0 / (time.monotonic() - t0)
     sustained = 1 / (1 / peak.rate + 1 / drain)
-    print(f"peak: API {peak.rate:,.0f} events/s (p50 {peak.pct(0.5):.0f} ms, p99 "
-          f"{peak.pct(0.99):.0f} ms, other answers {peak.statuses or '-'}); relay alone "
-          f"{drain:,.0f} rows/s ({waiting0:,} rows); pipeline {sustained:,.0f} events/s",
-          flush=True)
+    print(
+        f"peak: API {peak.rate:,.0f} events/s (p50 {peak.pct(0.5):.0f} ms, p99 "
+        f"{peak.pct(0.99):.0f} ms, other answers {peak.statuses or '-'}); relay alone "
+        f"{drain:,.0f} rows/s ({waiting0:,} rows); pipeline {sustained:,.0f} events/s",
+        flush=True,
+    )
     return sustained
 
 
@@ -63,31 +66,38 @@ async def soak(cluster: Cluster, args: argparse.Namespace, rate: float) -> Count
     plugins = plugin.Plugins()
     stop = asyncio.Event()
     errors: Counter[str] = Counter()
-    head = (f"{'t s':>5}{'events/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'cmpl':>6}{'p50 ms':>8}"
-            f"{'p99 ms':>8}{'backlog':>9}  RSS MiB serve/relay/train/broker  errors")
+    head = (
+        f"{'t s':>5}{'events/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'cmpl':>6}{'p50 ms':>8}"
+        f"{'p99 ms':>8}{'backlog':>9}  RSS MiB serve/relay/train/broker  errors"
+    )
     print(head)
     print("-" * len(head), flush=True)
     async with plugin.client(cluster.url, cluster.token, 4) as client:
-        completions = asyncio.create_task(plugin.complete_loop(
-            client, plugins, rate=args.complete_rate, concurrency=2, stop=stop))
+        completions = asyncio.create_task(
+            plugin.complete_loop(client, plugins, rate=args.complete_rate, concurrency=2, stop=stop)
+        )
         t0 = time.monotonic()
         seed = 100
         while time.monotonic() - t0 < args.minutes * 60:
             seen = len(plugins.answers)
             seed += 1
-            s = await open_loop(cluster.port, cluster.token, args.connections, rate / BATCH,
-                                args.every, 10**9, seed)
+            s = await open_loop(
+                cluster.port, cluster.token, args.connections, rate / BATCH, args.every, 10**9, seed
+            )
             comp = plugins.answers[seen:]
-            rss = "/".join(f"{mib:.0f}" for mib in
-                           [*cluster.rss().values(), rss_mib(cluster.broker.pid)])
-            bad = Counter({**s.statuses, **Counter(str(a.status) for a in comp
-                                                   if a.status != 200)})
+            rss = "/".join(
+                f"{mib:.0f}" for mib in [*cluster.rss().values(), rss_mib(cluster.broker.pid)]
+            )
+            bad = Counter({**s.statuses, **Counter(str(a.status) for a in comp if a.status != 200)})
             errors.update(bad)
             ok = [a.seconds * 1000 for a in comp if a.status == 200]
-            print(f"{time.monotonic() - t0:>5.0f}{s.rate:>10,.0f}{s.pct(0.5):>8.1f}"
-                  f"{s.pct(0.99):>8.1f}{len(ok):>6}{plugin.percentile(ok, 0.5):>8.1f}"
-                  f"{plugin.percentile(ok, 0.99):>8.1f}{backlog(cluster):>9}  {rss:<30}  "
-                  f"{dict(bad) or '-'}", flush=True)
+            print(
+                f"{time.monotonic() - t0:>5.0f}{s.rate:>10,.0f}{s.pct(0.5):>8.1f}"
+                f"{s.pct(0.99):>8.1f}{len(ok):>6}{plugin.percentile(ok, 0.5):>8.1f}"
+                f"{plugin.percentile(ok, 0.99):>8.1f}{backlog(cluster):>9}  {rss:<30}  "
+                f"{dict(bad) or '-'}",
+                flush=True,
+            )
         stop.set()
         await completions
     return errors
@@ -108,19 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(work)
     try:
         cluster.start()
-        print(f"machine: {machine()}; service on {cluster.url}, logs in {cluster.logs}",
-              flush=True)
+        print(f"machine: {machine()}; service on {cluster.url}, logs in {cluster.logs}", flush=True)
         rate = args.rate
         if rate is None:
             rate = 0.7 * peak_rate(cluster, args)
-        print(f"holding {rate:,.0f} events/s and {args.complete_rate:g} completions/s for "
-              f"{args.minutes:g} min", flush=True)
+        print(
+            f"holding {rate:,.0f} events/s and {args.complete_rate:g} completions/s for "
+            f"{args.minutes:g} min",
+            flush=True,
+        )
         errors = asyncio.run(soak(cluster, args, rate))
         drained = wait_for(lambda: backlog(cluster) == 0, 180)
         exited = cluster.exited()
-        print(f"\nerrors: {dict(errors) or 'none'}; outbox drained "
-              f"{'no' if drained is None else f'{drained:.1f} s'} after the load; "
-              f"processes exited: {exited or 'none'}")
+        print(
+            f"\nerrors: {dict(errors) or 'none'}; outbox drained "
+            f"{'no' if drained is None else f'{drained:.1f} s'} after the load; "
+            f"processes exited: {exited or 'none'}"
+        )
         return 1 if errors or drained is None or exited else 0
     finally:
         cluster.close()

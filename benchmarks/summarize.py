@@ -35,8 +35,11 @@ def row(run: Path, lines: str) -> tuple[str, dict[str, float]]:
     report: dict[str, Any] = json.loads((run / "report.json").read_text())
     cfg, pc = report["config"], report["phase_comparison"]
     side = pc[lines]
-    cells = [run.name, str(cfg.get("seed", "")),
-             Path(cfg["corpus"]).name if cfg.get("corpus") else "stdlib held-out"]
+    cells = [
+        run.name,
+        str(cfg.get("seed", "")),
+        Path(cfg["corpus"]).name if cfg.get("corpus") else "stdlib held-out",
+    ]
     changes = {}
     for m in METRICS:
         ref, last, change = side["reference"][m], side["last_fifth"][m], side["change"][m]
@@ -67,10 +70,14 @@ def along_the_way(run: Path, minutes: list[float], lines: str) -> None:
         records = [r for r in records if r.fresh]
     baseline = [r for r in records if r.phase == "baseline"]
     learning = learning_records(records, baseline_s)
-    print(f"{run.name}, on {lines} lines: the {AT_WINDOW_S / 60:g} minutes of learning ending at "
-          "each minute against the baseline phase\n")
-    print("| minutes of learning | requests | shown / request | accept rate of shown "
-          "| retained chars / 100 req | gated deploys by then |")
+    print(
+        f"{run.name}, on {lines} lines: the {AT_WINDOW_S / 60:g} minutes of learning ending at "
+        "each minute against the baseline phase\n"
+    )
+    print(
+        "| minutes of learning | requests | shown / request | accept rate of shown "
+        "| retained chars / 100 req | gated deploys by then |"
+    )
     print("|" + "---|" * 6)
     for m in minutes:
         end = 60 * m
@@ -81,8 +88,11 @@ def along_the_way(run: Path, minutes: list[float], lines: str) -> None:
             ref, last = side["reference"][name], side["last_fifth"][name]
             change = side["change"][name]
             fmt = "{:.1f}" if name.endswith("100") else "{:.3f}"
-            cells.append(f"{fmt.format(ref)} → {fmt.format(last)} ({100 * change:+.0f}%)"
-                         if last is not None and change is not None else "")
+            cells.append(
+                f"{fmt.format(ref)} → {fmt.format(last)} ({100 * change:+.0f}%)"
+                if last is not None and change is not None
+                else ""
+            )
         deployments = [d for d in report["deployments"] if d["t"] < baseline_s + end]
         cells.append(str(gated_deploys(deployments)))
         print("| " + " | ".join(cells) + " |")
@@ -93,16 +103,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("runs", type=Path, nargs="+", help="run directories (with report.json)")
     p.add_argument("--lines", choices=["fresh", "all"], default="fresh")
-    p.add_argument("--at", type=float, nargs="+", metavar="MINUTES",
-                   help="minutes of learning to report along the way (from records.jsonl)")
+    p.add_argument(
+        "--at",
+        type=float,
+        nargs="+",
+        metavar="MINUTES",
+        help="minutes of learning to report along the way (from records.jsonl)",
+    )
     args = p.parse_args()
     if args.at:
         for run in args.runs:
             along_the_way(run, args.at, args.lines)
         return 0
     print(f"On {args.lines} lines, the baseline phase → the learning phase's last fifth:\n")
-    print("| run | seed | corpus | shown / request | accept rate of shown | retained chars / 100 "
-          "req | gated deploys | errors | lost events | exact rest of line, base → last |")
+    print(
+        "| run | seed | corpus | shown / request | accept rate of shown | retained chars / 100 "
+        "req | gated deploys | errors | lost events | exact rest of line, base → last |"
+    )
     print("|" + "---|" * 10)
     all_changes = []
     for run in args.runs:
@@ -114,9 +131,11 @@ def main() -> int:
         values = [c[name] for c in all_changes if c.get(name) is not None]
         if values:
             sd = statistics.stdev(values) if len(values) > 1 else 0.0
-            print(f"- {name}: mean {100 * statistics.mean(values):+.1f}%, s.d. {100 * sd:.1f} "
-                  f"points, range {100 * min(values):+.0f}% to {100 * max(values):+.0f}% "
-                  f"over {len(values)} runs")
+            print(
+                f"- {name}: mean {100 * statistics.mean(values):+.1f}%, s.d. {100 * sd:.1f} "
+                f"points, range {100 * min(values):+.0f}% to {100 * max(values):+.0f}% "
+                f"over {len(values)} runs"
+            )
     return 0
 
 

@@ -54,8 +54,10 @@ def update_throughput(batch_size: int) -> None:
     secs = time.perf_counter() - t0
     tokens = sum(len(a.token_ids) for a in actions) / batch_size
     ctx = sum(len(a.context_token_ids) for a in actions) / batch_size
-    print(f"update: {batch_size} rollouts (mean {tokens:.1f} sampled + {ctx:.0f} context tokens) "
-          f"in {secs:.2f} s = {batch_size / secs:.0f} rollouts/s (1 thread)")
+    print(
+        f"update: {batch_size} rollouts (mean {tokens:.1f} sampled + {ctx:.0f} context tokens) "
+        f"in {secs:.2f} s = {batch_size / secs:.0f} rollouts/s (1 thread)"
+    )
 
 
 def drive(url: str, token: str, stop: threading.Event, users: int, seed: int) -> None:
@@ -67,22 +69,33 @@ def drive(url: str, token: str, stop: threading.Event, users: int, seed: int) ->
             for _ in range(8):
                 cur = rng.choice(cursors)
                 user = f"u{rng.randrange(users)}"
-                r = c.post("/v1/complete", json={"user_id": user, "prefix": cur.prefix[-2000:],
-                                                 "max_new_tokens": 16}).json()
+                r = c.post(
+                    "/v1/complete",
+                    json={"user_id": user, "prefix": cur.prefix[-2000:], "max_new_tokens": 16},
+                ).json()
                 if r["shown"]:
                     good = r["text"] and cur.rest_of_line.startswith(r["text"].rstrip("\n"))
-                    evs.append({"event_id": str(uuid.uuid4()),
-                                "type": "accept" if good else "reject", "user_id": user,
-                                "suggestion_id": r["suggestion_id"],
-                                "occurred_at": dt.datetime.now(dt.UTC).isoformat()
-                                .replace("+00:00", "Z")})
+                    evs.append(
+                        {
+                            "event_id": str(uuid.uuid4()),
+                            "type": "accept" if good else "reject",
+                            "user_id": user,
+                            "suggestion_id": r["suggestion_id"],
+                            "occurred_at": dt.datetime.now(dt.UTC)
+                            .isoformat()
+                            .replace("+00:00", "Z"),
+                        }
+                    )
             if evs:
                 c.post("/v1/events", json={"events": evs})
 
 
 def live_run(minutes: float, batch: int) -> None:
-    env = {"TABLOOP_PROFILE": "sim", "TABLOOP_TRAINER_BATCH_SIZE": str(batch),
-           "TABLOOP_TRAINER_CANARY_MIN_ROLLOUTS": str(max(20, batch // 4))}
+    env = {
+        "TABLOOP_PROFILE": "sim",
+        "TABLOOP_TRAINER_BATCH_SIZE": str(batch),
+        "TABLOOP_TRAINER_CANARY_MIN_ROLLOUTS": str(max(20, batch // 4)),
+    }
     with tabloop_up(**env) as srv:
         stop = threading.Event()
         t = threading.Thread(target=drive, args=(srv.url, srv.token, stop, 30, 0))
@@ -93,6 +106,7 @@ def live_run(minutes: float, batch: int) -> None:
         time.sleep(20)  # let the last rewards finalize
         engine = sa.create_engine(f"sqlite:///{srv.data_dir / 'tabloop.db'}")
         with engine.connect() as conn:
+
             def q(sql: str) -> list:
                 return list(conn.execute(sa.text(sql)).all())
 
@@ -116,15 +130,19 @@ def live_run(minutes: float, batch: int) -> None:
     print(f"live run: {minutes:g} min, {n_roll} rollouts, deployments {dict(deps)}")
     if join:
         j = secs(join)
-        print(f"join latency (last event -> reward final): median {statistics.median(j):.1f} s, "
-              f"p90 {sorted(j)[int(0.9 * len(j))]:.1f} s over {len(j)} rewards with feedback")
+        print(
+            f"join latency (last event -> reward final): median {statistics.median(j):.1f} s, "
+            f"p90 {sorted(j)[int(0.9 * len(j))]:.1f} s over {len(j)} rewards with feedback"
+        )
     r = secs(roll)
     print(f"rollout -> reward final: median {statistics.median(r):.1f} s over {len(r)} rewards")
     if fresh:
         f = secs([(b, a) for a, b in fresh])
-        print(f"freshness (feedback event -> first live policy trained on it): median "
-              f"{statistics.median(f):.1f} s, p90 {sorted(f)[int(0.9 * len(f))]:.1f} s "
-              f"over {len(f)} events")
+        print(
+            f"freshness (feedback event -> first live policy trained on it): median "
+            f"{statistics.median(f):.1f} s, p90 {sorted(f)[int(0.9 * len(f))]:.1f} s "
+            f"over {len(f)} events"
+        )
     else:
         print("freshness: no policy trained on this run's feedback went live")
 

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Lint and type check: bash scripts/lint.sh   (scripts/test.sh runs it before pytest)
-# ruff (pyproject.toml [tool.ruff]) over the repository, mypy over the packages and benchmarks.
+# ruff check and ruff format --check (pyproject.toml [tool.ruff]) over the repository, mypy over
+# the packages and benchmarks. `.venv/bin/ruff format .` fixes what the format check finds.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 echo "==> ruff check"
 .venv/bin/ruff check --quiet .
+echo "==> ruff format --check"
+.venv/bin/ruff format --check --quiet . || {
+  echo "==> not formatted: run .venv/bin/ruff format ." >&2
+  exit 1
+}
 echo "==> mypy"
 .venv/bin/mypy service trainer tabloop simulator benchmarks

@@ -80,7 +80,8 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
         policies=PolicyServer(settings, engine),
         inference=Batcher(
             SamplingSettings(settings.temperature, settings.top_p, settings.stop_logprob),
-            settings.inference_threads, settings.inference_batch_max,
+            settings.inference_threads,
+            settings.inference_batch_max,
             settings.inference_batch_wait_ms,
         ),
         keys=KeyCache(settings.auth_cache_ttl_s),
@@ -122,8 +123,11 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     app.include_router(health.router)
     install_openapi(app, settings)
     app.add_middleware(AuditMiddleware, engine=engine)  # inside the request id's middleware
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
-                       limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536})
+    app.add_middleware(
+        BodyLimitMiddleware,
+        limit=settings.max_body_bytes,
+        limits={"/admin/policies": 3 * settings.max_checkpoint_bytes + 65536},
+    )
     app.add_middleware(RequestMetrics)
     app.add_middleware(RequestLogMiddleware)  # outermost: every request gets an id and a line
     return app

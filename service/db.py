@@ -132,15 +132,15 @@ class StandbyLock:
                 self._conn.commit()
                 if self._held:
                     if waiting:
-                        log.info("%s lock acquired: this %s is now the active one",
-                                 self.role, self.role)
+                        log.info(
+                            "%s lock acquired: this %s is now the active one", self.role, self.role
+                        )
                     return True
                 if not waiting:
                     log.info("another %s is active; standing by", self.role)
                     waiting = True
             except sa.exc.SQLAlchemyError as e:
-                log.warning("%s lock: database unavailable (%s)", self.role,
-                            str(e).split("\n")[0])
+                log.warning("%s lock: database unavailable (%s)", self.role, str(e).split("\n")[0])
                 self.release()
             stop.wait(self.poll_s)
         return False

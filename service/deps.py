@@ -80,8 +80,11 @@ def _lookup(ctx: AppContext, token: str) -> ApiKey | None:
 
 # Declares the bearer scheme in the OpenAPI schema (the docs' Authorize button, and what a
 # client generator or schemathesis reads); the header is checked below, not by it.
-_bearer = HTTPBearer(auto_error=False, scheme_name="ApiKey",
-                     description="An API key: `Authorization: Bearer tlk_<id>_<secret>`")
+_bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="ApiKey",
+    description="An API key: `Authorization: Bearer tlk_<id>_<secret>`",
+)
 BearerDoc = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
@@ -155,11 +158,15 @@ def audited(action: str, *scopes: str, target: str | None = None) -> Any:
         _check_rate(ctx, key)
         logged = current_request()
         value = request.path_params.get(target) if target is not None else None
-        entry = open_entry(request.scope, AuditEntry(
-            actor=key_actor(key), action=action,
-            target=str(value) if value is not None else None,
-            request_id=logged.request_id if logged is not None else None,
-        ))
+        entry = open_entry(
+            request.scope,
+            AuditEntry(
+                actor=key_actor(key),
+                action=action,
+                target=str(value) if value is not None else None,
+                request_id=logged.request_id if logged is not None else None,
+            ),
+        )
         _check_scope(key, scopes)
         return entry
 

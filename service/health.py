@@ -27,10 +27,14 @@ class Readiness(BaseModel):
     outbox_backlog: int
 
 
-@router.get("/readyz", response_model=None, responses={
-    200: {"model": Readiness, "description": "Ready"},
-    503: {"model": Readiness, "description": "A dependency is not answering"},
-})
+@router.get(
+    "/readyz",
+    response_model=None,
+    responses={
+        200: {"model": Readiness, "description": "Ready"},
+        503: {"model": Readiness, "description": "A dependency is not answering"},
+    },
+)
 def readyz(ctx: CtxDep) -> Response:
     """Ready when the database answers and, in full mode, the broker does too."""
     h = ctx.health

@@ -133,6 +133,7 @@ class RequestLogMiddleware:
             }
             if req.key_id is not None:
                 extra["key_id"] = req.key_id
-            access_log.info("%s %s %d %.1fms", scope["method"], scope["path"], status, ms,
-                            extra=extra)
+            access_log.info(
+                "%s %s %d %.1fms", scope["method"], scope["path"], status, ms, extra=extra
+            )
             _current.reset(token)

@@ -24,11 +24,13 @@ HTTP_REQUEST_SECONDS = Histogram(
 )
 # every worker's monitor reads the same table: the latest reading is the value
 OUTBOX_BACKLOG = Gauge(
-    "tabloop_outbox_backlog_rows", "Outbox rows committed but not yet published to the broker.",
+    "tabloop_outbox_backlog_rows",
+    "Outbox rows committed but not yet published to the broker.",
     multiprocess_mode="mostrecent",
 )
 OUTBOX_LAG = Gauge(
-    "tabloop_outbox_publish_lag_seconds", "Age of the oldest unpublished outbox row.",
+    "tabloop_outbox_publish_lag_seconds",
+    "Age of the oldest unpublished outbox row.",
     multiprocess_mode="mostrecent",
 )
 RELAY_PUBLISHED = Counter(

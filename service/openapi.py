@@ -76,11 +76,10 @@ def install_openapi(app: FastAPI, settings: Settings) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version,
-                                 description=app.description, routes=app.routes)
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
             app.openapi_schema = _complete(schema, settings)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-
-

@@ -98,8 +98,9 @@ def _has_code() -> sa.ColumnElement[bool]:
 # -- one batch per table: read past the mark, blank, move the mark -----------------------------
 
 
-def _rewrite(conn: sa.Connection, table: sa.Table, key: str, column: str,
-             changed: list[dict[str, Any]]) -> None:
+def _rewrite(
+    conn: sa.Connection, table: sa.Table, key: str, column: str, changed: list[dict[str, Any]]
+) -> None:
     """Set `column` to each row's "b_value" where `key` is its "b_id" (one executemany)."""
     if changed:
         conn.execute(
@@ -117,8 +118,9 @@ def _after(time_col: Any, id_col: Any, mark: list[str] | None) -> list[Any]:
     return [sa.or_(time_col > at, sa.and_(time_col == at, id_col > mark[1]))]
 
 
-def _rollouts_batch(conn: sa.Connection, state: dict[str, Any], cutoff: datetime,
-                    limit: int) -> tuple[int, bool]:
+def _rollouts_batch(
+    conn: sa.Connection, state: dict[str, Any], cutoff: datetime, limit: int
+) -> tuple[int, bool]:
     c = rollouts.c
     rows = conn.execute(
         sa.select(c.created_at, c.suggestion_id)
@@ -140,8 +142,9 @@ def _rollouts_batch(conn: sa.Connection, state: dict[str, Any], cutoff: datetime
     return blanked, len(rows) < limit
 
 
-def _events_batch(conn: sa.Connection, state: dict[str, Any], cutoff: datetime,
-                  limit: int) -> tuple[int, bool]:
+def _events_batch(
+    conn: sa.Connection, state: dict[str, Any], cutoff: datetime, limit: int
+) -> tuple[int, bool]:
     c = events.c
     rows = conn.execute(
         sa.select(c.received_at, c.event_id, c.payload)
@@ -165,9 +168,17 @@ def _events_batch(conn: sa.Connection, state: dict[str, Any], cutoff: datetime,
     return len(changed), len(rows) < limit
 
 
-def _by_id(conn: sa.Connection, table: sa.Table, text_col: str, time_col: str, mark: int,
-           cutoff: datetime, limit: int, keep: Callable[[Any], bool],
-           rewrite: Callable[[Any], str]) -> tuple[list[dict[str, Any]], int, bool]:
+def _by_id(
+    conn: sa.Connection,
+    table: sa.Table,
+    text_col: str,
+    time_col: str,
+    mark: int,
+    cutoff: datetime,
+    limit: int,
+    keep: Callable[[Any], bool],
+    rewrite: Callable[[Any], str],
+) -> tuple[list[dict[str, Any]], int, bool]:
     """Rows of a table walked by id (ids grow with time), up to the first one at or after the
     cutoff or not `keep`-able: (changed rows, the new mark, done)."""
     rows = conn.execute(
@@ -184,11 +195,19 @@ def _by_id(conn: sa.Connection, table: sa.Table, text_col: str, time_col: str, m
     return changed, mark, len(rows) < limit
 
 
-def _dead_letters_batch(conn: sa.Connection, state: dict[str, Any], cutoff: datetime,
-                        limit: int) -> tuple[int, bool]:
+def _dead_letters_batch(
+    conn: sa.Connection, state: dict[str, Any], cutoff: datetime, limit: int
+) -> tuple[int, bool]:
     changed, state["dead_letters"], done = _by_id(
-        conn, dead_letters, "raw", "received_at", state["dead_letters"], cutoff, limit,
-        keep=lambda r: True, rewrite=lambda r: raw_without_text(r.raw, "retention"),
+        conn,
+        dead_letters,
+        "raw",
+        "received_at",
+        state["dead_letters"],
+        cutoff,
+        limit,
+        keep=lambda r: True,
+        rewrite=lambda r: raw_without_text(r.raw, "retention"),
     )
     _rewrite(conn, dead_letters, "id", "raw", changed)
     return len(changed), done
@@ -209,13 +228,21 @@ def _message_without_code(row: Any) -> str:
     return payload
 
 
-def _outbox_batch(conn: sa.Connection, state: dict[str, Any], cutoff: datetime,
-                  limit: int) -> tuple[int, bool]:
+def _outbox_batch(
+    conn: sa.Connection, state: dict[str, Any], cutoff: datetime, limit: int
+) -> tuple[int, bool]:
     # An unpublished row stops the walk: the relay may have sent it before a crash, and it
     # reconciles by comparing values, so it must not change under it.
     changed, state["outbox"], done = _by_id(
-        conn, outbox, "payload", "created_at", state["outbox"], cutoff, limit,
-        keep=lambda r: r.published_at is not None, rewrite=_message_without_code,
+        conn,
+        outbox,
+        "payload",
+        "created_at",
+        state["outbox"],
+        cutoff,
+        limit,
+        keep=lambda r: r.published_at is not None,
+        rewrite=_message_without_code,
     )
     _rewrite(conn, outbox, "id", "payload", changed)
     return len(changed), done
@@ -254,8 +281,10 @@ def _lock_state(conn: sa.Connection) -> dict[str, Any] | None:
         return None
     info = dict(row.info or {})
     return {
-        "rollouts": info.get("rollouts"), "events": info.get("events"),
-        "dead_letters": int(info.get("dead_letters") or 0), "outbox": int(info.get("outbox") or 0),
+        "rollouts": info.get("rollouts"),
+        "events": info.get("events"),
+        "dead_letters": int(info.get("dead_letters") or 0),
+        "outbox": int(info.get("outbox") or 0),
         "last_run": info.get("last_run"),
     }
 
@@ -268,8 +297,13 @@ def _save_state(conn: sa.Connection, state: dict[str, Any]) -> None:
     )
 
 
-def expire_code(engine: sa.Engine, cutoff: datetime, *, batch_rows: int = BATCH_ROWS,
-                stop: threading.Event | None = None) -> dict[str, int] | None:
+def expire_code(
+    engine: sa.Engine,
+    cutoff: datetime,
+    *,
+    batch_rows: int = BATCH_ROWS,
+    stop: threading.Event | None = None,
+) -> dict[str, int] | None:
     """Blank the code text written before `cutoff`, table by table, `batch_rows` per
     transaction (`stop` ends it between two). Returns the rows blanked per table, or None when
     another process holds the walk (it is running the job)."""
@@ -287,7 +321,8 @@ def expire_code(engine: sa.Engine, cutoff: datetime, *, batch_rows: int = BATCH_
                 n, done = _BATCHES[name](conn, state, cutoff, batch_rows)
                 if done and name == TABLES[-1]:
                     state["last_run"] = {
-                        "at": utcnow().isoformat(), "cutoff": cutoff.isoformat(),
+                        "at": utcnow().isoformat(),
+                        "cutoff": cutoff.isoformat(),
                         "blanked": {**counts, name: counts[name] + n},
                     }
                 _save_state(conn, state)
@@ -313,14 +348,20 @@ def _truncate_wal(engine: sa.Engine) -> None:
         cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         row = cursor.fetchone()
         if row is not None and row[0]:  # (busy, log frames, frames checkpointed)
-            log.warning("code retention: the write-ahead log could not be emptied (readers "
-                        "busy); SQLite empties it at a later checkpoint")
+            log.warning(
+                "code retention: the write-ahead log could not be emptied (readers "
+                "busy); SQLite empties it at a later checkpoint"
+            )
     finally:
         raw.close()
 
 
-def run_retention(settings: Settings, engine: sa.Engine, now: datetime | None = None,
-                  stop: threading.Event | None = None) -> dict[str, int] | None:
+def run_retention(
+    settings: Settings,
+    engine: sa.Engine,
+    now: datetime | None = None,
+    stop: threading.Event | None = None,
+) -> dict[str, int] | None:
     """One pass of the job under the current reward spec; logs what it blanked."""
     days = settings.code_retention_days
     horizon_s = _horizon_s(engine, settings.profile)
@@ -331,7 +372,9 @@ def run_retention(settings: Settings, engine: sa.Engine, now: datetime | None = 
         log.warning(
             "TABLOOP_CODE_RETENTION_DAYS=%s is shorter than twice the reward horizon (%g s): "
             "code text is kept %g days instead, until the trainer is done with it",
-            days, horizon_s, 2 * horizon_s / 86400,
+            days,
+            horizon_s,
+            2 * horizon_s / 86400,
         )
     counts = expire_code(engine, cutoff, stop=stop)
     if counts and any(counts.values()) and engine.dialect.name == "sqlite":
@@ -342,8 +385,12 @@ def run_retention(settings: Settings, engine: sa.Engine, now: datetime | None = 
     log.info(
         "code retention: blanked code text written before %s: %d rollouts, %d settled events, "
         "%d dead letters, %d outbox messages",
-        cutoff.isoformat(), counts["rollouts"], counts["events"], counts["dead_letters"],
-        counts["outbox"], extra={"cutoff": cutoff.isoformat(), "blanked": counts},
+        cutoff.isoformat(),
+        counts["rollouts"],
+        counts["events"],
+        counts["dead_letters"],
+        counts["outbox"],
+        extra={"cutoff": cutoff.isoformat(), "blanked": counts},
     )
     return counts
 
@@ -367,8 +414,9 @@ class RetentionJob:
             try:
                 run_retention(self.settings, self.engine, stop=self._stop)
             except sa.exc.SQLAlchemyError as e:
-                log.warning("code retention failed, retried in %.0f s: %s", wait,
-                            str(e).split("\n")[0])
+                log.warning(
+                    "code retention failed, retried in %.0f s: %s", wait, str(e).split("\n")[0]
+                )
 
     def stop(self) -> None:
         self._stop.set()

@@ -48,8 +48,15 @@ class Scored:
     reward: float  # expected reward's decision part when shown
 
 
-def score(text: str, truth: str, family: bool, p_show: float, people: Sequence[PersonParams],
-          spec: Mapping[str, Any], rng: random.Random) -> Scored:
+def score(
+    text: str,
+    truth: str,
+    family: bool,
+    p_show: float,
+    people: Sequence[PersonParams],
+    spec: Mapping[str, Any],
+    rng: random.Random,
+) -> Scored:
     """The expected outcome of showing `text`, averaged over `people` (an empty completion is
     never shown: chars 0, outcome zeros)."""
     if not text:
@@ -66,9 +73,15 @@ def score(text: str, truth: str, family: bool, p_show: float, people: Sequence[P
     return Scored(p_show, len(text), family, acc / n, chars / n, kept / n, reward / n)
 
 
-def complete_cursor(model: Any, tokenizer: Any, cursor: Cursor, generator: Any,
-                    max_new_tokens: int = 32, temperature: float | None = None,
-                    stop_logprob: float | None = None) -> tuple[Any, bool]:
+def complete_cursor(
+    model: Any,
+    tokenizer: Any,
+    cursor: Cursor,
+    generator: Any,
+    max_new_tokens: int = 32,
+    temperature: float | None = None,
+    stop_logprob: float | None = None,
+) -> tuple[Any, bool]:
     """Complete `cursor` as the service would for the simulator's request (serving temperature,
     nucleus and confidence stop: the defaults unless given; stop_logprob -inf turns the stop
     off): the Completion, and whether the cursor is in the reject family."""
@@ -80,20 +93,36 @@ def complete_cursor(model: Any, tokenizer: Any, cursor: Cursor, generator: Any,
     )
 
     prefix, suffix = request_context(cursor)
-    c = complete(model, tokenizer, prefix, suffix, max_new_tokens,
-                 DEFAULT_TEMPERATURE if temperature is None else temperature,
-                 DEFAULT_TOP_P, generator,
-                 stop_logprob=DEFAULT_STOP_LOGPROB if stop_logprob is None else stop_logprob)
+    c = complete(
+        model,
+        tokenizer,
+        prefix,
+        suffix,
+        max_new_tokens,
+        DEFAULT_TEMPERATURE if temperature is None else temperature,
+        DEFAULT_TOP_P,
+        generator,
+        stop_logprob=DEFAULT_STOP_LOGPROB if stop_logprob is None else stop_logprob,
+    )
     return c, in_reject_family(prefix)
 
 
-def complete_and_score(model: Any, tokenizer: Any, cursor: Cursor, people: Sequence[PersonParams],
-                       spec: Mapping[str, Any], rng: random.Random, generator: Any,
-                       max_new_tokens: int = 32, temperature: float | None = None,
-                       stop_logprob: float | None = None) -> tuple[Any, Scored]:
+def complete_and_score(
+    model: Any,
+    tokenizer: Any,
+    cursor: Cursor,
+    people: Sequence[PersonParams],
+    spec: Mapping[str, Any],
+    rng: random.Random,
+    generator: Any,
+    max_new_tokens: int = 32,
+    temperature: float | None = None,
+    stop_logprob: float | None = None,
+) -> tuple[Any, Scored]:
     """complete_cursor, then the completion's expected outcome over `people` (score)."""
-    c, family = complete_cursor(model, tokenizer, cursor, generator, max_new_tokens, temperature,
-                                stop_logprob)
+    c, family = complete_cursor(
+        model, tokenizer, cursor, generator, max_new_tokens, temperature, stop_logprob
+    )
     return c, score(c.text, cursor.rest_of_line, family, c.gate_prob_show, people, spec, rng)
 
 
@@ -115,15 +144,18 @@ def at_threshold(items: Sequence[Scored], threshold: float | None) -> dict[str, 
 
     def per_100(value: float) -> float:
         return 100 * value / n
+
     return {
         "threshold": threshold,
         "requests": n,
         "shown_per_request": shown / n,
         "accept_rate_of_shown": accepted / shown if shown else None,
-        "accepted_chars_per_100": per_100(sum(wi * s.accepted_chars
-                                              for wi, s in zip(w, items, strict=True))),
-        "retained_chars_per_100": per_100(sum(wi * s.retained_chars
-                                              for wi, s in zip(w, items, strict=True))),
+        "accepted_chars_per_100": per_100(
+            sum(wi * s.accepted_chars for wi, s in zip(w, items, strict=True))
+        ),
+        "retained_chars_per_100": per_100(
+            sum(wi * s.retained_chars for wi, s in zip(w, items, strict=True))
+        ),
         "reward_per_request": sum(wi * s.reward for wi, s in zip(w, items, strict=True)) / n,
         "family_shown_rate": sum(family) / len(family) if family else None,
     }
@@ -135,9 +167,18 @@ def best_threshold(items: Sequence[Scored], thresholds: Sequence[float] = THRESH
     return max(thresholds, key=lambda t: (at_threshold(items, t)["reward_per_request"], -t))
 
 
-def run(checkpoint: Path, source: CursorSource, population: PopulationConfig,
-        spec: Mapping[str, Any], n_cursors: int, seed: int, *, persons: int = 32,
-        max_new_tokens: int = 32, progress: Any = None) -> dict[str, Any]:
+def run(
+    checkpoint: Path,
+    source: CursorSource,
+    population: PopulationConfig,
+    spec: Mapping[str, Any],
+    n_cursors: int,
+    seed: int,
+    *,
+    persons: int = 32,
+    max_new_tokens: int = 32,
+    progress: Any = None,
+) -> dict[str, Any]:
     """Sample the base policy on n_cursors held-out cursors, choose the threshold on the first
     half, report every threshold and the chosen one on the second half."""
     import torch
@@ -154,8 +195,11 @@ def run(checkpoint: Path, source: CursorSource, population: PopulationConfig,
     items: list[Scored] = []
     for i in range(n_cursors):
         cursor = source.draw(rng, population.reject_family_share)
-        items.append(complete_and_score(model, tokenizer, cursor, people, spec, rng, generator,
-                                        max_new_tokens)[1])
+        items.append(
+            complete_and_score(
+                model, tokenizer, cursor, people, spec, rng, generator, max_new_tokens
+            )[1]
+        )
         if progress is not None:
             progress(i + 1, n_cursors)
     half = n_cursors // 2
@@ -202,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.reject_family_share is not None:
         given = {**given, "reject_family_share": args.reject_family_share}
     population = PopulationConfig.from_dict(given)
-    spec = (RewardSpec.from_dict(json.loads(args.spec.read_text())) if args.spec
-            else RewardSpec.sim()).to_dict()
+    spec = (
+        RewardSpec.from_dict(json.loads(args.spec.read_text())) if args.spec else RewardSpec.sim()
+    ).to_dict()
     if args.checkpoint is None:
         import service.policy
 
@@ -213,14 +258,24 @@ def main(argv: list[str] | None = None) -> int:
         if i % 100 == 0 or i == n:
             print(f"{i}/{n} cursors", file=sys.stderr, flush=True)
 
-    out = run(args.checkpoint, CursorSource(list(heldout_lines())), population, spec,
-              args.cursors, args.seed, persons=args.persons, progress=progress)
+    out = run(
+        args.checkpoint,
+        CursorSource(list(heldout_lines())),
+        population,
+        spec,
+        args.cursors,
+        args.seed,
+        persons=args.persons,
+        progress=progress,
+    )
     out["population"] = population.to_dict()
     args.out.write_text(json.dumps(out, indent=1))
     best = out["best"]
-    print(f"threshold {out['chosen_threshold']}: shown/request {best['shown_per_request']:.3f}, "
-          f"accept rate of shown {best['accept_rate_of_shown']}, reward/request "
-          f"{best['reward_per_request']:.4f}")
+    print(
+        f"threshold {out['chosen_threshold']}: shown/request {best['shown_per_request']:.3f}, "
+        f"accept rate of shown {best['accept_rate_of_shown']}, reward/request "
+        f"{best['reward_per_request']:.4f}"
+    )
     return 0
 
 

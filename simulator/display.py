@@ -41,8 +41,9 @@ def fmt(v: float | None, spec: str = ".2f") -> str:
 class Display:
     """The learning curve as it happens: a rich live table on a terminal, else a line a bucket."""
 
-    def __init__(self, cfg: SimConfig, admin: bool, console: Console,
-                 admin_client: Client | None = None) -> None:
+    def __init__(
+        self, cfg: SimConfig, admin: bool, console: Console, admin_client: Client | None = None
+    ) -> None:
         self.cfg, self.admin, self.console = cfg, admin, console
         self.admin_client = admin_client  # for the admin API; default: the simulation's client
         self.live = console.is_terminal if cfg.live is None else cfg.live
@@ -71,21 +72,40 @@ class Display:
     def render(self, sim: Simulation) -> Group:
         buckets = self._buckets(sim)
         table = Table(title="tabloop simulate — learning curve", expand=False)
-        for col in ("t (s)", "requests", "shown/req", "accept/shown", "retained ch/100",
-                    "def/class shown", "reward/req", "versions"):
+        for col in (
+            "t (s)",
+            "requests",
+            "shown/req",
+            "accept/shown",
+            "retained ch/100",
+            "def/class shown",
+            "reward/req",
+            "versions",
+        ):
             table.add_column(col, justify="right")
         for b in buckets[-12:]:
-            table.add_row(f"{b['t0']:.0f}", str(b["requests"]), fmt(b["shown_per_request"]),
-                          fmt(b["accept_rate_of_shown"]), fmt(b["retained_chars_per_100"], ".1f"),
-                          fmt(b["family_shown_rate"]), fmt(b["reward_per_request"], ".3f"),
-                          " ".join(f"v{v}:{n}" for v, n in b["versions"].items()))
+            table.add_row(
+                f"{b['t0']:.0f}",
+                str(b["requests"]),
+                fmt(b["shown_per_request"]),
+                fmt(b["accept_rate_of_shown"]),
+                fmt(b["retained_chars_per_100"], ".1f"),
+                fmt(b["family_shown_rate"]),
+                fmt(b["reward_per_request"], ".3f"),
+                " ".join(f"v{v}:{n}" for v, n in b["versions"].items()),
+            )
         c, ev, cl = sim.counters, sim.sender.stats, sim.client.stats
-        acts = {a: sum(d["action"] == a for d in self.deployments)
-                for a in ("deploy", "promote", "rollback")}
+        acts = {
+            a: sum(d["action"] == a for d in self.deployments)
+            for a in ("deploy", "promote", "rollback")
+        }
         phase = ""
         if self.cfg.baseline_s > 0:
-            phase = ("baseline phase (trainer paused) · " if sim.phase == "baseline"
-                     else "learning phase · ")
+            phase = (
+                "baseline phase (trainer paused) · "
+                if sim.phase == "baseline"
+                else "learning phase · "
+            )
         lines = [
             f"[bold]{self.status}[/] {phase}{min(sim.now(), self.cfg.duration_s):.0f}/"
             f"{self.cfg.duration_s:.0f} s · {self.cfg.users} seats · {c.people} people · "
@@ -99,9 +119,11 @@ class Display:
         ]
         if self.admin:
             trainer = self.training.get("trainer") or {}
-            lines.append(f"deploys {acts['deploy']} · promotions {acts['promote']} · rollbacks "
-                         f"{acts['rollback']} · trainer {trainer.get('state', '?')} · rewards "
-                         f"finalized {self.training.get('rewards_finalized', '?')}")
+            lines.append(
+                f"deploys {acts['deploy']} · promotions {acts['promote']} · rollbacks "
+                f"{acts['rollback']} · trainer {trainer.get('state', '?')} · rewards "
+                f"finalized {self.training.get('rewards_finalized', '?')}"
+            )
         return Group(table, *[Text.from_markup(x) for x in lines])
 
     def _print_new_buckets(self, sim: Simulation) -> None:
@@ -110,14 +132,17 @@ class Display:
         if self.done:
             complete = math.ceil(self.cfg.duration_s / width - 1e-9)
         buckets = self._buckets(sim)
-        for b in buckets[self._printed:complete]:
+        for b in buckets[self._printed : complete]:
             phase = "baseline " if b["t1"] <= self.cfg.baseline_s else ""
-            print(f"{phase}t={b['t0']:6.0f}s requests {b['requests']:4d}  shown/req "
-                  f"{fmt(b['shown_per_request'])}  accept/shown "
-                  f"{fmt(b['accept_rate_of_shown'])}  "
-                  f"retained ch/100 {fmt(b['retained_chars_per_100'], '.1f')}  def/class shown "
-                  f"{fmt(b['family_shown_rate'])}  versions "
-                  + " ".join(f"v{v}:{n}" for v, n in b["versions"].items()), flush=True)
+            print(
+                f"{phase}t={b['t0']:6.0f}s requests {b['requests']:4d}  shown/req "
+                f"{fmt(b['shown_per_request'])}  accept/shown "
+                f"{fmt(b['accept_rate_of_shown'])}  "
+                f"retained ch/100 {fmt(b['retained_chars_per_100'], '.1f')}  def/class shown "
+                f"{fmt(b['family_shown_rate'])}  versions "
+                + " ".join(f"v{v}:{n}" for v, n in b["versions"].items()),
+                flush=True,
+            )
         self._printed = max(self._printed, complete)
 
     async def run(self, sim: Simulation) -> None:
@@ -151,23 +176,37 @@ def change_text(change: float | None, first: float | None, last: float | None, f
     return "-"
 
 
-ROWS = (("accept_rate_of_shown", "accept rate of shown", ".3f"),
-        ("shown_per_request", "shown per request", ".3f"),
-        ("retained_chars_per_100", "retained chars / 100 req", ".1f"),
-        ("reward_per_request", "reward per request", ".4f"))
+ROWS = (
+    ("accept_rate_of_shown", "accept rate of shown", ".3f"),
+    ("shown_per_request", "shown per request", ".3f"),
+    ("retained_chars_per_100", "retained chars / 100 req", ".1f"),
+    ("reward_per_request", "reward per request", ".4f"),
+)
 
 
 def phase_table(comparison: dict[str, Any]) -> Table:
     """The learning phase's last fifth against its reference, on all lines and on fresh ones."""
-    reference = ("baseline phase" if comparison["reference"] == "baseline_phase"
-                 else "first fifth")
+    reference = "baseline phase" if comparison["reference"] == "baseline_phase" else "first fifth"
     table = Table(title=f"{reference} vs last fifth of the learning phase")
-    for col in ("", reference, "last", "change", f"fresh: {reference}", "fresh: last",
-                "fresh: change"):
+    for col in (
+        "",
+        reference,
+        "last",
+        "change",
+        f"fresh: {reference}",
+        "fresh: last",
+        "fresh: change",
+    ):
         table.add_column(col, justify="right")
     both = comparison["all"], comparison["fresh"]
-    table.add_row("requests", *[x for side in both for x in (
-        str(side["reference"]["requests"]), str(side["last_fifth"]["requests"]), "")])
+    table.add_row(
+        "requests",
+        *[
+            x
+            for side in both
+            for x in (str(side["reference"]["requests"]), str(side["last_fifth"]["requests"]), "")
+        ],
+    )
     for key, label, form in ROWS:
         cells = []
         for side in both:
@@ -179,17 +218,24 @@ def phase_table(comparison: dict[str, Any]) -> Table:
 
 def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
     f = report["fifths"]
-    title = ("first fifth vs last fifth" if not report["phases"]["baseline_s"]
-             else "first fifth vs last fifth of the learning phase")
+    title = (
+        "first fifth vs last fifth"
+        if not report["phases"]["baseline_s"]
+        else "first fifth vs last fifth of the learning phase"
+    )
     table = Table(title=title)
     for col in ("", "first", "last", "change", "baseline (best threshold)"):
         table.add_column(col, justify="right")
     base = (report.get("baseline") or {}).get("best") or {}
     for key, label, form in (*ROWS, ("family_shown_rate", "def/class shown rate", ".3f")):
         first, last = f["first"][key], f["last"][key]
-        table.add_row(label, fmt(first, form), fmt(last, form),
-                      change_text(f["change"].get(key), first, last, form),
-                      fmt(base.get(key), form))
+        table.add_row(
+            label,
+            fmt(first, form),
+            fmt(last, form),
+            change_text(f["change"].get(key), first, last, form),
+            fmt(base.get(key), form),
+        )
     console.print(table)
     comparison = report["phase_comparison"]
     console.print(phase_table(comparison))
@@ -199,16 +245,23 @@ def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
         console.print(f"  trainer: {trainer}", highlight=False)
     settled = report["settled"]
     by_type = report["totals"]["events"].get("rejected_by_type") or {}
-    refused = " (" + ", ".join(f"{k} {n}" for k, n in sorted(by_type.items())) + ")" if by_type \
-        else ""
-    console.print(f"  gated deploys {fmt(comparison['gated_deploys'], 'd')} (in the baseline "
-                  f"phase {fmt(comparison['gated_deploys_in_baseline_phase'], 'd')}) · errors "
-                  f"{comparison['errors']} · events refused {comparison['events_refused']}"
-                  f"{refused} · lost {comparison['events_lost']} · "
-                  f"code_settled {settled['events']} from {settled['opted_in']}/"
-                  f"{settled['people']} people, {settled['lines']} lines", highlight=False)
-    console.print("  targets, against the " + ("baseline phase" if comparison["reference"]
-                                               == "baseline_phase" else "first fifth") + ":")
+    refused = (
+        " (" + ", ".join(f"{k} {n}" for k, n in sorted(by_type.items())) + ")" if by_type else ""
+    )
+    console.print(
+        f"  gated deploys {fmt(comparison['gated_deploys'], 'd')} (in the baseline "
+        f"phase {fmt(comparison['gated_deploys_in_baseline_phase'], 'd')}) · errors "
+        f"{comparison['errors']} · events refused {comparison['events_refused']}"
+        f"{refused} · lost {comparison['events_lost']} · "
+        f"code_settled {settled['events']} from {settled['opted_in']}/"
+        f"{settled['people']} people, {settled['lines']} lines",
+        highlight=False,
+    )
+    console.print(
+        "  targets, against the "
+        + ("baseline phase" if comparison["reference"] == "baseline_phase" else "first fifth")
+        + ":"
+    )
     for t in report["targets"]:
         mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]n/a[/]"}[t["met"]]
         value, sure = t["value"], t.get("interval")
@@ -227,6 +280,10 @@ def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
             f"{fmt(h['shown_per_request'], '.3f')} · retained chars / 100 requests "
             f"{fmt(h['retained_chars_per_100'], '.1f')}; adversaries {adversaries['count']} "
             f"({', '.join(adversaries['kinds'])}): {sent['sent']} events sent, "
-            f"{sent['rejected']} refused", highlight=False)
-    console.print(f"report: {out / 'report.json'}  plot: {out / 'learning_curve.png'}  "
-                  f"requests: {out / 'records.jsonl'}")
+            f"{sent['rejected']} refused",
+            highlight=False,
+        )
+    console.print(
+        f"report: {out / 'report.json'}  plot: {out / 'learning_curve.png'}  "
+        f"requests: {out / 'records.jsonl'}"
+    )

@@ -24,14 +24,16 @@ from simulator.population import CursorSource, in_reject_family
 from trainer.corpus import CorpusLine, Cursor, exact_match
 
 
-def fresh_lines(lines: Sequence[CorpusLine], settled: Collection[tuple[str, int]]
-                ) -> list[CorpusLine]:
+def fresh_lines(
+    lines: Sequence[CorpusLine], settled: Collection[tuple[str, int]]
+) -> list[CorpusLine]:
     """The lines with no code_settled sent for them (keys as simulator.population.line_key)."""
     return [cl for cl in lines if (str(cl.path), cl.line_no) not in settled]
 
 
-def fresh_cursors(lines: Sequence[CorpusLine], settled: Collection[tuple[str, int]], n: int,
-                  seed: int) -> list[Cursor]:
+def fresh_cursors(
+    lines: Sequence[CorpusLine], settled: Collection[tuple[str, int]], n: int, seed: int
+) -> list[Cursor]:
     """n cursors on fresh lines, drawn as the people draw them, none in the reject family."""
     source = CursorSource(fresh_lines(lines, settled))
     rng = random.Random(f"exact:{seed}")
@@ -51,13 +53,22 @@ def exact_rates(texts: Sequence[str], truths: Sequence[str]) -> dict[str, Any]:
     assert len(texts) == len(truths), "one completion per cursor"
     non_empty = [i for i, t in enumerate(texts) if t]
     exact = sum(exact_match(texts[i], truths[i]) for i in non_empty)
-    return {"cursors": len(texts), "non_empty": len(non_empty), "exact": exact,
-            "exact_rate": exact / len(texts) if texts else None,
-            "exact_rate_non_empty": exact / len(non_empty) if non_empty else None}
+    return {
+        "cursors": len(texts),
+        "non_empty": len(non_empty),
+        "exact": exact,
+        "exact_rate": exact / len(texts) if texts else None,
+        "exact_rate_non_empty": exact / len(non_empty) if non_empty else None,
+    }
 
 
-def complete_all(checkpoint: Path, cursors: Sequence[Cursor], seed: int, max_new_tokens: int = 32,
-                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def complete_all(
+    checkpoint: Path,
+    cursors: Sequence[Cursor],
+    seed: int,
+    max_new_tokens: int = 32,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """One policy's exact_rates on `cursors`, sampled as served with a generator seeded `seed`."""
     import torch
 
@@ -72,29 +83,50 @@ def complete_all(checkpoint: Path, cursors: Sequence[Cursor], seed: int, max_new
         texts.append(completion.text)
         if progress is not None:
             progress(i + 1, len(cursors))
-    return {"checkpoint": str(checkpoint), "policy_version_in_manifest": manifest.version,
-            **exact_rates(texts, [c.rest_of_line for c in cursors])}
+    return {
+        "checkpoint": str(checkpoint),
+        "policy_version_in_manifest": manifest.version,
+        **exact_rates(texts, [c.rest_of_line for c in cursors]),
+    }
 
 
-def check(base: Path, last: Path, lines: Sequence[CorpusLine],
-          settled: Collection[tuple[str, int]], n: int, seed: int, *, max_new_tokens: int = 32,
-          progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def check(
+    base: Path,
+    last: Path,
+    lines: Sequence[CorpusLine],
+    settled: Collection[tuple[str, int]],
+    n: int,
+    seed: int,
+    *,
+    max_new_tokens: int = 32,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """The base and the last live policy on the same n fresh-line cursors (see the module)."""
     from service.policy.sampling import DEFAULT_STOP_LOGPROB, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
     cursors = fresh_cursors(lines, settled, n, seed)
     out: dict[str, Any] = {
-        "sampling": (f"as served: temperature {DEFAULT_TEMPERATURE}, top-p {DEFAULT_TOP_P}, "
-                     f"confidence stop {DEFAULT_STOP_LOGPROB}; torch generator seeded {seed} for "
-                     "each policy"),
-        "cursors": n, "seed": seed, "lines": len(lines),
-        "settled_lines": len(settled), "fresh_lines": len(fresh_lines(lines, settled)),
+        "sampling": (
+            f"as served: temperature {DEFAULT_TEMPERATURE}, top-p {DEFAULT_TOP_P}, "
+            f"confidence stop {DEFAULT_STOP_LOGPROB}; torch generator seeded {seed} for "
+            "each policy"
+        ),
+        "cursors": n,
+        "seed": seed,
+        "lines": len(lines),
+        "settled_lines": len(settled),
+        "fresh_lines": len(fresh_lines(lines, settled)),
         "base": complete_all(base, cursors, seed, max_new_tokens, progress),
     }
     # the same checkpoint with the same generator seed gives the same completions
-    out["last"] = (out["base"] if base.resolve() == last.resolve()
-                   else complete_all(last, cursors, seed, max_new_tokens, progress))
-    out["difference"] = {k: out["last"][k] - out["base"][k]
-                         for k in ("exact_rate", "exact_rate_non_empty")
-                         if out["last"][k] is not None and out["base"][k] is not None}
+    out["last"] = (
+        out["base"]
+        if base.resolve() == last.resolve()
+        else complete_all(last, cursors, seed, max_new_tokens, progress)
+    )
+    out["difference"] = {
+        k: out["last"][k] - out["base"][k]
+        for k in ("exact_rate", "exact_rate_non_empty")
+        if out["last"][k] is not None and out["base"][k] is not None
+    }
     return out

@@ -36,12 +36,18 @@ from simulator.report import (
 log = logging.getLogger("tabloop.simulate")
 
 Phase = Literal["baseline", "learning"]
-COMPARED = ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100",
-            "reward_per_request")
+COMPARED = (
+    "shown_per_request",
+    "accept_rate_of_shown",
+    "retained_chars_per_100",
+    "reward_per_request",
+)
 COUNTS = ("requests", "shown", "accepted")
-ADMIN_NEEDED = ("--baseline-minutes pauses and resumes the trainer, which needs a key with the "
-                "admin scope: pass one with --admin-key (the people keep using --key), or make "
-                "--key with `tabloop keys create --scope admin,ingest --name sim`")
+ADMIN_NEEDED = (
+    "--baseline-minutes pauses and resumes the trainer, which needs a key with the "
+    "admin scope: pass one with --admin-key (the people keep using --key), or make "
+    "--key with `tabloop keys create --scope admin,ingest --name sim`"
+)
 
 
 def phase_at(t: float, baseline_s: float) -> Phase:
@@ -60,8 +66,9 @@ def learning_records(records: Sequence[RequestRecord], baseline_s: float) -> lis
     return [replace(r, t=r.t - baseline_s) for r in records if r.phase == "learning"]
 
 
-def windows(records: Sequence[RequestRecord], baseline_s: float, duration_s: float
-            ) -> tuple[list[RequestRecord], list[RequestRecord]]:
+def windows(
+    records: Sequence[RequestRecord], baseline_s: float, duration_s: float
+) -> tuple[list[RequestRecord], list[RequestRecord]]:
     """(reference, last): the baseline phase's requests (the learning phase's first fifth when
     baseline_s is 0) and the learning phase's last fifth."""
     span = learning_span(baseline_s, duration_s)
@@ -71,8 +78,9 @@ def windows(records: Sequence[RequestRecord], baseline_s: float, duration_s: flo
     return parts[0], parts[-1]
 
 
-def compare_sides(reference: Sequence[RequestRecord], last: Sequence[RequestRecord]
-                  ) -> dict[str, Any]:
+def compare_sides(
+    reference: Sequence[RequestRecord], last: Sequence[RequestRecord]
+) -> dict[str, Any]:
     """The COMPARED rates of both windows (with their COUNTS), the relative change (None unless
     the reference is > 0), the difference, and the 95% bootstrap interval of the change
     (report.change_intervals: people resampled) where one exists."""
@@ -81,24 +89,27 @@ def compare_sides(reference: Sequence[RequestRecord], last: Sequence[RequestReco
         "reference": {k: a[k] for k in COUNTS + COMPARED},
         "last_fifth": {k: b[k] for k in COUNTS + COMPARED},
         "change": {k: relative_change(a[k], b[k]) for k in COMPARED},
-        "difference": {k: None if a[k] is None or b[k] is None else b[k] - a[k]
-                       for k in COMPARED},
+        "difference": {k: None if a[k] is None or b[k] is None else b[k] - a[k] for k in COMPARED},
         "interval": change_intervals(reference, last),
     }
 
 
-def learning_comparison(records: Sequence[RequestRecord], baseline_s: float, duration_s: float
-                        ) -> dict[str, Any]:
+def learning_comparison(
+    records: Sequence[RequestRecord], baseline_s: float, duration_s: float
+) -> dict[str, Any]:
     """The learning phase's last fifth against the reference, on all lines and on fresh ones."""
     reference, last = windows(records, baseline_s, duration_s)
     span = learning_span(baseline_s, duration_s)
     has_baseline = baseline_s > 0
     return {
         "reference": "baseline_phase" if has_baseline else "first_fifth",
-        "note": (f"the learning phase's last fifth against the baseline phase ({baseline_s:g} s, "
-                 "trainer paused)" if has_baseline else
-                 "no baseline phase (--baseline-minutes 0): the reference is the run's first "
-                 "fifth, already served in part by policies the trainer deployed"),
+        "note": (
+            f"the learning phase's last fifth against the baseline phase ({baseline_s:g} s, "
+            "trainer paused)"
+            if has_baseline
+            else "no baseline phase (--baseline-minutes 0): the reference is the run's first "
+            "fifth, already served in part by policies the trainer deployed"
+        ),
         "reference_window_s": [0.0, baseline_s if has_baseline else span / 5],
         "last_window_s": [baseline_s + span * 4 / 5, baseline_s + span],
         "all": compare_sides(reference, last),
@@ -106,23 +117,31 @@ def learning_comparison(records: Sequence[RequestRecord], baseline_s: float, dur
     }
 
 
-def targets_summary(records: Sequence[RequestRecord], baseline_s: float, duration_s: float
-                    ) -> dict[str, Any]:
+def targets_summary(
+    records: Sequence[RequestRecord], baseline_s: float, duration_s: float
+) -> dict[str, Any]:
     """The reference and the last fifth in the shape `report.targets` reads (first, last,
     change, interval), so the targets compare with the baseline phase when there is one."""
     reference, last = windows(records, baseline_s, duration_s)
     a, b = metrics(reference), metrics(last)
-    return {"first": a, "last": b, "change": {k: relative_change(a[k], b[k]) for k in COMPARED},
-            "interval": change_intervals(reference, last)}
+    return {
+        "first": a,
+        "last": b,
+        "change": {k: relative_change(a[k], b[k]) for k in COMPARED},
+        "interval": change_intervals(reference, last),
+    }
 
 
-def baseline_phase_deploys(deployments: Sequence[dict[str, Any]] | None, baseline_s: float
-                           ) -> int | None:
+def baseline_phase_deploys(
+    deployments: Sequence[dict[str, Any]] | None, baseline_s: float
+) -> int | None:
     """Gated (canary) deploys made during the baseline phase: 0 when the pause held."""
     if deployments is None:
         return None
-    return sum(d["action"] == "deploy" and d.get("canary_version") is not None
-               and d["t"] < baseline_s for d in deployments)
+    return sum(
+        d["action"] == "deploy" and d.get("canary_version") is not None and d["t"] < baseline_s
+        for d in deployments
+    )
 
 
 # --- pausing and resuming the trainer ----------------------------------------------------------
@@ -168,8 +187,10 @@ class TrainerControl:
         the simulator never resumes what it did not pause)."""
         self.state.paused_before = await self.read_paused()
         if self.state.paused_before:
-            self.state.note = ("the trainer was already paused before the run: it stays paused, "
-                               "so neither phase learns (a control)")
+            self.state.note = (
+                "the trainer was already paused before the run: it stays paused, "
+                "so neither phase learns (a control)"
+            )
             return
         await self._set("pause")
         self.state.paused_by_simulator, self.state.paused_at_s = True, round(t, 3)
@@ -184,8 +205,9 @@ class TrainerControl:
         self.state.note = "paused by the simulator for the baseline phase, then resumed"
 
 
-async def start(baseline_minutes: float, minutes: float, admin: Client | None, console: Console
-                ) -> TrainerControl | None:
+async def start(
+    baseline_minutes: float, minutes: float, admin: Client | None, console: Console
+) -> TrainerControl | None:
     """Before the people start: pause the trainer for a baseline phase (which needs the admin
     scope: ApiError(403, ADMIN_NEEDED) without it), or only read whether it is paused (when the
     key may). None when the key may not."""
@@ -197,8 +219,11 @@ async def start(baseline_minutes: float, minutes: float, admin: Client | None, c
     if baseline_minutes > 0:
         await control.pause(0.0)
         if control.state.paused_by_simulator:
-            console.print(f"baseline phase: the trainer is paused for {baseline_minutes:g} min, "
-                          f"then resumed for {minutes:g} min of learning", highlight=False)
+            console.print(
+                f"baseline phase: the trainer is paused for {baseline_minutes:g} min, "
+                f"then resumed for {minutes:g} min of learning",
+                highlight=False,
+            )
         else:
             console.print(f"[yellow]{control.state.note}[/]", highlight=False)
     else:
@@ -218,11 +243,16 @@ async def resume(control: TrainerControl | None, at_s: float, console: Console) 
     try:
         await control.resume(at_s)
     except ApiError as e:
-        log.error("could not resume the trainer (%s): resume it with POST "
-                  "/admin/training/resume", e)
-        console.print(f"[red]the trainer is still paused ({e}): resume it with POST "
-                      "/admin/training/resume[/]", highlight=False)
+        log.error(
+            "could not resume the trainer (%s): resume it with POST /admin/training/resume", e
+        )
+        console.print(
+            f"[red]the trainer is still paused ({e}): resume it with POST "
+            "/admin/training/resume[/]",
+            highlight=False,
+        )
         return
     if pending:
-        console.print("the trainer was resumed (the run ended in its baseline phase)",
-                      highlight=False)
+        console.print(
+            "the trainer was resumed (the run ended in its baseline phase)", highlight=False
+        )

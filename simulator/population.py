@@ -80,8 +80,15 @@ class PersonParams:
 Range = tuple[float, float]
 
 _INT_FIELDS = ("switch_after", "churn_after_switches", "useless_window")
-_PROBABILITY_FIELDS = ("accept_correct", "accept_close", "accept_wrong", "close_similarity",
-                       "partial_accept", "explicit_reject", "useless_accept_rate")
+_PROBABILITY_FIELDS = (
+    "accept_correct",
+    "accept_close",
+    "accept_wrong",
+    "close_similarity",
+    "partial_accept",
+    "explicit_reject",
+    "useless_accept_rate",
+)
 
 
 @dataclass(frozen=True)
@@ -242,7 +249,7 @@ def settled_text(cursor: Cursor) -> str:
 def request_context(cursor: Cursor) -> tuple[str, str]:
     """(prefix, suffix) an editor sends: the suffix is the following lines, never the rest of
     the current line (that is what the person is about to type)."""
-    return cursor.prefix, cursor.suffix[len(cursor.rest_of_line):]
+    return cursor.prefix, cursor.suffix[len(cursor.rest_of_line) :]
 
 
 # --- what they do with a suggestion --------------------------------------------------------
@@ -286,15 +293,28 @@ class Decision:
     retained_fraction: float = 0.0  # of the accepted text, what matches the real line
 
 
-def decide(person: PersonParams, text: str, truth: str, family: bool, max_delay_s: float,
-           rng: random.Random) -> Decision:
+def decide(
+    person: PersonParams,
+    text: str,
+    truth: str,
+    family: bool,
+    max_delay_s: float,
+    rng: random.Random,
+) -> Decision:
     """What the person does with a shown suggestion `text` when the line really continues with
     `truth`. Draws exactly three numbers from `rng` (delay, accept, reject-or-ignore) and a
     fourth only for an accepted close suggestion (partial or whole)."""
     delay = min(max(MIN_DELAY_S, rng.expovariate(1.0 / person.decide_mean_s)), max_delay_s)
     verdict: Verdict = "wrong" if family else judge(text, truth, person.close_similarity)
-    p_accept = 0.0 if family else {"correct": person.accept_correct, "close": person.accept_close,
-                                   "wrong": person.accept_wrong}[verdict]
+    p_accept = (
+        0.0
+        if family
+        else {
+            "correct": person.accept_correct,
+            "close": person.accept_close,
+            "wrong": person.accept_wrong,
+        }[verdict]
+    )
     accept = rng.random() < p_accept
     explicit = rng.random() < person.explicit_reject
     if not accept:
@@ -325,11 +345,13 @@ def step(session: Session, person: PersonParams, accepted: bool) -> tuple[Sessio
     Leaving needs `churn_after_switches` switches already and a full window of recent shown
     suggestions accepted less than `useless_accept_rate` of the time; it is checked first.
     """
-    recent = (session.recent + (accepted,))[-person.useless_window:]
+    recent = (session.recent + (accepted,))[-person.useless_window :]
     bad_run = 0 if accepted else session.bad_run + 1
     s = Session(bad_run, session.switches, recent)
-    useless = (len(recent) >= person.useless_window
-               and sum(recent) / len(recent) < person.useless_accept_rate)
+    useless = (
+        len(recent) >= person.useless_window
+        and sum(recent) / len(recent) < person.useless_accept_rate
+    )
     if useless and session.switches >= person.churn_after_switches:
         return s, "churn"
     if bad_run >= person.switch_after:
@@ -361,13 +383,17 @@ def decision_reward(spec: Mapping[str, Any], shown_chars: int, decision: Decisio
     return float(spec["accept_reward"]) * scale * share * decision.retained_fraction
 
 
-def retention_delays(spec: Mapping[str, Any], accepted_after_s: float,
-                     margin_s: float) -> list[float]:
+def retention_delays(
+    spec: Mapping[str, Any], accepted_after_s: float, margin_s: float
+) -> list[float]:
     """Seconds after the accept at which to report retention: the spec's checks that land inside
     the reward horizon (counted from the suggestion) with `margin_s` to spare for delivery."""
     horizon = float(spec["horizon_s"])
-    return [float(c) for c in spec["retention_checks_s"]
-            if accepted_after_s + float(c) <= horizon - margin_s]
+    return [
+        float(c)
+        for c in spec["retention_checks_s"]
+        if accepted_after_s + float(c) <= horizon - margin_s
+    ]
 
 
 def think_time(person: PersonParams, rng: random.Random) -> float:
@@ -378,16 +404,16 @@ def think_time(person: PersonParams, rng: random.Random) -> float:
 # --- adversaries ---------------------------------------------------------------------------
 
 
-def seat_kinds(users: int, adversaries: int,
-               kinds: Sequence[AdversaryKind]) -> list[AdversaryKind | None]:
+def seat_kinds(
+    users: int, adversaries: int, kinds: Sequence[AdversaryKind]
+) -> list[AdversaryKind | None]:
     """Per seat: None for an honest person, else the adversary's kind. The last `adversaries`
     seats hold adversaries, taking `kinds` in turn; the honest seats keep their numbers (and so
     their seeds), so a run's honest people are those of a run with `users - adversaries` seats."""
     assert 0 <= adversaries < users, "adversaries must leave at least one honest seat"
     assert kinds and all(k in ADVERSARY_KINDS for k in kinds), f"kinds among {ADVERSARY_KINDS}"
     honest = users - adversaries
-    return [None if slot < honest else kinds[(slot - honest) % len(kinds)]
-            for slot in range(users)]
+    return [None if slot < honest else kinds[(slot - honest) % len(kinds)] for slot in range(users)]
 
 
 def adversary_pause(pace: PersonParams, rng: random.Random) -> float:
@@ -396,8 +422,9 @@ def adversary_pause(pace: PersonParams, rng: random.Random) -> float:
     return max(MIN_DELAY_S, ADVERSARY_PAUSE_SHARE * think_time(pace, rng))
 
 
-def adversary_feedback(kind: AdversaryKind, shown: bool, text: str,
-                       checks_s: Sequence[float], rng: random.Random) -> list[dict[str, Any]]:
+def adversary_feedback(
+    kind: AdversaryKind, shown: bool, text: str, checks_s: Sequence[float], rng: random.Random
+) -> list[dict[str, Any]]:
     """The events (type and fields, without ids, person or time) an adversary sends at once
     about one suggestion, `shown` or not. accept_all: an accept of the whole suggestion and, when
     something was shown, a code_retained of 1.0 at each of `checks_s` (the reward spec's checks);
@@ -410,6 +437,10 @@ def adversary_feedback(kind: AdversaryKind, shown: bool, text: str,
     assert kind == "accept_all", f"unknown adversary kind {kind!r}"
     if not shown:
         return [{"type": "accept"}]
-    return [{"type": "accept", "accepted_chars": len(text)},
-            *({"type": "code_retained", "after_seconds": float(c), "retained_fraction": 1.0}
-              for c in checks_s)]
+    return [
+        {"type": "accept", "accepted_chars": len(text)},
+        *(
+            {"type": "code_retained", "after_seconds": float(c), "retained_fraction": 1.0}
+            for c in checks_s
+        ),
+    ]

@@ -114,15 +114,17 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "family_shown": sum(r.shown for r in family),
         "family_shown_rate": _ratio(sum(r.shown for r in family), len(family)),
         "other_shown_per_request": _ratio(len(other_shown), len(other)),
-        "other_accept_rate_of_shown": _ratio(sum(r.action == "accept" for r in other_shown),
-                                             len(other_shown)),
+        "other_accept_rate_of_shown": _ratio(
+            sum(r.action == "accept" for r in other_shown), len(other_shown)
+        ),
         "versions": {str(v): c for v, c in sorted(Counter(r.version for r in records).items())},
         "latency_ms_p50": _percentile([r.latency_ms for r in records], 0.5),
     }
 
 
-def split_people(records: Sequence[RequestRecord]
-                 ) -> tuple[list[RequestRecord], dict[str, list[RequestRecord]]]:
+def split_people(
+    records: Sequence[RequestRecord],
+) -> tuple[list[RequestRecord], dict[str, list[RequestRecord]]]:
     """(the honest people's requests, the adversaries' by kind)."""
     honest = [r for r in records if r.adversary is None]
     by_kind: dict[str, list[RequestRecord]] = {}
@@ -135,10 +137,14 @@ def split_people(records: Sequence[RequestRecord]
 def adversary_metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """What an adversary kind asked for and what it said of what it was shown."""
     shown = [r for r in records if r.shown]
-    return {"people": len({r.user_id for r in records}), "requests": len(records),
-            "shown": len(shown), "accepted": sum(r.action == "accept" for r in shown),
-            "rejected": sum(r.action == "reject" for r in shown),
-            "shown_per_request": _ratio(len(shown), len(records))}
+    return {
+        "people": len({r.user_id for r in records}),
+        "requests": len(records),
+        "shown": len(shown),
+        "accepted": sum(r.action == "accept" for r in shown),
+        "rejected": sum(r.action == "reject" for r in shown),
+        "shown_per_request": _ratio(len(shown), len(records)),
+    }
 
 
 def _percentile(xs: Sequence[float], q: float) -> float | None:
@@ -148,8 +154,9 @@ def _percentile(xs: Sequence[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def split_by_time(records: Sequence[RequestRecord], width_s: float, duration_s: float
-                  ) -> list[tuple[float, float, list[RequestRecord]]]:
+def split_by_time(
+    records: Sequence[RequestRecord], width_s: float, duration_s: float
+) -> list[tuple[float, float, list[RequestRecord]]]:
     """(start, end, records) for consecutive windows of width_s covering [0, duration_s)."""
     assert width_s > 0, "width_s must be > 0"
     n = max(1, math.ceil(duration_s / width_s - 1e-9))
@@ -162,14 +169,16 @@ def split_by_time(records: Sequence[RequestRecord], width_s: float, duration_s: 
 FRESH_KEYS = ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100")
 
 
-def bucketize(records: Sequence[RequestRecord], bucket_s: float,
-              duration_s: float) -> list[dict[str, Any]]:
+def bucketize(
+    records: Sequence[RequestRecord], bucket_s: float, duration_s: float
+) -> list[dict[str, Any]]:
     """`metrics` per window, plus `fresh_<rate>` of FRESH_KEYS over its fresh-line requests."""
     out = []
     for t0, t1, part in split_by_time(records, bucket_s, duration_s):
         fresh = metrics([r for r in part if r.fresh])
-        out.append({"t0": t0, "t1": t1, **metrics(part),
-                    **{f"fresh_{k}": fresh[k] for k in FRESH_KEYS}})
+        out.append(
+            {"t0": t0, "t1": t1, **metrics(part), **{f"fresh_{k}": fresh[k] for k in FRESH_KEYS}}
+        )
     return out
 
 
@@ -198,24 +207,44 @@ def fifths(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any
     windows = [p for _, _, p in split_by_time(records, duration_s / 5, duration_s)]
     parts = [metrics(p) for p in windows]
     first, last = parts[0], parts[-1]
-    keys = ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100",
-            "accepted_chars_per_100", "reward_per_request", "family_shown_rate",
-            "other_shown_per_request", "other_accept_rate_of_shown", "mean_shown_chars")
-    return {"parts": parts, "first": first, "last": last,
-            "change": {k: relative_change(first[k], last[k]) for k in keys},
-            "interval": change_intervals(windows[0], windows[-1])}
+    keys = (
+        "shown_per_request",
+        "accept_rate_of_shown",
+        "retained_chars_per_100",
+        "accepted_chars_per_100",
+        "reward_per_request",
+        "family_shown_rate",
+        "other_shown_per_request",
+        "other_accept_rate_of_shown",
+        "mean_shown_chars",
+    )
+    return {
+        "parts": parts,
+        "first": first,
+        "last": last,
+        "change": {k: relative_change(first[k], last[k]) for k in keys},
+        "interval": change_intervals(windows[0], windows[-1]),
+    }
 
 
 def _rates(n: float, shown: float, accepted: float, retained: float) -> dict[str, float | None]:
     """The three rates the targets read, from counts of requests, shown, accepted and the
     retained characters of the accepted ones (metrics and change_intervals)."""
-    return {"accept_rate_of_shown": _ratio(accepted, shown), "shown_per_request": _ratio(shown, n),
-            "retained_chars_per_100": _ratio(100 * retained, n)}
+    return {
+        "accept_rate_of_shown": _ratio(accepted, shown),
+        "shown_per_request": _ratio(shown, n),
+        "retained_chars_per_100": _ratio(100 * retained, n),
+    }
 
 
-def change_intervals(first: Sequence[RequestRecord], last: Sequence[RequestRecord], *,
-                     resamples: int = 2000, level: float = 0.95, seed: int = 0
-                     ) -> dict[str, list[float] | None]:
+def change_intervals(
+    first: Sequence[RequestRecord],
+    last: Sequence[RequestRecord],
+    *,
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> dict[str, list[float] | None]:
     """Percentile-bootstrap intervals of the first-to-last relative change of INTERVAL_KEYS.
 
     One run's fifths hold ~1,500 requests and ~100 accepts each, so a change of a few tens of
@@ -261,8 +290,9 @@ def gated_deploys(deployments: Sequence[dict[str, Any]]) -> int:
     return sum(d["action"] == "deploy" and d.get("canary_version") is not None for d in deployments)
 
 
-def targets(summary: dict[str, Any],
-            deployments: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def targets(
+    summary: dict[str, Any], deployments: Sequence[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     """The learning targets, each with its value and whether it was met (None: not measurable).
     The three that compare fifths also carry the change's 95% interval (None where unknown):
     "met" reads the point estimate, as the targets are stated; the interval says how
@@ -276,26 +306,47 @@ def targets(summary: dict[str, Any],
     collapse = None
     shown_first, shown_last = first["shown_per_request"], last["shown_per_request"]
     if shown_first and ret_first is not None and shown_last is not None:
-        collapse = (last["shown_per_request"] < COLLAPSE_SHOWN_SHARE * first["shown_per_request"]
-                    or (ret_last or 0.0) < COLLAPSE_RETAINED_SHARE * ret_first)
+        collapse = (
+            last["shown_per_request"] < COLLAPSE_SHOWN_SHARE * first["shown_per_request"]
+            or (ret_last or 0.0) < COLLAPSE_RETAINED_SHARE * ret_first
+        )
     return [
-        {"name": "accept rate of shown, relative change", "target": f">= +{ACCEPT_RATE_GAIN:.0%}",
-         "value": acc, "met": (None if acc is None else acc >= ACCEPT_RATE_GAIN),
-         "interval": interval.get("accept_rate_of_shown")},
-        {"name": "shown per request, relative change", "target": f"<= -{SHOWN_DROP:.0%}",
-         "value": shown, "met": (None if shown is None else shown <= -SHOWN_DROP),
-         "interval": interval.get("shown_per_request")},
-        {"name": "retained chars per 100 requests, last vs first", "target": "not lower",
-         "value": [ret_first, ret_last],
-         "met": (None if ret_first is None or ret_last is None else ret_last >= ret_first),
-         "interval": interval.get("retained_chars_per_100")},
-        {"name": "gated deploys", "target": f">= {MIN_GATED_DEPLOYS}", "value": deploys,
-         "met": (None if deploys is None else deploys >= MIN_GATED_DEPLOYS)},
-        {"name": "no collapse",
-         "target": (f"last fifth shows >= {COLLAPSE_SHOWN_SHARE:.0%} of the first's rate and "
-                    f"keeps >= {COLLAPSE_RETAINED_SHARE:.0%} of its retained chars"),
-         "value": None if collapse is None else not collapse,
-         "met": (None if collapse is None else not collapse)},
+        {
+            "name": "accept rate of shown, relative change",
+            "target": f">= +{ACCEPT_RATE_GAIN:.0%}",
+            "value": acc,
+            "met": (None if acc is None else acc >= ACCEPT_RATE_GAIN),
+            "interval": interval.get("accept_rate_of_shown"),
+        },
+        {
+            "name": "shown per request, relative change",
+            "target": f"<= -{SHOWN_DROP:.0%}",
+            "value": shown,
+            "met": (None if shown is None else shown <= -SHOWN_DROP),
+            "interval": interval.get("shown_per_request"),
+        },
+        {
+            "name": "retained chars per 100 requests, last vs first",
+            "target": "not lower",
+            "value": [ret_first, ret_last],
+            "met": (None if ret_first is None or ret_last is None else ret_last >= ret_first),
+            "interval": interval.get("retained_chars_per_100"),
+        },
+        {
+            "name": "gated deploys",
+            "target": f">= {MIN_GATED_DEPLOYS}",
+            "value": deploys,
+            "met": (None if deploys is None else deploys >= MIN_GATED_DEPLOYS),
+        },
+        {
+            "name": "no collapse",
+            "target": (
+                f"last fifth shows >= {COLLAPSE_SHOWN_SHARE:.0%} of the first's rate and "
+                f"keeps >= {COLLAPSE_RETAINED_SHARE:.0%} of its retained chars"
+            ),
+            "value": None if collapse is None else not collapse,
+            "met": (None if collapse is None else not collapse),
+        },
     ]
 
 
@@ -305,32 +356,60 @@ def compare(summary: dict[str, Any], baseline: dict[str, Any] | None) -> dict[st
         return None
     first, last = summary["first"], summary["last"]
     best, served = baseline["best"], baseline.get("stochastic_gate") or {}
-    keys = ("accept_rate_of_shown", "shown_per_request", "retained_chars_per_100",
-            "reward_per_request", "family_shown_rate")
-    return {k: {"learned_last_fifth": last.get(k), "baseline": best.get(k),
-                "difference": None if last.get(k) is None or best.get(k) is None
-                else last[k] - best[k],
-                "live_first_fifth": first.get(k), "base_as_served_offline": served.get(k)}
-            for k in keys}
+    keys = (
+        "accept_rate_of_shown",
+        "shown_per_request",
+        "retained_chars_per_100",
+        "reward_per_request",
+        "family_shown_rate",
+    )
+    return {
+        k: {
+            "learned_last_fifth": last.get(k),
+            "baseline": best.get(k),
+            "difference": None if last.get(k) is None or best.get(k) is None else last[k] - best[k],
+            "live_first_fifth": first.get(k),
+            "base_as_served_offline": served.get(k),
+        }
+        for k in keys
+    }
 
 
-def timeline(deployments: Sequence[dict[str, Any]], started_at: datetime, until_s: float
-             ) -> list[dict[str, Any]]:
+def timeline(
+    deployments: Sequence[dict[str, Any]], started_at: datetime, until_s: float
+) -> list[dict[str, Any]]:
     """Deployments made during the run (oldest first), each with `t` seconds since its start."""
     out = []
     for d in deployments:
         at = datetime.fromisoformat(str(d["created_at"]).replace("Z", "+00:00"))
         t = (at - started_at).total_seconds()
         if 0 <= t <= until_s:
-            out.append({"t": round(t, 2), **{k: d.get(k) for k in (
-                "id", "action", "live_version", "canary_version", "canary_fraction", "reason")}})
+            out.append(
+                {
+                    "t": round(t, 2),
+                    **{
+                        k: d.get(k)
+                        for k in (
+                            "id",
+                            "action",
+                            "live_version",
+                            "canary_version",
+                            "canary_fraction",
+                            "reason",
+                        )
+                    },
+                }
+            )
     return sorted(out, key=lambda d: (d["t"], d["id"] or 0))
 
 
 # --- the plot --------------------------------------------------------------------------------
 
-_MARKS = {"deploy": ("tab:blue", ":", "canary deploy"), "promote": ("tab:green", "-", "promotion"),
-          "rollback": ("tab:red", "--", "rollback")}
+_MARKS = {
+    "deploy": ("tab:blue", ":", "canary deploy"),
+    "promote": ("tab:green", "-", "promotion"),
+    "rollback": ("tab:red", "--", "rollback"),
+}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -351,53 +430,103 @@ def plot(report: dict[str, Any], path: Path) -> None:
     duration_s = float(cfg.get("duration_s", 60 * cfg["minutes"]))
     learning_s = float(phases.get("learning_s") or duration_s - baseline_s)
     comparison = report.get("phase_comparison") or {}
-    reference = ((comparison.get("all") or {}).get("reference") or {}
-                 if comparison.get("reference") == "baseline_phase" else {})
-    fresh = bool(cfg.get("settled_share")) and bool(buckets) and "fresh_shown_per_request" in \
-        buckets[0]
+    reference = (
+        (comparison.get("all") or {}).get("reference") or {}
+        if comparison.get("reference") == "baseline_phase"
+        else {}
+    )
+    fresh = (
+        bool(cfg.get("settled_share")) and bool(buckets) and "fresh_shown_per_request" in buckets[0]
+    )
     panels = [
-        ("accept rate of shown", [("all", "accept_rate_of_shown")]
-         + ([("fresh lines", "fresh_accept_rate_of_shown")] if fresh else []),
-         base.get("accept_rate_of_shown")),
-        ("shown per request", [("all", "shown_per_request"),
-                               ("def/class (always rejected)", "family_shown_rate")],
-         base.get("shown_per_request")),
-        ("retained chars / 100 requests", [("all", "retained_chars_per_100")]
-         + ([("fresh lines", "fresh_retained_chars_per_100")] if fresh else []),
-         base.get("retained_chars_per_100")),
-        ("reward per request (decision part)", [("all", "reward_per_request")],
-         base.get("reward_per_request")),
+        (
+            "accept rate of shown",
+            [("all", "accept_rate_of_shown")]
+            + ([("fresh lines", "fresh_accept_rate_of_shown")] if fresh else []),
+            base.get("accept_rate_of_shown"),
+        ),
+        (
+            "shown per request",
+            [("all", "shown_per_request"), ("def/class (always rejected)", "family_shown_rate")],
+            base.get("shown_per_request"),
+        ),
+        (
+            "retained chars / 100 requests",
+            [("all", "retained_chars_per_100")]
+            + ([("fresh lines", "fresh_retained_chars_per_100")] if fresh else []),
+            base.get("retained_chars_per_100"),
+        ),
+        (
+            "reward per request (decision part)",
+            [("all", "reward_per_request")],
+            base.get("reward_per_request"),
+        ),
     ]
     fifth_label = "fifth of the learning phase" if baseline_s > 0 else "fifth of the run"
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 10), sharex=True)
     for ax, (title, series, baseline) in zip(axes, panels, strict=True):
         if baseline_s > 0:
-            ax.axvspan(0, baseline_s / 60, color="grey", alpha=0.12,
-                       label="baseline phase (trainer paused)")
+            ax.axvspan(
+                0,
+                baseline_s / 60,
+                color="grey",
+                alpha=0.12,
+                label="baseline phase (trainer paused)",
+            )
         for i, (label, key) in enumerate(series):
             ys = [b[key] if b.get(key) is not None else math.nan for b in buckets]
-            line, = ax.plot(x, ys, marker="o", markersize=3, linewidth=1, alpha=0.8,
-                            label=f"{label}, per {cfg['bucket_s']:g} s",
-                            color="tab:purple" if key.startswith("fresh_") else None)
+            (line,) = ax.plot(
+                x,
+                ys,
+                marker="o",
+                markersize=3,
+                linewidth=1,
+                alpha=0.8,
+                label=f"{label}, per {cfg['bucket_s']:g} s",
+                color="tab:purple" if key.startswith("fresh_") else None,
+            )
             parts = (report.get("fifths") or {}).get("parts")
             if parts and key in parts[0]:  # each fifth's mean, the figures the targets compare
                 xs = [(baseline_s + k * learning_s / 5) / 60 for k in range(6)]
                 ys5 = [p[key] if p[key] is not None else math.nan for p in parts]
-                ax.step(xs, ys5 + ys5[-1:], where="post", color=line.get_color(), linewidth=2.5,
-                        alpha=0.45, label=None if i else fifth_label)
+                ax.step(
+                    xs,
+                    ys5 + ys5[-1:],
+                    where="post",
+                    color=line.get_color(),
+                    linewidth=2.5,
+                    alpha=0.45,
+                    label=None if i else fifth_label,
+                )
             if reference.get(key) is not None:
-                ax.axhline(reference[key], color=line.get_color(), linestyle=":", linewidth=1.2,
-                           label="baseline phase mean" if i == 0 else None)
+                ax.axhline(
+                    reference[key],
+                    color=line.get_color(),
+                    linestyle=":",
+                    linewidth=1.2,
+                    label="baseline phase mean" if i == 0 else None,
+                )
         if baseline is not None:
-            ax.axhline(baseline, color="grey", linestyle="--", linewidth=1,
-                       label="base policy, best fixed threshold")
+            ax.axhline(
+                baseline,
+                color="grey",
+                linestyle="--",
+                linewidth=1,
+                label="base policy, best fixed threshold",
+            )
         seen = set()
         for d in report.get("deployments") or []:
             if d["action"] not in _MARKS:
                 continue
             color, style, label = _MARKS[d["action"]]
-            ax.axvline(d["t"] / 60, color=color, linestyle=style, linewidth=0.8, alpha=0.7,
-                       label=None if d["action"] in seen else label)
+            ax.axvline(
+                d["t"] / 60,
+                color=color,
+                linestyle=style,
+                linewidth=0.8,
+                alpha=0.7,
+                label=None if d["action"] in seen else label,
+            )
             seen.add(d["action"])
         ax.set_ylabel(title, fontsize=8)
         ax.grid(alpha=0.3)
@@ -406,11 +535,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for ax in axes:
         for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, h)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8,
-               frameon=False)
+    fig.legend(
+        list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8, frameon=False
+    )
     phase = f"{baseline_s / 60:g} min baseline + " if baseline_s > 0 else ""
-    fig.suptitle(f"tabloop simulate: {cfg['users']} users, {phase}{cfg['minutes']} min, "
-                 f"seed {cfg['seed']}", fontsize=10)
+    fig.suptitle(
+        f"tabloop simulate: {cfg['users']} users, {phase}{cfg['minutes']} min, seed {cfg['seed']}",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

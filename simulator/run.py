@@ -172,13 +172,21 @@ class Counters:
 
 
 class Simulation:
-    def __init__(self, cfg: SimConfig, spec: dict[str, Any], source: CursorSource, client: Client,
-                 sender: EventSender, trainer: phases.TrainerControl | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        spec: dict[str, Any],
+        source: CursorSource,
+        client: Client,
+        sender: EventSender,
+        trainer: phases.TrainerControl | None = None,
+    ) -> None:
         self.cfg, self.spec, self.source = cfg, spec, source
         self.client, self.sender = client, sender
         # the adversaries' own sender: what the service refused of theirs is counted apart
-        self.adversary_sender = EventSender(client, batch_size=cfg.event_batch_size,
-                                            flush_interval_s=cfg.flush_interval_s)
+        self.adversary_sender = EventSender(
+            client, batch_size=cfg.event_batch_size, flush_interval_s=cfg.flush_interval_s
+        )
         self.kinds = seat_kinds(cfg.users, cfg.adversaries, cfg.adversary_kinds)
         self.trainer = trainer  # resumed when the baseline phase ends (None: no baseline phase)
         self.records: list[rpt.RequestRecord] = []
@@ -216,13 +224,22 @@ class Simulation:
 
         asyncio.get_running_loop().call_later(delay_s, fire)
 
-    async def _complete(self, user_id: str, cursor: Cursor, prefix: str,
-                        suffix: str) -> dict[str, Any] | None:
+    async def _complete(
+        self, user_id: str, cursor: Cursor, prefix: str, suffix: str
+    ) -> dict[str, Any] | None:
         """One POST /v1/complete for a person at `cursor` (None when it failed)."""
-        return await self.client.complete({
-            "user_id": user_id, "session_id": f"{user_id}-s", "workspace_id": "sim",
-            "language": "python", "file_path": cursor.path.name, "prefix": prefix[-8000:],
-            "suffix": suffix[:2000], "max_new_tokens": self.cfg.max_new_tokens})
+        return await self.client.complete(
+            {
+                "user_id": user_id,
+                "session_id": f"{user_id}-s",
+                "workspace_id": "sim",
+                "language": "python",
+                "file_path": cursor.path.name,
+                "prefix": prefix[-8000:],
+                "suffix": suffix[:2000],
+                "max_new_tokens": self.cfg.max_new_tokens,
+            }
+        )
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, cut short when the run stops."""
@@ -247,8 +264,9 @@ class Simulation:
                 return
             generation += 1
 
-    async def person(self, user_id: str, person: PersonParams, rng: random.Random,
-                     opted_in: bool = False) -> str:
+    async def person(
+        self, user_id: str, person: PersonParams, rng: random.Random, opted_in: bool = False
+    ) -> str:
         session = Session()
         # the last request's line, reported (code_settled) when the person moves on from it
         unsettled: tuple[str, Cursor, float] | None = None
@@ -290,8 +308,11 @@ class Simulation:
                 move_on()  # leaving the editor: the line stands as it is
             if move == "switch":
                 self.counters.switches += 1
-                self.sender.add(self._event("model_switch", user_id, from_model="tabloop",
-                                            to_model="another-model"))
+                self.sender.add(
+                    self._event(
+                        "model_switch", user_id, from_model="tabloop", to_model="another-model"
+                    )
+                )
                 self.counters.away += 1
                 await self._pause(person.switch_away_s)
                 self.counters.away -= 1
@@ -325,39 +346,81 @@ class Simulation:
             accepted = sent[0]["type"] == "accept"
             for event in sent:
                 fields = {k: v for k, v in event.items() if k != "type"}
-                self.adversary_sender.add(self._event(
-                    event["type"], user_id, suggestion_id=resp["suggestion_id"], **fields))
+                self.adversary_sender.add(
+                    self._event(
+                        event["type"], user_id, suggestion_id=resp["suggestion_id"], **fields
+                    )
+                )
             decision = None
             if resp["shown"] and text:
-                decision = Decision(judge(text, cursor.rest_of_line, pace.close_similarity),
-                                    "accept" if accepted else "reject", 0.0,
-                                    len(text) if accepted else 0, 1.0 if accepted else 0.0)
-            self._record(t, user_id, resp, in_reject_family(prefix), text, decision, cursor,
-                         line_key(cursor) not in self.settled_lines, adversary=kind)
+                decision = Decision(
+                    judge(text, cursor.rest_of_line, pace.close_similarity),
+                    "accept" if accepted else "reject",
+                    0.0,
+                    len(text) if accepted else 0,
+                    1.0 if accepted else 0.0,
+                )
+            self._record(
+                t,
+                user_id,
+                resp,
+                in_reject_family(prefix),
+                text,
+                decision,
+                cursor,
+                line_key(cursor) not in self.settled_lines,
+                adversary=kind,
+            )
 
     def _settle(self, user_id: str, suggestion_id: str, cursor: Cursor, t: float) -> None:
         """Report what finally stands after the cursor of the request sent at `t`."""
-        self.sender.add(self._event("code_settled", user_id, suggestion_id=suggestion_id,
-                                    after_seconds=round(max(0.0, self.now() - t), 3),
-                                    text=settled_text(cursor)))
+        self.sender.add(
+            self._event(
+                "code_settled",
+                user_id,
+                suggestion_id=suggestion_id,
+                after_seconds=round(max(0.0, self.now() - t), 3),
+                text=settled_text(cursor),
+            )
+        )
         self.settled_lines.add(line_key(cursor))
         self.counters.settled += 1
 
-    def _record(self, t: float, user_id: str, resp: dict[str, Any], family: bool, text: str,
-                decision: Decision | None, cursor: Cursor, fresh: bool,
-                adversary: str | None = None) -> None:
+    def _record(
+        self,
+        t: float,
+        user_id: str,
+        resp: dict[str, Any],
+        family: bool,
+        text: str,
+        decision: Decision | None,
+        cursor: Cursor,
+        fresh: bool,
+        adversary: str | None = None,
+    ) -> None:
         accepted = decision is not None and decision.action == "accept"
         chars = decision.accepted_chars if decision is not None and accepted else 0
-        self.records.append(rpt.RequestRecord(
-            t=round(t, 3), user_id=user_id, version=int(resp["policy_version"]),
-            shown=decision is not None, family=family, shown_chars=len(text),
-            verdict=decision.verdict if decision else None,
-            action=decision.action if decision else "abstained", accepted_chars=chars,
-            retained_chars=chars * decision.retained_fraction if decision and accepted else 0.0,
-            reward=decision_reward(self.spec, len(text), decision),
-            latency_ms=float(resp.get("latency_ms", 0.0)),
-            phase=phases.phase_at(t, self.cfg.baseline_s), fresh=fresh, path=str(cursor.path),
-            line_no=cursor.line_no, adversary=adversary))
+        self.records.append(
+            rpt.RequestRecord(
+                t=round(t, 3),
+                user_id=user_id,
+                version=int(resp["policy_version"]),
+                shown=decision is not None,
+                family=family,
+                shown_chars=len(text),
+                verdict=decision.verdict if decision else None,
+                action=decision.action if decision else "abstained",
+                accepted_chars=chars,
+                retained_chars=chars * decision.retained_fraction if decision and accepted else 0.0,
+                reward=decision_reward(self.spec, len(text), decision),
+                latency_ms=float(resp.get("latency_ms", 0.0)),
+                phase=phases.phase_at(t, self.cfg.baseline_s),
+                fresh=fresh,
+                path=str(cursor.path),
+                line_no=cursor.line_no,
+                adversary=adversary,
+            )
+        )
 
     def _feedback(self, user_id: str, suggestion_id: str, d: Decision, after_s: float) -> None:
         if d.action == "ignore":
@@ -365,17 +428,26 @@ class Simulation:
         if d.action == "reject":
             self.sender.add(self._event("reject", user_id, suggestion_id=suggestion_id))
             return
-        self.sender.add(self._event("accept", user_id, suggestion_id=suggestion_id,
-                                    accepted_chars=d.accepted_chars))
+        self.sender.add(
+            self._event(
+                "accept", user_id, suggestion_id=suggestion_id, accepted_chars=d.accepted_chars
+            )
+        )
         kept = round(d.retained_fraction, 4)
         for check in retention_delays(self.spec, after_s, self.margin_s):
             self._later(check, self._retention(user_id, suggestion_id, check, kept))
 
-    def _retention(self, user_id: str, suggestion_id: str, after_s: float,
-                   fraction: float) -> Callable[[], dict[str, Any]]:
+    def _retention(
+        self, user_id: str, suggestion_id: str, after_s: float, fraction: float
+    ) -> Callable[[], dict[str, Any]]:
         """Makes the code_retained event at check time (its occurred_at is when it fires)."""
-        return lambda: self._event("code_retained", user_id, suggestion_id=suggestion_id,
-                                   after_seconds=after_s, retained_fraction=fraction)
+        return lambda: self._event(
+            "code_retained",
+            user_id,
+            suggestion_id=suggestion_id,
+            after_seconds=after_s,
+            retained_fraction=fraction,
+        )
 
     def _end_early_on_error(self, task: asyncio.Task[None]) -> None:
         """A seat or the sender failed (a refused key, a bug): end the run now, not at its end."""
@@ -436,17 +508,21 @@ async def simulate(cfg: SimConfig, console: Console) -> dict[str, Any]:
     try:
         spec, spec_source = await fetch_spec(admin_client or client)
         admin = not spec_source.startswith("sim defaults")
-        console.print(f"reward spec: {spec_source}: decision window {spec['decision_window_s']} s, "
-                      f"retention checks {spec['retention_checks_s']} s, horizon "
-                      f"{spec['horizon_s']} s", highlight=False)
+        console.print(
+            f"reward spec: {spec_source}: decision window {spec['decision_window_s']} s, "
+            f"retention checks {spec['retention_checks_s']} s, horizon "
+            f"{spec['horizon_s']} s",
+            highlight=False,
+        )
         source = CursorSource(load_lines(cfg.corpus))
         if cfg.corpus is not None:
-            console.print(f"corpus: {len(source.lines)} lines under {cfg.corpus}",
-                          highlight=False)
-        control = await phases.start(cfg.baseline_minutes, cfg.minutes,
-                                     (admin_client or client) if admin else None, console)
-        sender = EventSender(client, batch_size=cfg.event_batch_size,
-                             flush_interval_s=cfg.flush_interval_s)
+            console.print(f"corpus: {len(source.lines)} lines under {cfg.corpus}", highlight=False)
+        control = await phases.start(
+            cfg.baseline_minutes, cfg.minutes, (admin_client or client) if admin else None, console
+        )
+        sender = EventSender(
+            client, batch_size=cfg.event_batch_size, flush_interval_s=cfg.flush_interval_s
+        )
         sim = Simulation(cfg, spec, source, client, sender, control)
         display = Display(cfg, admin, console, admin_client)
         loop = asyncio.get_running_loop()
@@ -479,13 +555,28 @@ async def simulate(cfg: SimConfig, console: Console) -> dict[str, Any]:
         from simulator import baseline as bl
 
         checkpoint = cfg.baseline_checkpoint or default_checkpoint()
-        console.print(f"baseline: the base policy on {cfg.baseline_cursors} cursors of the "
-                      "people's code ...")
-        baseline = await asyncio.to_thread(bl.run, checkpoint, source, cfg.population, spec,
-                                           cfg.baseline_cursors, cfg.seed,
-                                           max_new_tokens=cfg.max_new_tokens)
-    report = build_report(cfg, sim, spec_source, deployments, training, baseline,
-                          None if control is None else control.state)
+        console.print(
+            f"baseline: the base policy on {cfg.baseline_cursors} cursors of the people's code ..."
+        )
+        baseline = await asyncio.to_thread(
+            bl.run,
+            checkpoint,
+            source,
+            cfg.population,
+            spec,
+            cfg.baseline_cursors,
+            cfg.seed,
+            max_new_tokens=cfg.max_new_tokens,
+        )
+    report = build_report(
+        cfg,
+        sim,
+        spec_source,
+        deployments,
+        training,
+        baseline,
+        None if control is None else control.state,
+    )
     write_outputs(cfg, sim, report, console)
     return report
 
@@ -503,53 +594,109 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tabloop simulate",
         description="Simulated editors replaying held-out code against a running tabloop; prints "
-        "the learning curve and writes report.json and learning_curve.png.")
+        "the learning curve and writes report.json and learning_curve.png.",
+    )
     p.add_argument("--api", required=True, help="the service, e.g. http://127.0.0.1:8000")
-    p.add_argument("--key", default=os.environ.get("TABLOOP_SIMULATE_KEY"),
-                   help="API key (ingest; admin to read the reward spec and deployments); "
-                   "default $TABLOOP_SIMULATE_KEY")
-    p.add_argument("--admin-key", help="a key with the admin scope for the admin API (the "
-                   "spec, deployments, pausing the trainer) when --key lacks it")
+    p.add_argument(
+        "--key",
+        default=os.environ.get("TABLOOP_SIMULATE_KEY"),
+        help="API key (ingest; admin to read the reward spec and deployments); "
+        "default $TABLOOP_SIMULATE_KEY",
+    )
+    p.add_argument(
+        "--admin-key",
+        help="a key with the admin scope for the admin API (the "
+        "spec, deployments, pausing the trainer) when --key lacks it",
+    )
     p.add_argument("--users", type=int, default=16, help="people active at once (default 16)")
-    p.add_argument("--minutes", type=float, default=10.0,
-                   help="the learning phase: minutes with the trainer running (default 10)")
-    p.add_argument("--baseline-minutes", type=float, default=0.0,
-                   help="first pause the trainer for this many minutes (the live policy serves "
-                   "unchanged), then resume it for --minutes; the report compares the last fifth "
-                   "with this phase. Needs the admin scope (default 0: no baseline phase)")
-    p.add_argument("--settled", type=float, default=0.0, metavar="SHARE",
-                   help="share of people (0-1) who send code_settled when they move on from a "
-                   "line; the report also compares fresh lines apart (default 0)")
-    p.add_argument("--corpus", type=Path, metavar="DIR",
-                   help="edit every *.py under DIR (tests left out) instead of the standard "
-                   "library's held-out files, e.g. a package the policy never trained on")
-    p.add_argument("--adversaries", type=int, default=0, metavar="N",
-                   help="the last N of the --users seats hold adversaries, who accept or reject "
-                   "every suggestion whatever the code; the report gives the honest people's "
-                   "figures apart (default 0)")
-    p.add_argument("--adversary-kinds", default="accept_all,reject_all", metavar="KINDS",
-                   help="comma-separated, taken in turn by the adversaries: "
-                   f"{', '.join(ADVERSARY_KINDS)} (default accept_all,reject_all)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="the learning phase: minutes with the trainer running (default 10)",
+    )
+    p.add_argument(
+        "--baseline-minutes",
+        type=float,
+        default=0.0,
+        help="first pause the trainer for this many minutes (the live policy serves "
+        "unchanged), then resume it for --minutes; the report compares the last fifth "
+        "with this phase. Needs the admin scope (default 0: no baseline phase)",
+    )
+    p.add_argument(
+        "--settled",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="share of people (0-1) who send code_settled when they move on from a "
+        "line; the report also compares fresh lines apart (default 0)",
+    )
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        metavar="DIR",
+        help="edit every *.py under DIR (tests left out) instead of the standard "
+        "library's held-out files, e.g. a package the policy never trained on",
+    )
+    p.add_argument(
+        "--adversaries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the last N of the --users seats hold adversaries, who accept or reject "
+        "every suggestion whatever the code; the report gives the honest people's "
+        "figures apart (default 0)",
+    )
+    p.add_argument(
+        "--adversary-kinds",
+        default="accept_all,reject_all",
+        metavar="KINDS",
+        help="comma-separated, taken in turn by the adversaries: "
+        f"{', '.join(ADVERSARY_KINDS)} (default accept_all,reject_all)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds people, cursors and decisions")
-    p.add_argument("--out", type=Path, default=Path("simulation"),
-                   help="report directory (default ./simulation)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("simulation"),
+        help="report directory (default ./simulation)",
+    )
     p.add_argument("--bucket-s", type=float, help="report bucket width (default: run / 30)")
-    p.add_argument("--population", type=Path,
-                   help="JSON object of population ranges, e.g. {\"accept_close\": [0.1, 0.3]}")
-    p.add_argument("--reject-family-share", type=float,
-                   help="share of cursors on def/class lines, always rejected (default 0.1)")
-    p.add_argument("--baseline-cursors", type=int, default=2000,
-                   help="held-out cursors for the offline base-policy baseline, run after the "
-                   "simulation (about 10 a second on one core; 0: skip)")
+    p.add_argument(
+        "--population",
+        type=Path,
+        help='JSON object of population ranges, e.g. {"accept_close": [0.1, 0.3]}',
+    )
+    p.add_argument(
+        "--reject-family-share",
+        type=float,
+        help="share of cursors on def/class lines, always rejected (default 0.1)",
+    )
+    p.add_argument(
+        "--baseline-cursors",
+        type=int,
+        default=2000,
+        help="held-out cursors for the offline base-policy baseline, run after the "
+        "simulation (about 10 a second on one core; 0: skip)",
+    )
     p.add_argument("--baseline-checkpoint", type=Path, help="default: the shipped base policy")
-    p.add_argument("--baseline-json", type=Path,
-                   help="use this baseline (from python -m simulator.baseline) instead")
+    p.add_argument(
+        "--baseline-json",
+        type=Path,
+        help="use this baseline (from python -m simulator.baseline) instead",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     live = p.add_mutually_exclusive_group()
-    live.add_argument("--live", dest="live", action="store_true", default=None,
-                      help="rich live display (default when stdout is a terminal)")
-    live.add_argument("--no-live", dest="live", action="store_false",
-                      help="print one line per bucket instead")
+    live.add_argument(
+        "--live",
+        dest="live",
+        action="store_true",
+        default=None,
+        help="rich live display (default when stdout is a terminal)",
+    )
+    live.add_argument(
+        "--no-live", dest="live", action="store_false", help="print one line per bucket instead"
+    )
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -559,15 +706,27 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     if args.reject_family_share is not None:
         given = {**given, "reject_family_share": args.reject_family_share}
     population = PopulationConfig.from_dict(given)
-    return SimConfig(api=args.api, key=args.key, users=args.users, minutes=args.minutes,
-                     baseline_minutes=args.baseline_minutes, settled_share=args.settled,
-                     corpus=args.corpus, admin_key=args.admin_key,
-                     seed=args.seed, bucket_s=args.bucket_s, out=args.out, population=population,
-                     max_new_tokens=args.max_new_tokens, baseline_cursors=args.baseline_cursors,
-                     baseline_checkpoint=args.baseline_checkpoint,
-                     baseline_json=args.baseline_json, live=args.live,
-                     adversaries=args.adversaries,
-                     adversary_kinds=parse_kinds(args.adversary_kinds))
+    return SimConfig(
+        api=args.api,
+        key=args.key,
+        users=args.users,
+        minutes=args.minutes,
+        baseline_minutes=args.baseline_minutes,
+        settled_share=args.settled,
+        corpus=args.corpus,
+        admin_key=args.admin_key,
+        seed=args.seed,
+        bucket_s=args.bucket_s,
+        out=args.out,
+        population=population,
+        max_new_tokens=args.max_new_tokens,
+        baseline_cursors=args.baseline_cursors,
+        baseline_checkpoint=args.baseline_checkpoint,
+        baseline_json=args.baseline_json,
+        live=args.live,
+        adversaries=args.adversaries,
+        adversary_kinds=parse_kinds(args.adversary_kinds),
+    )
 
 
 def parse_kinds(text: str) -> tuple[AdversaryKind, ...]:
@@ -575,8 +734,10 @@ def parse_kinds(text: str) -> tuple[AdversaryKind, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     unknown = [k for k in kinds if k not in ADVERSARY_KINDS]
     if not kinds or unknown:
-        raise ValueError(f"--adversary-kinds: {', '.join(unknown) or 'none given'}; "
-                         f"known: {', '.join(ADVERSARY_KINDS)}")
+        raise ValueError(
+            f"--adversary-kinds: {', '.join(unknown) or 'none given'}; "
+            f"known: {', '.join(ADVERSARY_KINDS)}"
+        )
     return kinds  # type: ignore[return-value]
 
 
@@ -595,8 +756,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--settled must be a share in [0, 1]")
     if args.corpus is not None and not args.corpus.is_dir():
         parser.error(f"--corpus {args.corpus}: not a directory")
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         cfg = config_from_args(args)
     except (ValueError, OSError) as e:

@@ -348,6 +348,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tabloop keys create: {e}", file=sys.stderr)
         return 2
+
     def create(c: sa.Connection) -> tuple[ApiKey, str]:
         key, token = create_key(c, name=args.name, scopes=scopes, no_train=args.no_train)
         audit.record_key(c, audit.CLI, "key.create", key)  # in the same transaction

@@ -84,8 +84,14 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> 
     return full * (0.5 + 0.5 * rng.random())
 
 
-def wait_s(status: int | None, headers: Mapping[str, str], attempt: int, base_s: float,
-           cap_s: float, rng: random.Random) -> float:
+def wait_s(
+    status: int | None,
+    headers: Mapping[str, str],
+    attempt: int,
+    base_s: float,
+    cap_s: float,
+    rng: random.Random,
+) -> float:
     """How long to wait before retry `attempt` (0-based): Retry-After when the service sent one
     (capped at cap_s), else the backoff. `status` None: the request never got an answer."""
     told = retry_after_s(headers) if status in RETRY_STATUSES else None
@@ -127,11 +133,20 @@ class Client:
     `backoff_base_s` up to `backoff_cap_s`. `seed` fixes the backoff jitter (for reproducible
     runs). Use it as `async with Client(...)`, or call `aclose()`."""
 
-    def __init__(self, api: str, key: str, *, seed: int | None = None, timeout_s: float = 30.0,
-                 max_attempts: int = 8, backoff_base_s: float = 0.2,
-                 backoff_cap_s: float = 10.0) -> None:
-        self._http = httpx.AsyncClient(base_url=api.rstrip("/"), timeout=timeout_s,
-                                       headers={"Authorization": f"Bearer {key}"})
+    def __init__(
+        self,
+        api: str,
+        key: str,
+        *,
+        seed: int | None = None,
+        timeout_s: float = 30.0,
+        max_attempts: int = 8,
+        backoff_base_s: float = 0.2,
+        backoff_cap_s: float = 10.0,
+    ) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=api.rstrip("/"), timeout=timeout_s, headers={"Authorization": f"Bearer {key}"}
+        )
         self._rng = random.Random(None if seed is None else f"client:{seed}")
         self.max_attempts = max_attempts
         self.backoff_base_s, self.backoff_cap_s = backoff_base_s, backoff_cap_s
@@ -159,8 +174,9 @@ class Client:
                     self.stats.unavailable += 1
             if attempt + 1 == self.max_attempts:
                 break
-            delay = wait_s(status, headers, attempt, self.backoff_base_s, self.backoff_cap_s,
-                           self._rng)
+            delay = wait_s(
+                status, headers, attempt, self.backoff_base_s, self.backoff_cap_s, self._rng
+            )
             self.stats.retries += 1
             self.stats.waited_s += delay
             await asyncio.sleep(delay)
@@ -181,12 +197,17 @@ class Client:
     async def complete(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """POST /v1/complete: `{"suggestion_id", "policy_version", "text", "shown", ...}`, or
         None when the service stayed unavailable. Raises ApiError when it refuses the request."""
-        r = await self.request("POST", "/v1/complete", content=orjson.dumps(body),
-                               headers={"Content-Type": "application/json"})
+        r = await self.request(
+            "POST",
+            "/v1/complete",
+            content=orjson.dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
         return None if r is None else self._check(r)
 
-    async def post_events(self, events: list[dict[str, Any]],
-                          gzip_min_bytes: int = 4096) -> dict[str, Any] | None:
+    async def post_events(
+        self, events: list[dict[str, Any]], gzip_min_bytes: int = 4096
+    ) -> dict[str, Any] | None:
         """POST /v1/events with one batch, gzipped from `gzip_min_bytes` of JSON on: the
         service's 202 answer, or None when it stayed unavailable. Prefer EventSender."""
         body = orjson.dumps({"events": events})
@@ -222,8 +243,14 @@ class EventSender:
     and delivers what is left when it ends (or call `start()` and `close()`); `flush()` sends
     what is queued now."""
 
-    def __init__(self, client: Client, *, batch_size: int = 200, flush_interval_s: float = 0.25,
-                 gzip_min_bytes: int = 4096) -> None:
+    def __init__(
+        self,
+        client: Client,
+        *,
+        batch_size: int = 200,
+        flush_interval_s: float = 0.25,
+        gzip_min_bytes: int = 4096,
+    ) -> None:
         assert batch_size >= 1 and flush_interval_s > 0
         self.client = client
         self.batch_size, self.flush_interval_s = batch_size, flush_interval_s
@@ -294,8 +321,11 @@ class EventSender:
         self._refusals_unlogged += n
         now = time.monotonic()
         if now - self._refusals_logged_at >= REFUSAL_LOG_INTERVAL_S:
-            log.warning("the service refused %d event(s) (stats.rejected_by_type has them all), "
-                        "e.g. %s", self._refusals_unlogged, example)
+            log.warning(
+                "the service refused %d event(s) (stats.rejected_by_type has them all), e.g. %s",
+                self._refusals_unlogged,
+                example,
+            )
             self._refusals_logged_at, self._refusals_unlogged = now, 0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -334,8 +364,12 @@ class EventSender:
         self.start()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if not await self.close():
             log.error("%d events could not be delivered", self.pending)
 

@@ -92,24 +92,26 @@ def durable_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBro
 # Tests that start such processes themselves are marked in their modules
 # (`pytestmark = pytest.mark.integration` or `@pytest.mark.integration`).
 # ============================================================================
-INTEGRATION_FIXTURES = frozenset({
-    # tests/conftest.py
-    "postgres_server",  # PostgreSQL
-    "pg_url",  # a database on postgres_server
-    "kafka_broker",  # Tansu
-    "durable_kafka",  # Tansu + SeaweedFS
-    # tests/service/conftest.py: the app served by uvicorn on a loopback port; `served` is
-    # also the name of the modules' own in simulator/test_run.py, tabloop/test_client.py and
-    # service/dashboard/test_dashboard_browser.py, which serve it too
-    "service_factory",
-    "service",
-    "served",
-    # fixtures of a test module
-    "served_sim",  # tests/simulator/test_run.py: the app on a loopback port
-    "embedded",  # tests/trainer/test_loop.py: the app on a loopback port
-    "up",  # tests/simulator/test_e2e.py: `tabloop up` in a subprocess
-    "browser_page",  # tests/service/dashboard/test_dashboard_browser.py: chromium
-})
+INTEGRATION_FIXTURES = frozenset(
+    {
+        # tests/conftest.py
+        "postgres_server",  # PostgreSQL
+        "pg_url",  # a database on postgres_server
+        "kafka_broker",  # Tansu
+        "durable_kafka",  # Tansu + SeaweedFS
+        # tests/service/conftest.py: the app served by uvicorn on a loopback port; `served` is
+        # also the name of the modules' own in simulator/test_run.py, tabloop/test_client.py and
+        # service/dashboard/test_dashboard_browser.py, which serve it too
+        "service_factory",
+        "service",
+        "served",
+        # fixtures of a test module
+        "served_sim",  # tests/simulator/test_run.py: the app on a loopback port
+        "embedded",  # tests/trainer/test_loop.py: the app on a loopback port
+        "up",  # tests/simulator/test_e2e.py: `tabloop up` in a subprocess
+        "browser_page",  # tests/service/dashboard/test_dashboard_browser.py: chromium
+    }
+)
 # Parameters of a fixture that then asks for PostgreSQL and the broker with
 # request.getfixturevalue (not in item.fixturenames): fixture name -> that parameter.
 INTEGRATION_PARAMS = {
@@ -127,9 +129,11 @@ def _direct_params(item: pytest.Item) -> set[str]:
         if isinstance(argnames, str):
             argnames = [n.strip() for n in argnames.split(",") if n.strip()]
         indirect = mark.kwargs.get("indirect", False)
-        names.update(n for n in argnames
-                     if not (indirect is True or (isinstance(indirect, list | tuple)
-                                                  and n in indirect)))
+        names.update(
+            n
+            for n in argnames
+            if not (indirect is True or (isinstance(indirect, list | tuple) and n in indirect))
+        )
     return names
 
 

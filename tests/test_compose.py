@@ -435,6 +435,7 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
 
 # -- the image a user builds ---------------------------------------------------------------
 
+
 def test_the_image_has_every_package_cpu_torch_and_no_root() -> None:
     """Every package pyproject.toml installs is copied in; torch comes from PyTorch's CPU index
     at the pinned version (the default index's wheel is the CUDA build); the processes run as

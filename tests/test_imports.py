@@ -46,9 +46,12 @@ def imported(path: Path) -> set[str]:
 
 def outside_core(path: Path) -> list[str]:
     """The modules of service/ that `path` imports and that are not the shared core."""
-    return sorted(m for m in imported(path)
-                  if m.startswith("service.")
-                  and not any(m == c or m.startswith(c + ".") for c in SHARED_CORE))
+    return sorted(
+        m
+        for m in imported(path)
+        if m.startswith("service.")
+        and not any(m == c or m.startswith(c + ".") for c in SHARED_CORE)
+    )
 
 
 def sources(package: str) -> list[Path]:
@@ -62,20 +65,26 @@ def test_the_trainer_and_the_simulator_import_only_the_shared_core(package: str)
 
 
 def test_the_api_never_imports_the_trainer_or_the_simulator() -> None:
-    found = {str(p.relative_to(ROOT)): sorted(m for m in imported(p)
-                                              if m.split(".")[0] in ("trainer", "simulator"))
-             for p in sources("service")}
+    found = {
+        str(p.relative_to(ROOT)): sorted(
+            m for m in imported(p) if m.split(".")[0] in ("trainer", "simulator")
+        )
+        for p in sources("service")
+    }
     assert {k: v for k, v in found.items() if v} == {}
 
 
-@pytest.mark.parametrize("line", [
-    "from service.app import create_app",
-    "import service.app",
-    "from service.events.endpoints import router",
-    "from service.completions import serving",
-    "from service.events.schemas import parse_event",
-    "from service import app",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from service.app import create_app",
+        "import service.app",
+        "from service.events.endpoints import router",
+        "from service.completions import serving",
+        "from service.events.schemas import parse_event",
+        "from service import app",
+    ],
+)
 def test_the_contract_fails_on_an_api_internal(tmp_path: Path, line: str) -> None:
     module = tmp_path / "module.py"
     module.write_text(f"from service.policy.model import GPT\n{line}\n")

@@ -67,8 +67,10 @@ def cap_one(weights: Sequence[float], groups: Sequence[str | None], cap: float) 
         rest -= totals[group]
     else:  # every group capped with weight left outside them: c * n < 1 cannot happen
         raise AssertionError("effective cap below 1/groups")
-    return [w * factors.get(g, 1.0) if g is not None else w
-            for w, g in zip(weights, groups, strict=True)]
+    return [
+        w * factors.get(g, 1.0) if g is not None else w
+        for w, g in zip(weights, groups, strict=True)
+    ]
 
 
 def max_share(weights: Sequence[float], groups: Sequence[str | None]) -> float:
@@ -106,9 +108,13 @@ class Capped:
     weight_removed: float  # rows - weight (the weights have mean 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "rows": self.rows, "share": round(self.share, 4),
-                "weight_share": round(self.weight_share, 4),
-                "weight_removed": round(self.weight_removed, 3)}
+        return {
+            "id": self.id,
+            "rows": self.rows,
+            "share": round(self.share, 4),
+            "weight_share": round(self.weight_share, 4),
+            "weight_removed": round(self.weight_removed, 3),
+        }
 
 
 def capped(groups: Sequence[str | None], weights: Sequence[float]) -> list[Capped]:
@@ -120,6 +126,9 @@ def capped(groups: Sequence[str | None], weights: Sequence[float]) -> list[Cappe
         if g is not None:
             rows[g] += 1
             held[g] += w
-    out = [Capped(g, rows[g], rows[g] / n, held[g] / total, rows[g] - held[g])
-           for g in rows if rows[g] - held[g] > 1e-6]
+    out = [
+        Capped(g, rows[g], rows[g] / n, held[g] / total, rows[g] - held[g])
+        for g in rows
+        if rows[g] - held[g] > 1e-6
+    ]
     return sorted(out, key=lambda c: (-c.weight_removed, c.id))

@@ -48,11 +48,25 @@ DATA_MIN_LINES = 100  # ... when there are at least this many of them
 FILE_SEPARATOR = "\n<|eof|>\n"  # between files in read_corpus(); the tokenizer's <|eof|>
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages"})
 # directory corpora: never code of the operator's own
-SKIPPED_DIRS = frozenset({
-    ".git", ".hg", ".svn", ".venv", "venv", "node_modules", "__pycache__",
-    "site-packages", "dist-packages", ".tox", ".nox", ".mypy_cache", ".pytest_cache",
-    ".ruff_cache", "bower_components",
-})
+SKIPPED_DIRS = frozenset(
+    {
+        ".git",
+        ".hg",
+        ".svn",
+        ".venv",
+        "venv",
+        "node_modules",
+        "__pycache__",
+        "site-packages",
+        "dist-packages",
+        ".tox",
+        ".nox",
+        ".mypy_cache",
+        ".pytest_cache",
+        ".ruff_cache",
+        "bower_components",
+    }
+)
 SKIPPED_SUFFIXES = (".lock", "-lock.json", "-lock.yaml", ".min.js", ".min.css", ".map")
 SNIFF_BYTES = 8192  # bytes read to tell text from binary
 
@@ -139,8 +153,10 @@ def _directory_files(root: Path) -> tuple[tuple[Path, bool], ...]:
     found: list[Path] = []
     for here, dirs, names in os.walk(root):
         dirs[:] = [
-            d for d in dirs
-            if d not in SKIPPED_DIRS and not d.startswith(".")
+            d
+            for d in dirs
+            if d not in SKIPPED_DIRS
+            and not d.startswith(".")
             and not (Path(here) / d / "pyvenv.cfg").exists()  # a virtual environment by any name
         ]
         for name in names:

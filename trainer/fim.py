@@ -66,9 +66,7 @@ def fim_tokens(
     """(context ids, target ids) of one FIM example: the context serving would build with this
     budget, and the tokens generation should produce after it (the healed bytes, the middle)."""
     assert tokenizer.fim_ids is not None, "a FIM row needs a tokenizer with the sentinels"
-    healing = prepare_context(
-        tokenizer, prefix, block_size, block_size - budget, suffix=suffix
-    )
+    healing = prepare_context(tokenizer, prefix, block_size, block_size - budget, suffix=suffix)
     target = tokenizer.encode(healing.constraint.decode("utf-8") + middle)[:max_new_tokens]
     return healing.context_ids, target
 

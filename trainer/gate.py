@@ -107,9 +107,7 @@ def check(
     loss_cand = heldout_loss(candidate, heldout)
     loss_base = loss_live if base is None or base is live else heldout_loss(base, heldout)
     v = torch.ones(len(actions), dtype=torch.float64) if weights is None else weights.double()
-    reward_live = (
-        float((rewards.double() * v).sum() / v.sum()) if rewards.numel() else float("nan")
-    )
+    reward_live = float((rewards.double() * v).sum() / v.sum()) if rewards.numel() else float("nan")
     logp_new = score_actions(candidate, tokenizer, actions).total if actions else torch.empty(0)
     est, ess = snis(logp_new, behaviour_logp, rewards, cfg.weight_clip, weights)
     # what the weights alone leave of the sample: len(actions) when they are all equal

@@ -104,7 +104,10 @@ class Join:
                 BAD_RECORDS.inc()
                 log.warning(
                     "skipping an unreadable record at %s[%d] offset %d: %r",
-                    rec.topic, rec.partition, rec.offset, e,
+                    rec.topic,
+                    rec.partition,
+                    rec.offset,
+                    e,
                 )
 
     def _add_record(self, rec: Record) -> None:

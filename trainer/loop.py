@@ -83,23 +83,25 @@ CAPPED_LISTED = 20  # the most capped people (and keys) kept per batch, most wei
 # An unviewed suggestion (shown to a client that reports views, never viewed) is left out too:
 # nobody judged it, and its reward of 0 would teach the gate that showing is worth nothing.
 # A rollout made in privacy mode (no_train) is never read: its code was not even stored.
-_ROLLOUT_ROWS = sa.select(
-    rollouts.c.suggestion_id,
-    rollouts.c.context_token_ids,
-    rollouts.c.token_ids,
-    rollouts.c.heal_text,
-    rollouts.c.temperature,
-    rollouts.c.top_p,
-    rollouts.c.shown,
-    rollouts.c.logprob_total,
-    rollouts.c.token_logprobs,
-    rollouts.c.decision_logprob,
-    rollouts.c.policy_version,
-    rollouts.c.user_id,  # whose and which key's: each one's share of a batch is capped
-    rollouts.c.api_key_id,
-    rewards.c.value,
-).join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id).where(
-    rollouts.c.stop_reason != STOP_LANGUAGE, rewards.c.outcome != UNVIEWED, trainable()
+_ROLLOUT_ROWS = (
+    sa.select(
+        rollouts.c.suggestion_id,
+        rollouts.c.context_token_ids,
+        rollouts.c.token_ids,
+        rollouts.c.heal_text,
+        rollouts.c.temperature,
+        rollouts.c.top_p,
+        rollouts.c.shown,
+        rollouts.c.logprob_total,
+        rollouts.c.token_logprobs,
+        rollouts.c.decision_logprob,
+        rollouts.c.policy_version,
+        rollouts.c.user_id,  # whose and which key's: each one's share of a batch is capped
+        rollouts.c.api_key_id,
+        rewards.c.value,
+    )
+    .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
+    .where(rollouts.c.stop_reason != STOP_LANGUAGE, rewards.c.outcome != UNVIEWED, trainable())
 )
 
 
@@ -299,8 +301,9 @@ class Trainer:
 
     def _weights(self, rows: list[sa.Row]) -> list[float]:
         """Each row's weight: no person or key above cfg.max_share of the rows' total."""
-        return cap_weights([r.user_id for r in rows], [r.api_key_id for r in rows],
-                           self.cfg.max_share)
+        return cap_weights(
+            [r.user_id for r in rows], [r.api_key_id for r in rows], self.cfg.max_share
+        )
 
     def _with_settled(self, rows: list[sa.Row]) -> Batch:
         """The rows as a batch, capped (`_weights`), each with the text its person settled on
@@ -310,8 +313,12 @@ class Trainer:
             if self.cfg.update.settled_epochs
             else {}
         )
-        return Batch.of(rows, [r.value for r in rows], [texts.get(r.suggestion_id) for r in rows],
-                        self._weights(rows))
+        return Batch.of(
+            rows,
+            [r.value for r in rows],
+            [texts.get(r.suggestion_id) for r in rows],
+            self._weights(rows),
+        )
 
     def _batch_rows(self, dep: Deployment) -> list[sa.Row]:
         with self.engine.connect() as conn:
@@ -369,7 +376,14 @@ class Trainer:
         earlier_settled = self._settled_replay_rows()
         settled = self._with_settled(earlier_settled) if earlier_settled else None
         metrics = update(
-            model, ref_model, tokenizer, batch, optimizer, self.cfg.update, replay, settled,
+            model,
+            ref_model,
+            tokenizer,
+            batch,
+            optimizer,
+            self.cfg.update,
+            replay,
+            settled,
             self._generic(tokenizer, model) if self.cfg.update.generic_mix > 0 else None,
         )
         self._optimizer_state = copy.deepcopy(optimizer.state_dict())
@@ -451,15 +465,22 @@ class Trainer:
         weights = batch.row_weights().tolist()
         users = capped([r.user_id for r in rows], weights)
         keys = capped([r.api_key_id for r in rows], weights)
-        entry = {"at": now.isoformat(), "rollouts": len(rows), "max_share": self.cfg.max_share,
-                 "users": [c.to_dict() for c in users[:CAPPED_LISTED]],
-                 "keys": [c.to_dict() for c in keys[:CAPPED_LISTED]]}
+        entry = {
+            "at": now.isoformat(),
+            "rollouts": len(rows),
+            "max_share": self.cfg.max_share,
+            "users": [c.to_dict() for c in users[:CAPPED_LISTED]],
+            "keys": [c.to_dict() for c in keys[:CAPPED_LISTED]],
+        }
         history = self.state.setdefault("capped", [])
         history.append(entry)
         del history[:-CAPPED_BATCHES]
-        return {"max_share": self.cfg.max_share, "users_capped": len(users),
-                "keys_capped": len(keys),
-                "weight_removed": round(sum(c.weight_removed for c in users + keys), 3)}
+        return {
+            "max_share": self.cfg.max_share,
+            "users_capped": len(users),
+            "keys_capped": len(keys),
+            "weight_removed": round(sum(c.weight_removed for c in users + keys), 3),
+        }
 
     def _mark_trained(self, ids: list[str], version: int | None) -> None:
         """Stamp rewards as used (and by which candidate); a stamped reward is never reused."""
@@ -477,19 +498,23 @@ class Trainer:
     def _arm(self, conn: sa.Connection, version: int, since: Any) -> ArmStats:
         """The arm's finalized rewards since `since`, capped per person and key like a batch."""
         rows = conn.execute(
-            sa.select(rewards.c.value, rewards.c.outcome, rewards.c.user_id,
-                      rollouts.c.api_key_id)
-            .select_from(rewards.join(rollouts,
-                                      rollouts.c.suggestion_id == rewards.c.suggestion_id))
+            sa.select(rewards.c.value, rewards.c.outcome, rewards.c.user_id, rollouts.c.api_key_id)
+            .select_from(
+                rewards.join(rollouts, rollouts.c.suggestion_id == rewards.c.suggestion_id)
+            )
             .where(
                 rewards.c.policy_version == version,
                 rewards.c.rollout_created_at >= since,
                 rewards.c.outcome != UNVIEWED,  # nobody saw it: no evidence either way
             )
         ).all()
-        return arm_stats([r.value for r in rows], [r.outcome for r in rows],
-                         [r.user_id for r in rows], [r.api_key_id for r in rows],
-                         self.cfg.max_share)
+        return arm_stats(
+            [r.value for r in rows],
+            [r.outcome for r in rows],
+            [r.user_id for r in rows],
+            [r.api_key_id for r in rows],
+            self.cfg.max_share,
+        )
 
     def _watch_canary(self, dep: Deployment) -> None:
         assert dep.canary_version is not None

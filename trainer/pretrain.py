@@ -280,14 +280,18 @@ def from_checkpoint(ckpt: Path, fim: bool) -> tuple[GPT, CodeTokenizer, dict[str
         tokenizer = CodeTokenizer(tk)
         old = model.wte.weight.detach()
         extra = tokenizer.vocab_size - old.shape[0]
-        grown = GPT(ModelConfig.from_dict(dict(model.config.to_dict(),
-                                               vocab_size=tokenizer.vocab_size)))
+        grown = GPT(
+            ModelConfig.from_dict(dict(model.config.to_dict(), vocab_size=tokenizer.vocab_size))
+        )
         state = model.state_dict()
         state["wte.weight"] = torch.cat([old, old.mean(0, keepdim=True).expand(extra, -1)])
         grown.load_state_dict(state)
         model = grown
-    info = {"path": str(ckpt), "version": manifest.version,
-            "weights_sha256": manifest.weights_sha256}
+    info = {
+        "path": str(ckpt),
+        "version": manifest.version,
+        "weights_sha256": manifest.weights_sha256,
+    }
     return model, tokenizer, info
 
 
@@ -510,9 +514,17 @@ def refit_gate(
     train_paths, _ = split_files(PretrainConfig(out_dir=ckpt, corpus=corpus))
     fit = fit_gate(model, tokenizer, cursors_from(train_paths, examples, seed), seed)
     summary = {**manifest.summary, "gate_refit": {**fit, "seed": seed}}
-    save_checkpoint(ckpt, model, tokenizer, version=manifest.version, parent=manifest.parent,
-                    summary=summary, dtype=manifest.weights_dtype, overwrite=True,
-                    languages=manifest.languages)
+    save_checkpoint(
+        ckpt,
+        model,
+        tokenizer,
+        version=manifest.version,
+        parent=manifest.parent,
+        summary=summary,
+        dtype=manifest.weights_dtype,
+        overwrite=True,
+        languages=manifest.languages,
+    )
     return fit
 
 
@@ -529,14 +541,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     forwards argv)."""
     p = argparse.ArgumentParser(prog="tabloop pretrain", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
-    p.add_argument("--corpus", type=Path, default=None,
-                   help="a directory of code to train on, any file extensions (default: the "
-                        "Python standard library)")
-    p.add_argument("--fim-rate", type=float, default=PretrainConfig.fim_rate,
-                   help="share of fill-in-the-middle training rows (0: left to right only)")
-    p.add_argument("--init", type=Path, default=None,
-                   help="continue from this checkpoint instead of starting from scratch (with "
-                        "--fim-rate above 0, a left-to-right one gains the FIM sentinels)")
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="a directory of code to train on, any file extensions (default: the "
+        "Python standard library)",
+    )
+    p.add_argument(
+        "--fim-rate",
+        type=float,
+        default=PretrainConfig.fim_rate,
+        help="share of fill-in-the-middle training rows (0: left to right only)",
+    )
+    p.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="continue from this checkpoint instead of starting from scratch (with "
+        "--fim-rate above 0, a left-to-right one gains the FIM sentinels)",
+    )
     p.add_argument("--minutes", type=float, default=20.0, help="training-loop budget")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/resume")
@@ -545,8 +569,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=PretrainConfig.batch_size)
     p.add_argument("--lr", type=float, default=PretrainConfig.learning_rate)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--refit-gate", action="store_true",
-                   help="only fit the gate of the checkpoint in OUT again (language model kept)")
+    p.add_argument(
+        "--refit-gate",
+        action="store_true",
+        help="only fit the gate of the checkpoint in OUT again (language model kept)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.refit_gate:

@@ -27,7 +27,9 @@ if TYPE_CHECKING:  # update.py imports this module
 
 
 def settled_targets(
-    tokenizer: CodeTokenizer, actions: Sequence[Action], texts: Sequence[str | None],
+    tokenizer: CodeTokenizer,
+    actions: Sequence[Action],
+    texts: Sequence[str | None],
     max_tokens: int,
 ) -> list[tuple[int, list[int]]]:
     """(index, target token ids) for each action that has a settled text: the tokens the policy
@@ -44,7 +46,9 @@ def settled_targets(
 
 
 def settled_nll(
-    model: GPT, actions: Sequence[Action], targets: Sequence[tuple[int, list[int]]],
+    model: GPT,
+    actions: Sequence[Action],
+    targets: Sequence[tuple[int, list[int]]],
     weights: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Mean token NLL (model distribution, temperature 1) of each target after its action's
@@ -65,7 +69,7 @@ def settled_nll(
         idx[b, : len(seq)] = torch.tensor(seq)
     rows = [b for b, (_, n) in enumerate(spans) for _ in range(n)]
     cols = [c - 1 + j for c, n in spans for j in range(n)]
-    tgt = torch.tensor([t for seq, (c, n) in zip(seqs, spans, strict=True) for t in seq[c:c + n]])
+    tgt = torch.tensor([t for seq, (c, n) in zip(seqs, spans, strict=True) for t in seq[c : c + n]])
     logits = model.logits(model.hidden(idx)[rows, cols]).float()
     if weights is None:
         return F.cross_entropy(logits, tgt)
@@ -74,8 +78,13 @@ def settled_nll(
 
 
 def settled_passes(
-    model: GPT, tokenizer: CodeTokenizer, batch: Batch, replay: Batch | None,
-    optimizer: torch.optim.Optimizer, cfg: UpdateConfig, generic: torch.Tensor | None = None,
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    batch: Batch,
+    replay: Batch | None,
+    optimizer: torch.optim.Optimizer,
+    cfg: UpdateConfig,
+    generic: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """`cfg.settled_epochs` passes of minibatch steps on the settled-text NLL of `batch` and
     `replay` (each text is evidence only for the rollout whose cursor it follows), plus
@@ -83,9 +92,11 @@ def settled_passes(
     (N, T+1) when given. The learning rate is the optimizer's times settled_lr_mult for these
     steps; the gate gets no gradient."""
     parts = [b for b in (batch, replay) if b is not None and b.settled is not None]
-    examples = [(b.actions[i], ids, float(b.row_weights()[i])) for b in parts
-                for i, ids in settled_targets(tokenizer, b.actions, b.settled or [],
-                                              cfg.settled_max_tokens)]
+    examples = [
+        (b.actions[i], ids, float(b.row_weights()[i]))
+        for b in parts
+        for i, ids in settled_targets(tokenizer, b.actions, b.settled or [], cfg.settled_max_tokens)
+    ]
     if not examples or cfg.settled_epochs <= 0:
         return {"settled/examples": float(len(examples))}
     # the rows' weights (trainer/caps.py), to a mean of 1 over the examples read
@@ -103,9 +114,12 @@ def settled_passes(
             total, steps = 0.0, 0
             for start in range(0, len(order), cfg.minibatch_size):
                 mb = [examples[i] for i in order[start : start + cfg.minibatch_size]]
-                loss = settled_nll(model, [a for a, _, _ in mb],
-                                   [(j, ids) for j, (_, ids, _) in enumerate(mb)],
-                                   [w / mean_weight for _, _, w in mb] if weighted else None)
+                loss = settled_nll(
+                    model,
+                    [a for a, _, _ in mb],
+                    [(j, ids) for j, (_, ids, _) in enumerate(mb)],
+                    [w / mean_weight for _, _, w in mb] if weighted else None,
+                )
                 total, steps = total + loss.item(), steps + 1
                 if generic is not None and cfg.generic_mix > 0:
                     rows = generic[torch.randint(0, len(generic), (cfg.generic_rows,))]
@@ -124,5 +138,9 @@ def settled_passes(
     finally:
         for g, lr in zip(optimizer.param_groups, lrs, strict=True):
             g["lr"] = lr
-    return {"settled/examples": float(len(examples)), "settled/nll_first": first,
-            "settled/nll_last": last, "settled/generic_nll": generic_total / n_steps}
+    return {
+        "settled/examples": float(len(examples)),
+        "settled/nll_first": first,
+        "settled/nll_last": last,
+        "settled/generic_nll": generic_total / n_steps,
+    }

@@ -298,8 +298,13 @@ def pg_loss(
         )
         assert old_tokens.shape == new.token_logprobs.shape, "logged token log-probs per token"
         policy_loss, clipfrac = per_part_surrogate(
-            new.token_logprobs, old_tokens, new.lengths, new.decision,
-            batch.behaviour_decision_logp, adv, cfg.clip_eps,
+            new.token_logprobs,
+            old_tokens,
+            new.lengths,
+            new.decision,
+            batch.behaviour_decision_logp,
+            adv,
+            cfg.clip_eps,
         )
     else:
         policy_loss = clipped_surrogate(new.total, batch.behaviour_logp, adv, cfg.clip_eps)
@@ -374,7 +379,8 @@ def _updating(
     token and position embeddings; restored afterwards."""
     modes = (model.training, ref_model.training)
     frozen = [
-        p for n, p in model.named_parameters()
+        p
+        for n, p in model.named_parameters()
         if (gate_only and not n.startswith("gate.")) or (freeze_embeddings and n in EMBEDDINGS)
     ]
     frozen = [p for p in frozen if p.requires_grad]
@@ -437,13 +443,20 @@ def update(
                 steps += 1
         settled: dict[str, float] = {}
         if cfg.settled_epochs and not cfg.train_gate_only:
-            settled = settled_passes(model, tokenizer, batch, settled_replay, optimizer, cfg,
-                                     generic)
+            settled = settled_passes(
+                model, tokenizer, batch, settled_replay, optimizer, cfg, generic
+            )
         gate: dict[str, float] = {}
         if cfg.gate_fit:
             gate = fit_gate_to_rewards(
-                model, tokenizer, batch, replay, cfg.gate_fit_l2, cfg.gate_fit_sharpness,
-                cfg.gate_fit_min_shown, cfg.gate_fit_sharpness_max,
+                model,
+                tokenizer,
+                batch,
+                replay,
+                cfg.gate_fit_l2,
+                cfg.gate_fit_sharpness,
+                cfg.gate_fit_min_shown,
+                cfg.gate_fit_sharpness_max,
             )
         if cfg.gate_epochs and not gate.get("gate_fit/fitted"):
             gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg))
@@ -540,8 +553,11 @@ def fit_gate_to_rewards(
     actions = list(batch.actions) + ([] if replay is None else list(replay.actions))
     rewards = batch.rewards if replay is None else torch.cat([batch.rewards, replay.rewards])
     # the rows' weights (trainer/caps.py) weigh both the abstention baseline and each verdict
-    row_w = batch.row_weights() if replay is None else torch.cat(
-        [batch.row_weights(), replay.row_weights()])
+    row_w = (
+        batch.row_weights()
+        if replay is None
+        else torch.cat([batch.row_weights(), replay.row_weights()])
+    )
     in_batch = torch.arange(len(actions)) < len(batch.actions)
     shown = torch.tensor([bool(a.shown) for a in actions])  # never empty: the server hides those
     abstained = in_batch & ~shown
@@ -554,8 +570,10 @@ def fit_gate_to_rewards(
     if len(y) < min_shown or int(y.sum()) == 0 or int(y.sum()) == len(y):
         return {"gate_fit/shown": float(len(y)), "gate_fit/fitted": 0.0}
     with torch.no_grad():  # the forward passes only once there is a fit to make
-        parts = [score_actions(model, tokenizer, actions[i : i + 256])
-                 for i in range(0, len(actions), 256)]
+        parts = [
+            score_actions(model, tokenizer, actions[i : i + 256])
+            for i in range(0, len(actions), 256)
+        ]
     h = torch.cat([p.gate_hidden for p in parts])
     x = torch.cat([p.gate_inputs for p in parts])
     w = gain.abs() * row_w[shown]

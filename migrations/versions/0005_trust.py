@@ -28,8 +28,12 @@ def upgrade() -> None:
     op.add_column("api_keys", sa.Column("no_train", sa.Boolean(), nullable=True))
     op.create_table(
         "audit_log",
-        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
-                  autoincrement=True, nullable=False),
+        sa.Column(
+            "id",
+            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+            autoincrement=True,
+            nullable=False,
+        ),
         sa.Column("at", TS, nullable=False),
         sa.Column("key_id", sa.String(32), nullable=True),
         sa.Column("key_name", sa.String(200), nullable=True),

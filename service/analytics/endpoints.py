@@ -37,18 +37,26 @@ def get_metrics(
     ctx: CtxDep,
     window: Annotated[
         str | None,
-        Query(description="seconds or a duration (90s, 15m, 1h, 24h, 7d); default 1h, at most 30d",
-              examples=["1h"]),
+        Query(
+            description="seconds or a duration (90s, 15m, 1h, 24h, 7d); default 1h, at most 30d",
+            examples=["1h"],
+        ),
     ] = None,
     bucket: Annotated[
         str | None,
-        Query(description="bucket size, same format; default window/30 (at least 10 s); at most "
-                          f"{service.MAX_BUCKETS} buckets per window", examples=["2m"]),
+        Query(
+            description="bucket size, same format; default window/30 (at least 10 s); at most "
+            f"{service.MAX_BUCKETS} buckets per window",
+            examples=["2m"],
+        ),
     ] = None,
     to: Annotated[
         str | None,
-        Query(description="end of the window (RFC 3339); default now",
-              json_schema_extra={"format": "date-time"}, examples=["2026-11-29T12:00:00Z"]),
+        Query(
+            description="end of the window (RFC 3339); default now",
+            json_schema_extra={"format": "date-time"},
+            examples=["2026-11-29T12:00:00Z"],
+        ),
     ] = None,
 ) -> MetricsOut:
     """Suggestions, shown and accept rates, retention, characters per request, mean reward and

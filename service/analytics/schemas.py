@@ -100,13 +100,28 @@ class CappedGroup(BaseModel):
 _TRUST_EXAMPLE: dict[str, Any] = {
     "refused": 120,
     "refused_by_reason": {"wrong_key": 100, "not_shown": 20},
-    "refused_users": [{"id": "u-7", "name": None, "refused": 120,
-                       "reasons": {"wrong_key": 100, "not_shown": 20}}],
-    "refused_keys": [{"id": "k3x9", "name": "ci-bot", "refused": 120,
-                      "reasons": {"wrong_key": 100, "not_shown": 20}}],
+    "refused_users": [
+        {"id": "u-7", "name": None, "refused": 120, "reasons": {"wrong_key": 100, "not_shown": 20}}
+    ],
+    "refused_keys": [
+        {
+            "id": "k3x9",
+            "name": "ci-bot",
+            "refused": 120,
+            "reasons": {"wrong_key": 100, "not_shown": 20},
+        }
+    ],
     "batches": 4,
-    "capped_users": [{"id": "u-7", "name": None, "batches": 4, "rows": 2900,
-                      "weight_removed": 1850.5, "max_share": 0.71}],
+    "capped_users": [
+        {
+            "id": "u-7",
+            "name": None,
+            "batches": 4,
+            "rows": 2900,
+            "weight_removed": 1850.5,
+            "max_share": 0.71,
+        }
+    ],
     "capped_keys": [],
 }
 
@@ -117,13 +132,17 @@ class FeedbackTrust(BaseModel):
 
     model_config = ConfigDict(json_schema_extra={"example": _TRUST_EXAMPLE})
 
-    refused: int = Field(description="refused feedback events received in the window (dead "
-                         "letters with a refusal's reason; the newest 20,000 dead letters read)")
+    refused: int = Field(
+        description="refused feedback events received in the window (dead "
+        "letters with a refusal's reason; the newest 20,000 dead letters read)"
+    )
     refused_by_reason: dict[str, int]
     refused_users: list[RefusedGroup] = Field(description="by refused events")
     refused_keys: list[RefusedGroup] = Field(description="by refused events")
-    batches: int = Field(description="training batches in the window whose caps are known (the "
-                         "trainer keeps its last 50)")
+    batches: int = Field(
+        description="training batches in the window whose caps are known (the "
+        "trainer keeps its last 50)"
+    )
     capped_users: list[CappedGroup] = Field(description="by weight removed")
     capped_keys: list[CappedGroup] = Field(description="by weight removed")
 

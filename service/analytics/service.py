@@ -53,7 +53,8 @@ def parse_duration(text: str, *, name: str, most: int) -> int:
 def resolve_window(*, window: str | None, bucket: str | None) -> tuple[int, int]:
     """(window_s, bucket_s) from the query parameters, with the defaults and limits applied."""
     window_s = (
-        DEFAULT_WINDOW_S if window is None
+        DEFAULT_WINDOW_S
+        if window is None
         else parse_duration(window, name="window", most=MAX_WINDOW_S)
     )
     if bucket is None:
@@ -155,9 +156,7 @@ def _epoch_s(column: Any, dialect: str) -> Any:
     return sa.cast(sa.func.floor(sa.extract("epoch", column)), sa.BigInteger)
 
 
-def metrics(
-    conn: sa.Connection, *, window_s: int, bucket_s: int, end: datetime
-) -> MetricsOut:
+def metrics(conn: sa.Connection, *, window_s: int, bucket_s: int, end: datetime) -> MetricsOut:
     """The metrics of rollouts created in [end - window_s, end), per version and per bucket."""
     try:
         start = end - timedelta(seconds=window_s)
@@ -245,14 +244,17 @@ def metrics(
         bucket_start = datetime.fromtimestamp(first + b * bucket_s, UTC)
         row_ = acc.row(version, latency(bucket_ms.get((b, version))))
         buckets.append(BucketRow(start=bucket_start, **row_))
-    return MetricsOut.model_validate({
-        "window_s": window_s,
-        "bucket_s": bucket_s,
-        "from": start,
-        "to": end,
-        "versions": [
-            Row(**per_version[v].row(v, latency(version_ms.get(v)))) for v in sorted(per_version)
-        ],
-        "buckets": buckets,
-        "feedback": feedback_trust(conn, start=start, end=end),
-    })
+    return MetricsOut.model_validate(
+        {
+            "window_s": window_s,
+            "bucket_s": bucket_s,
+            "from": start,
+            "to": end,
+            "versions": [
+                Row(**per_version[v].row(v, latency(version_ms.get(v))))
+                for v in sorted(per_version)
+            ],
+            "buckets": buckets,
+            "feedback": feedback_trust(conn, start=start, end=end),
+        }
+    )

@@ -27,8 +27,9 @@ SCAN = 20_000  # newest dead letters read
 TOP = 10  # people and keys listed, each list
 
 
-def _refused(conn: sa.Connection, start: datetime, end: datetime) -> list[tuple[str, str | None,
-                                                                               str]]:
+def _refused(
+    conn: sa.Connection, start: datetime, end: datetime
+) -> list[tuple[str, str | None, str]]:
     """(reason, key id, user id) of each refused event received in [start, end)."""
     newest = conn.execute(sa.select(sa.func.max(dead_letters.c.id))).scalar()
     if newest is None:
@@ -60,8 +61,10 @@ def _top_refused(pairs: list[tuple[str | None, str]], names: dict[str, str]) -> 
         if who is not None:
             by[who][reason] += 1
     ranked = sorted(by.items(), key=lambda kv: (-kv[1].total(), kv[0]))[:TOP]
-    return [RefusedGroup(id=who, name=names.get(who), refused=c.total(), reasons=dict(c))
-            for who, c in ranked]
+    return [
+        RefusedGroup(id=who, name=names.get(who), refused=c.total(), reasons=dict(c))
+        for who, c in ranked
+    ]
 
 
 def _capped(conn: sa.Connection, start: datetime, end: datetime) -> tuple[int, dict[str, Any]]:
@@ -95,8 +98,14 @@ def _capped(conn: sa.Connection, start: datetime, end: datetime) -> tuple[int, d
 def _top_capped(sums: dict[str, dict[str, float]], names: dict[str, str]) -> list[CappedGroup]:
     ranked = sorted(sums.items(), key=lambda kv: (-kv[1]["weight_removed"], kv[0]))[:TOP]
     return [
-        CappedGroup(id=who, name=names.get(who), batches=int(s["batches"]), rows=int(s["rows"]),
-                    weight_removed=round(s["weight_removed"], 3), max_share=s["share"])
+        CappedGroup(
+            id=who,
+            name=names.get(who),
+            batches=int(s["batches"]),
+            rows=int(s["rows"]),
+            weight_removed=round(s["weight_removed"], 3),
+            max_share=s["share"],
+        )
         for who, s in ranked
     ]
 

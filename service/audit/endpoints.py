@@ -39,21 +39,32 @@ def get_audit(
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="entries per page")] = 100,
     before: Annotated[
         int | None,
-        Query(ge=1, le=2**63 - 1, description="only entries with a lower id: the previous "
-                                               "page's `next_before`"),
+        Query(
+            ge=1,
+            le=2**63 - 1,
+            description="only entries with a lower id: the previous page's `next_before`",
+        ),
     ] = None,
     action: Annotated[
-        str | None, Query(min_length=1, max_length=32, examples=["deploy"],
-                          description="only this action"),
+        str | None,
+        Query(min_length=1, max_length=32, examples=["deploy"], description="only this action"),
     ] = None,
     key_id: Annotated[
-        str | None, Query(min_length=1, max_length=32, examples=["9f2c4e1a0b3d5c7e"],
-                          description="only the actions of this key (its public id)"),
+        str | None,
+        Query(
+            min_length=1,
+            max_length=32,
+            examples=["9f2c4e1a0b3d5c7e"],
+            description="only the actions of this key (its public id)",
+        ),
     ] = None,
     since: Annotated[
         str | None,
-        Query(description="only entries at or after this time (RFC 3339)",
-              json_schema_extra={"format": "date-time"}, examples=["2026-11-29T00:00:00Z"]),
+        Query(
+            description="only entries at or after this time (RFC 3339)",
+            json_schema_extra={"format": "date-time"},
+            examples=["2026-11-29T00:00:00Z"],
+        ),
     ] = None,
 ) -> AuditPage:
     """Every admin and deploy action — key created or revoked, policy registered, deployed,
@@ -62,8 +73,9 @@ def get_audit(
     Newest first; filters combine."""
     after = _parse_since(since)
     with ctx.engine.connect() as conn:
-        rows = store.entries(conn, limit=limit + 1, before=before, action=action, key_id=key_id,
-                             since=after)
+        rows = store.entries(
+            conn, limit=limit + 1, before=before, action=action, key_id=key_id, since=after
+        )
     page = rows[:limit]
     return AuditPage(
         entries=[AuditEntryOut(**row.__dict__) for row in page],

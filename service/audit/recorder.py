@@ -49,7 +49,10 @@ class AuditEntry:
     _recorded: bool = field(default=False, init=False, repr=False)
 
     def record(
-        self, conn: sa.Connection, *, target: str | None = _UNSET,
+        self,
+        conn: sa.Connection,
+        *,
+        target: str | None = _UNSET,
         detail: dict[str, Any] | None = _UNSET,
     ) -> None:
         """Write the `ok` row in the action's transaction (call it last in that transaction).
@@ -69,8 +72,15 @@ class AuditEntry:
         self.settled = True
 
     def _write(self, conn: sa.Connection, outcome: str) -> None:
-        store.record(conn, actor=self.actor, action=self.action, target=self.target,
-                     outcome=outcome, request_id=self.request_id, detail=self.detail)
+        store.record(
+            conn,
+            actor=self.actor,
+            action=self.action,
+            target=self.target,
+            outcome=outcome,
+            request_id=self.request_id,
+            detail=self.detail,
+        )
 
     def settle(self, engine: sa.Engine, outcome: str, error: dict[str, Any] | None) -> None:
         """The row of a request that wrote none in its own transaction: in a new one."""
@@ -123,8 +133,7 @@ class AuditMiddleware:
         except Exception:
             # Logged, not raised: the answer is decided already, and the action either did not
             # commit (a refusal) or wrote nothing (a read such as a replay).
-            log.exception("could not write the audit row of %s (outcome %s)", entry.action,
-                          outcome)
+            log.exception("could not write the audit row of %s (outcome %s)", entry.action, outcome)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(AUDITED_PREFIX):

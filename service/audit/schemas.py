@@ -17,8 +17,13 @@ _DEPLOY: JsonDict = {
     "target": "7",
     "request_id": "0b6f1c1e8a4e4c3b9d8e2f1a3b4c5d6e",
     "outcome": "ok",
-    "detail": {"canary_fraction": 0.1, "reason": "trainer: gate passed; canary",
-               "deployment_id": 12, "live_version": 6, "canary_version": 7},
+    "detail": {
+        "canary_fraction": 0.1,
+        "reason": "trainer: gate passed; canary",
+        "deployment_id": 12,
+        "live_version": 6,
+        "canary_version": 7,
+    },
 }
 _REFUSED: JsonDict = {
     "id": 411,
@@ -38,21 +43,30 @@ class AuditEntryOut(BaseModel):
 
     id: int = Field(description="Increasing; the `before` cursor of the next page")
     at: datetime
-    key_id: str | None = Field(description="The acting key's public id; null for `cli` and "
-                                           "`service`")
-    key_name: str | None = Field(description="The key's name, or `cli` (tabloop keys ...) or "
-                                             "`service` (the service by itself)")
-    action: str = Field(description="key.create, key.revoke, policy.register, bootstrap, deploy, "
-                                    "promote, rollback, training.pause, training.resume, "
-                                    "reward_spec.update, replay, purge")
-    target: str | None = Field(description="What it acted on: a policy or reward-spec "
-                                           "version, a key id, a user id")
-    request_id: str | None = Field(description="The request's X-Request-ID, as in the access "
-                                               "log (its first 64 characters)")
-    outcome: str = Field(description="`ok`, or the HTTP status of the refusal (`403`, `404`, "
-                                     "`409`, `422`, ...)")
-    detail: dict[str, Any] | None = Field(description="Parameters and result; a refusal's "
-                                                      "`error` code and message")
+    key_id: str | None = Field(
+        description="The acting key's public id; null for `cli` and `service`"
+    )
+    key_name: str | None = Field(
+        description="The key's name, or `cli` (tabloop keys ...) or "
+        "`service` (the service by itself)"
+    )
+    action: str = Field(
+        description="key.create, key.revoke, policy.register, bootstrap, deploy, "
+        "promote, rollback, training.pause, training.resume, "
+        "reward_spec.update, replay, purge"
+    )
+    target: str | None = Field(
+        description="What it acted on: a policy or reward-spec version, a key id, a user id"
+    )
+    request_id: str | None = Field(
+        description="The request's X-Request-ID, as in the access log (its first 64 characters)"
+    )
+    outcome: str = Field(
+        description="`ok`, or the HTTP status of the refusal (`403`, `404`, `409`, `422`, ...)"
+    )
+    detail: dict[str, Any] | None = Field(
+        description="Parameters and result; a refusal's `error` code and message"
+    )
 
 
 class AuditPage(BaseModel):
@@ -61,5 +75,6 @@ class AuditPage(BaseModel):
     )
 
     entries: list[AuditEntryOut] = Field(description="Newest first")
-    next_before: int | None = Field(description="Pass as `before` for the next (older) page; "
-                                                 "null on the last page")
+    next_before: int | None = Field(
+        description="Pass as `before` for the next (older) page; null on the last page"
+    )

@@ -36,10 +36,13 @@ class KeyCreate(BaseModel):
 
     name: str = Field(min_length=1, max_length=200, examples=["vscode-plugin"])
     scopes: list[Literal["ingest", "deploy", "admin"]] = Field(
-        min_length=1, examples=[["ingest"]], description=f"Any of {SCOPES}")
+        min_length=1, examples=[["ingest"]], description=f"Any of {SCOPES}"
+    )
     no_train: StrictBool = Field(
-        False, description="Privacy mode for every request made with the key: served, but none "
-        "of its code is stored and it is never trained on (docs/PRIVACY.md). Set for good.")
+        False,
+        description="Privacy mode for every request made with the key: served, but none "
+        "of its code is stored and it is never trained on (docs/PRIVACY.md). Set for good.",
+    )
 
 
 class KeyOut(BaseModel):
@@ -50,13 +53,20 @@ class KeyOut(BaseModel):
     scopes: list[str]
     created_at: datetime
     revoked_at: datetime | None
-    no_train: bool = Field(description="Privacy mode: its requests' code is never stored or "
-                           "trained on")
+    no_train: bool = Field(
+        description="Privacy mode: its requests' code is never stored or trained on"
+    )
 
     @classmethod
     def of(cls, key: ApiKey) -> KeyOut:
-        return cls(id=key.id, name=key.name, scopes=sorted(key.scopes),
-                   created_at=key.created_at, revoked_at=key.revoked_at, no_train=key.no_train)
+        return cls(
+            id=key.id,
+            name=key.name,
+            scopes=sorted(key.scopes),
+            created_at=key.created_at,
+            revoked_at=key.revoked_at,
+            no_train=key.no_train,
+        )
 
 
 class KeyCreated(KeyOut):
@@ -92,7 +102,8 @@ def get_keys(_admin: AdminKey, ctx: CtxDep) -> list[KeyOut]:
 
 @router.delete("/{key_id}", response_model=KeyOut, responses=error_responses(404))
 def delete_key(
-    key_id: str, audit: Annotated[AuditEntry, audited("key.revoke", *ADMIN, target="key_id")],
+    key_id: str,
+    audit: Annotated[AuditEntry, audited("key.revoke", *ADMIN, target="key_id")],
     ctx: CtxDep,
 ) -> KeyOut:
     """Revoke a key: refused from the next request here, and by every other API process

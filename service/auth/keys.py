@@ -92,7 +92,11 @@ def authenticate(conn: sa.Connection, token: str) -> ApiKey | None:
 
 def _to_key(row: sa.Row) -> ApiKey:
     return ApiKey(
-        row.id, row.name, frozenset(row.scopes.split(",")), row.created_at, row.revoked_at,
+        row.id,
+        row.name,
+        frozenset(row.scopes.split(",")),
+        row.created_at,
+        row.revoked_at,
         no_train=bool(row.no_train),  # NULL (older keys): false
     )
 

@@ -115,8 +115,12 @@ class Batcher:
         started = time.perf_counter()
         try:
             completions = complete_batch(
-                policy.model, policy.tokenizer, [j.prompt for j in jobs], s.temperature,
-                s.top_p, stop_logprob=s.stop_logprob,
+                policy.model,
+                policy.tokenizer,
+                [j.prompt for j in jobs],
+                s.temperature,
+                s.top_p,
+                stop_logprob=s.stop_logprob,
             )
         except Exception:
             if len(jobs) == 1:

@@ -20,9 +20,7 @@ from pydantic import (
     ValidationError,
 )
 
-EVENT_TYPES = (
-    "view", "accept", "reject", "code_retained", "code_settled", "model_switch", "churn"
-)
+EVENT_TYPES = ("view", "accept", "reject", "code_retained", "code_settled", "model_switch", "churn")
 SCHEMA_VERSION = 1
 
 

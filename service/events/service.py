@@ -62,8 +62,9 @@ SELECT event_id FROM stored
 """
 
 
-def _store_postgresql(conn: sa.Connection, valid: list[dict[str, Any]], *, now: datetime,
-                      embedded: bool) -> set[str]:
+def _store_postgresql(
+    conn: sa.Connection, valid: list[dict[str, Any]], *, now: datetime, embedded: bool
+) -> set[str]:
     params = {
         "event_id": [e["event_id"] for e in valid],
         "type": [e["type"] for e in valid],
@@ -79,8 +80,9 @@ def _store_postgresql(conn: sa.Connection, valid: list[dict[str, Any]], *, now: 
     return set(conn.exec_driver_sql(_PG_INSERT, params).scalars().all())
 
 
-def _store_portable(conn: sa.Connection, valid: list[dict[str, Any]], *, now: datetime,
-                    embedded: bool) -> set[str]:
+def _store_portable(
+    conn: sa.Connection, valid: list[dict[str, Any]], *, now: datetime, embedded: bool
+) -> set[str]:
     rows = [
         {
             "event_id": e["event_id"],
@@ -165,8 +167,13 @@ def ingest_events(
             claimed = raw.get("type") if isinstance(raw, dict) else None
             outcomes[(claimed if claimed in EVENT_TYPES else "unknown", "rejected")] += 1
             dead.append(
-                {"received_at": now, "source": source, "api_key_id": api_key_id,
-                 "raw": raw_text, "error": str(e)}
+                {
+                    "received_at": now,
+                    "source": source,
+                    "api_key_id": api_key_id,
+                    "raw": raw_text,
+                    "error": str(e),
+                }
             )
             continue
         if event["event_id"] in seen:
@@ -188,8 +195,13 @@ def ingest_events(
             outcomes[(valid[i]["type"], "rejected")] += 1
             refusals[why.reason] += 1
             dead.append(
-                {"received_at": now, "source": source, "api_key_id": api_key_id,
-                 "raw": raw_text, "error": why.error}
+                {
+                    "received_at": now,
+                    "source": source,
+                    "api_key_id": api_key_id,
+                    "raw": raw_text,
+                    "error": why.error,
+                }
             )
         if refused:
             valid = [e for i, e in enumerate(valid) if i not in refused]

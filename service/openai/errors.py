@@ -41,10 +41,18 @@ def openai_error(
     param: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> Response:
-    body = {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param,
-            "code": code}
-    return Response(orjson.dumps({"error": body}), status_code=status,
-                    media_type="application/json", headers=headers)
+    body = {
+        "message": message,
+        "type": ERROR_TYPES.get(status, "api_error"),
+        "param": param,
+        "code": code,
+    }
+    return Response(
+        orjson.dumps({"error": body}),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 def validation_error(exc: RequestValidationError) -> Response:
@@ -85,10 +93,15 @@ class OpenAIRoute(APIRoute):
                 return validation_error(e)
             except HTTPException as e:  # a body FastAPI could not parse
                 if e.status_code != 400:
-                    return openai_error(e.status_code, "http_error", str(e.detail),
-                                        headers=e.headers)
-                return openai_error(400, "bad_json", "request body could not be read as JSON "
-                                    "(nested too deep, not UTF-8, or a number too long)")
+                    return openai_error(
+                        e.status_code, "http_error", str(e.detail), headers=e.headers
+                    )
+                return openai_error(
+                    400,
+                    "bad_json",
+                    "request body could not be read as JSON "
+                    "(nested too deep, not UTF-8, or a number too long)",
+                )
             except TabloopError as e:
                 param = getattr(e, "param", None)  # set by the fields' own checks
                 return openai_error(e.status_code, e.code, e.message, param, e.headers)

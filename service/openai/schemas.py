@@ -68,21 +68,36 @@ One = Annotated[StrictInt, Field(ge=1, le=1), BeforeValidator(_integral)]
 Prompt = Annotated[
     Text,
     BeforeValidator(_one_prompt),
-    WithJsonSchema({"anyOf": [
-        {"type": "string", "maxLength": 1_000_000},
-        {"type": "array", "items": {"type": "string", "maxLength": 1_000_000},
-         "minItems": 1, "maxItems": 1},
-    ]}),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "maxLength": 1_000_000},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 1_000_000},
+                    "minItems": 1,
+                    "maxItems": 1,
+                },
+            ]
+        }
+    ),
 ]
 Stop = Annotated[
     list[StopString],
     Field(max_length=MAX_STOP),
     BeforeValidator(_stop_list),
-    WithJsonSchema({"anyOf": [
-        {"type": "string", "minLength": 1, "maxLength": 256},
-        {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 256},
-         "maxItems": MAX_STOP},
-    ]}),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1, "maxLength": 256},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1, "maxLength": 256},
+                    "maxItems": MAX_STOP,
+                },
+            ]
+        }
+    ),
 ]
 
 

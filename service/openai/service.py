@@ -55,8 +55,10 @@ def native_request(req: CompletionRequest, key: ApiKey, settings: Settings) -> C
     fim = split_fim(req.prompt)
     if fim is not None:
         if req.suffix:
-            raise InvalidField("suffix", "given twice: in the prompt's fill-in-the-middle "
-                               "markers and in `suffix`; send one")
+            raise InvalidField(
+                "suffix",
+                "given twice: in the prompt's fill-in-the-middle markers and in `suffix`; send one",
+            )
         prefix, suffix = fim
     budget = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     try:
@@ -73,7 +75,7 @@ def native_request(req: CompletionRequest, key: ApiKey, settings: Settings) -> C
 
 
 def finish_reason(served: Served) -> Literal["stop", "length"]:
-    """"length" when the token budget ended a suggestion that is shown whole, else "stop" (an end
+    """ "length" when the token budget ended a suggestion that is shown whole, else "stop" (an end
     of line, a stop string, the policy's confidence stop, or an abstention)."""
     return "length" if served.shown and served.stop_reason == "length" else "stop"
 

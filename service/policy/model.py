@@ -99,7 +99,9 @@ class CausalSelfAttention(nn.Module):
             end = int(at.max()) + 1
             keys = torch.arange(end) <= at.unsqueeze(1)  # (B, end): each row's own positions
             y = F.scaled_dot_product_attention(
-                q, cache.k[layer, :B, :, :end], cache.v[layer, :B, :, :end],
+                q,
+                cache.k[layer, :B, :, :end],
+                cache.v[layer, :B, :, :end],
                 attn_mask=keys[:, None, None, :],
             )
             y = y.transpose(1, 2).contiguous().view(B, T, C)

@@ -246,8 +246,14 @@ def complete(
     abstention). None (or -inf) samples to the end of the line.
     """
     return complete_batch(
-        model, tokenizer, [Prompt(prefix, suffix, max_new_tokens, generator)], temperature,
-        top_p, heal=heal, max_context_tokens=max_context_tokens, stop_logprob=stop_logprob,
+        model,
+        tokenizer,
+        [Prompt(prefix, suffix, max_new_tokens, generator)],
+        temperature,
+        top_p,
+        heal=heal,
+        max_context_tokens=max_context_tokens,
+        stop_logprob=stop_logprob,
     )[0]
 
 
@@ -305,8 +311,9 @@ def complete_batch(
                 masked = logits[b] if allowed is None else logits[b].masked_fill(~allowed, NEG_INF)
                 tok, lp = int(masked.argmax(-1)), 0.0
             else:
-                tok, lp = sample_token(logits[b], temperature, top_p or 1.0, allowed,
-                                       r.prompt.generator)
+                tok, lp = sample_token(
+                    logits[b], temperature, top_p or 1.0, allowed, r.prompt.generator
+                )
             raw = logits[b] if allowed is None else logits[b].masked_fill(~allowed, NEG_INF)
             model_lp = float(raw[tok] - torch.logsumexp(raw, dim=-1))
             if stop_logprob is not None and not remaining and model_lp < stop_logprob:
@@ -342,8 +349,10 @@ def complete_batch(
         torch.tensor([len(o) for o in outs]),
     )
     gate_logits = model.gate_logit(h, feats)
-    return [_decide(r, out, float(g), temperature, top_p)
-            for r, out, g in zip(rows, outs, gate_logits, strict=True)]
+    return [
+        _decide(r, out, float(g), temperature, top_p)
+        for r, out, g in zip(rows, outs, gate_logits, strict=True)
+    ]
 
 
 def _decide(

@@ -110,8 +110,12 @@ def _deployment_out(d: store.Deployment) -> DeploymentOut:
 
 def _routing(d: store.Deployment) -> dict[str, Any]:
     """The audit detail of a deployment change: the routing it left and why."""
-    return {"deployment_id": d.id, "live_version": d.live_version,
-            "canary_version": d.canary_version, "reason": d.reason}
+    return {
+        "deployment_id": d.id,
+        "live_version": d.live_version,
+        "canary_version": d.canary_version,
+        "reason": d.reason,
+    }
 
 
 @router.get("/policies", response_model=PolicyList)
@@ -195,8 +199,9 @@ def register_policy(
     return _policy_out(row)
 
 
-@router.post("/policies/{version}/deploy", response_model=DeploymentOut,
-             responses=error_responses(404, 409))
+@router.post(
+    "/policies/{version}/deploy", response_model=DeploymentOut, responses=error_responses(404, 409)
+)
 def deploy_policy(
     version: Version,
     body: DeployIn,
@@ -205,14 +210,16 @@ def deploy_policy(
 ) -> DeploymentOut:
     """Send `canary_fraction` of users (chosen by a stable hash of user_id) to this version."""
     with ctx.engine.begin() as conn:
-        d = store.deploy(conn, version, body.canary_fraction, reason=body.reason,
-                         api_key_id=audit.actor.key_id)
+        d = store.deploy(
+            conn, version, body.canary_fraction, reason=body.reason, api_key_id=audit.actor.key_id
+        )
         audit.record(conn, detail={"canary_fraction": body.canary_fraction, **_routing(d)})
     return _deployment_out(d)
 
 
-@router.post("/policies/{version}/promote", response_model=DeploymentOut,
-             responses=error_responses(409))
+@router.post(
+    "/policies/{version}/promote", response_model=DeploymentOut, responses=error_responses(409)
+)
 def promote_policy(
     version: Version,
     audit: Annotated[AuditEntry, audited("promote", *DEPLOY, target="version")],
@@ -221,8 +228,9 @@ def promote_policy(
 ) -> DeploymentOut:
     """Make the current canary the live version."""
     with ctx.engine.begin() as conn:
-        d = store.promote(conn, version, reason=body.reason if body else None,
-                          api_key_id=audit.actor.key_id)
+        d = store.promote(
+            conn, version, reason=body.reason if body else None, api_key_id=audit.actor.key_id
+        )
         audit.record(conn, detail=_routing(d))
     return _deployment_out(d)
 
@@ -235,11 +243,13 @@ def rollback(
 ) -> DeploymentOut:
     """Withdraw the canary if there is one; otherwise put the previous live version back."""
     with ctx.engine.begin() as conn:
-        d = store.rollback(conn, reason=body.reason if body else None,
-                           api_key_id=audit.actor.key_id)
+        d = store.rollback(
+            conn, reason=body.reason if body else None, api_key_id=audit.actor.key_id
+        )
         withdrawn = store.rolled_back_version(conn, d)
-        audit.record(conn, target=str(withdrawn) if withdrawn is not None else None,
-                     detail=_routing(d))
+        audit.record(
+            conn, target=str(withdrawn) if withdrawn is not None else None, detail=_routing(d)
+        )
     return _deployment_out(d)
 
 

@@ -312,6 +312,11 @@ def bootstrap(conn: sa.Connection, base_dir: Path) -> int | None:
     d = _append(conn, "bootstrap", version, None, 0.0, "the pretrained base policy", None)
     row = get_policy_row(conn, version)
     assert row is not None
-    audit.record(conn, actor=audit.SERVICE, action="bootstrap", target=str(version),
-                 detail={"deployment_id": d.id, "sha256": row.sha256})
+    audit.record(
+        conn,
+        actor=audit.SERVICE,
+        action="bootstrap",
+        target=str(version),
+        detail={"deployment_id": d.id, "sha256": row.sha256},
+    )
     return version

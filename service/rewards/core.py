@@ -81,11 +81,17 @@ class RewardSpec:
         problems: list[str] = []
         # field: (lowest allowed, whether the lowest itself is allowed); None: any number
         bounds: dict[str, tuple[float, bool] | None] = {
-            "accept_reward": (0, True), "reject_penalty": (0, True), "abstain_reward": None,
-            "chars_norm": (0, False), "chars_exponent": (0, True),
-            "decision_window_s": (0, False), "horizon_s": (0, False),
-            "provisional_accept_weight": (0, True), "switch_penalty": (0, True),
-            "switch_window_s": (0, False), "churn_penalty": (0, True),
+            "accept_reward": (0, True),
+            "reject_penalty": (0, True),
+            "abstain_reward": None,
+            "chars_norm": (0, False),
+            "chars_exponent": (0, True),
+            "decision_window_s": (0, False),
+            "horizon_s": (0, False),
+            "provisional_accept_weight": (0, True),
+            "switch_penalty": (0, True),
+            "switch_window_s": (0, False),
+            "churn_penalty": (0, True),
         }
         for name, bound in bounds.items():
             value = getattr(self, name)

@@ -21,10 +21,18 @@ router = APIRouter(prefix="/admin", tags=["admin: rewards"])
 
 
 _SPEC: JsonDict = {
-    "accept_reward": 0.75, "reject_penalty": 0.25, "abstain_reward": 0.0, "chars_norm": 20,
-    "chars_exponent": 0.5, "decision_window_s": 30, "retention_checks_s": [30, 120, 300, 600],
-    "horizon_s": 600, "provisional_accept_weight": 0.5, "switch_penalty": 0.5,
-    "switch_window_s": 300, "churn_penalty": 1.0,
+    "accept_reward": 0.75,
+    "reject_penalty": 0.25,
+    "abstain_reward": 0.0,
+    "chars_norm": 20,
+    "chars_exponent": 0.5,
+    "decision_window_s": 30,
+    "retention_checks_s": [30, 120, 300, 600],
+    "horizon_s": 600,
+    "provisional_accept_weight": 0.5,
+    "switch_penalty": 0.5,
+    "switch_window_s": 300,
+    "churn_penalty": 1.0,
 }
 
 
@@ -39,16 +47,20 @@ class ReplayIn(BaseModel):
     model_config = ConfigDict(
         json_schema_extra={
             "examples": [
-                {"from": "2026-11-29T00:00:00Z", "to": "2026-11-30T00:00:00Z",
-                 "reward_spec_version": 2}
+                {
+                    "from": "2026-11-29T00:00:00Z",
+                    "to": "2026-11-30T00:00:00Z",
+                    "reward_spec_version": 2,
+                }
             ]
         }
     )
 
     from_: datetime = Field(alias="from", description="RFC 3339; rollouts created at or after")
     to: datetime = Field(description="RFC 3339; rollouts created before")
-    reward_spec_version: int | None = Field(None, ge=1, le=MAX_VERSION,
-                                            description="default: the current spec")
+    reward_spec_version: int | None = Field(
+        None, ge=1, le=MAX_VERSION, description="default: the current spec"
+    )
 
 
 @router.get("/reward-spec", response_model=SpecOut)
@@ -78,8 +90,11 @@ def put_spec(
             raise Unprocessable(str(e)) from None
         version = store.put_spec(conn, spec, audit.actor.key_id)
         new = spec.to_dict()
-        audit.record(conn, target=str(version),
-                     detail={"changed": {k: new[k] for k in sorted(body) if k in new}})
+        audit.record(
+            conn,
+            target=str(version),
+            detail={"changed": {k: new[k] for k in sorted(body) if k in new}},
+        )
     return SpecOut(version=version, spec=spec.to_dict())
 
 
@@ -122,6 +137,9 @@ def post_replay(
             spec = found
         summary = store.replay(conn, body.from_, body.to, spec)
     audit.target = str(version)
-    audit.detail = {**asked, "rollouts": summary["rollouts"],
-                    "differ_from_stored": summary["differ_from_stored"]}
+    audit.detail = {
+        **asked,
+        "rollouts": summary["rollouts"],
+        "differ_from_stored": summary["differ_from_stored"],
+    }
     return {"reward_spec_version": version, **summary}

@@ -132,7 +132,9 @@ def read_to_end(
                 log.warning(
                     "%s: the broker reports offsets %d-%d but serves none of them (a hole "
                     "left by a crash); taking the partition as read to its end",
-                    tp, pos, hw - 1,
+                    tp,
+                    pos,
+                    hw - 1,
                 )
                 holes.add(tp)
                 continue

@@ -111,8 +111,9 @@ def find_rollout(engine: sa.Engine, suggestion_id: str) -> Shown | None:
     # A suggestion is one line (sampling stops at the newline): without its text (privacy mode,
     # code retention) its length is the first line's.
     blank = not row.text and row.text_chars is not None
-    return Shown(row.user_id, bool(row.shown),
-                 row.text_chars if blank else len(row.text.split("\n", 1)[0]))
+    return Shown(
+        row.user_id, bool(row.shown), row.text_chars if blank else len(row.text.split("\n", 1)[0])
+    )
 
 
 def native_event(

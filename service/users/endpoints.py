@@ -35,7 +35,9 @@ def delete_user(
     keeps the purge (`GET /admin/audit`, action `purge`, the user id as target): it is never
     purged, and holds no code."""
     result = purge_user(
-        ctx.engine, user_id, embedded=ctx.settings.embedded,
+        ctx.engine,
+        user_id,
+        embedded=ctx.settings.embedded,
         before_commit=lambda conn, r: audit.record(conn, detail={"removed": r.removed}),
     )
     return PurgeOut(

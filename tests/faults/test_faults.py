@@ -21,16 +21,31 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_short_fault_run_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--short", "--json", str(out),
-         "--keep", str(tmp_path / "logs")],
-        cwd=ROOT, capture_output=True, text=True, timeout=540, check=False,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "faults.py"),
+            "--short",
+            "--json",
+            str(out),
+            "--keep",
+            str(tmp_path / "logs"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
     )
     log = done.stdout[-6000:] + done.stderr[-3000:]
     assert out.exists(), log
     result = json.loads(out.read_text())
     checks = result["checks"]
     assert [f["name"] for f in result["schedule"]] == [
-        "broker-kill", "relay-kill", "pg-kill", "trainer-kill"]
+        "broker-kill",
+        "relay-kill",
+        "pg-kill",
+        "trainer-kill",
+    ]
     assert checks["events_acked"] >= 2000, log
     assert checks["missing_in_db"] == 0, log
     assert checks["missing_in_topic"] == 0, log

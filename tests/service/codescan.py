@@ -33,14 +33,16 @@ from tests.support.kafka import consume_all
 def showing_checkpoint(tokenizer: CodeTokenizer, out: Path) -> Path:
     """A tiny random policy whose gate shows every non-empty suggestion, saved under `out`."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2,
-                      n_embd=32)
+    cfg = ModelConfig(
+        vocab_size=tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32
+    )
     model = GPT(cfg).eval()
     with torch.no_grad():
         model.gate.features.weight.zero_()
         model.gate.features.bias.fill_(30.0)
-    return save_checkpoint(out, model, tokenizer, version=0, parent=None,
-                           summary={"gate": "shows"}, overwrite=True)
+    return save_checkpoint(
+        out, model, tokenizer, version=0, parent=None, summary={"gate": "shows"}, overwrite=True
+    )
 
 
 class Markers:
@@ -53,8 +55,10 @@ class Markers:
         self.all = (self.prefix, self.suffix, self.settled)
 
     def code(self) -> tuple[str, str]:
-        return (f"import os\n\n\ndef {self.prefix}(path):\n    return {self.prefix}",
-                f"(path)\n    # {self.suffix}\n")
+        return (
+            f"import os\n\n\ndef {self.prefix}(path):\n    return {self.prefix}",
+            f"(path)\n    # {self.suffix}\n",
+        )
 
 
 def now_rfc3339() -> str:
@@ -62,18 +66,24 @@ def now_rfc3339() -> str:
 
 
 def client_for(served: Any, token: str, **headers: str) -> httpx.Client:
-    return httpx.Client(base_url=served.url, timeout=30,
-                        headers={"Authorization": f"Bearer {token}", **headers})
+    return httpx.Client(
+        base_url=served.url, timeout=30, headers={"Authorization": f"Bearer {token}", **headers}
+    )
 
 
-def complete_everywhere(c: httpx.Client, user: str, m: Markers, tabby: bool = True,
-                         **body: Any) -> list[tuple[str, str, str]]:
+def complete_everywhere(
+    c: httpx.Client, user: str, m: Markers, tabby: bool = True, **body: Any
+) -> list[tuple[str, str, str]]:
     """One completion through each API: (api, suggestion id, text shown)."""
     prefix, suffix = m.code()
-    native = c.post("/v1/complete", json={"user_id": user, "prefix": prefix, "suffix": suffix,
-                                          "max_new_tokens": 8, **body})
-    oa = c.post("/openai/v1/completions", json={"prompt": prefix, "suffix": suffix,
-                                                "max_tokens": 8, "user": user, **body})
+    native = c.post(
+        "/v1/complete",
+        json={"user_id": user, "prefix": prefix, "suffix": suffix, "max_new_tokens": 8, **body},
+    )
+    oa = c.post(
+        "/openai/v1/completions",
+        json={"prompt": prefix, "suffix": suffix, "max_tokens": 8, "user": user, **body},
+    )
     for r in (native, oa):
         assert r.status_code == 200, r.text
     made = [
@@ -81,12 +91,19 @@ def complete_everywhere(c: httpx.Client, user: str, m: Markers, tabby: bool = Tr
         ("openai", oa.json()["id"], oa.json()["choices"][0]["text"]),
     ]
     if tabby:
-        t = c.post("/tabby/v1/completions", json={"language": "python", "user": user,
-                                                  "segments": {"prefix": prefix, "suffix": suffix}})
+        t = c.post(
+            "/tabby/v1/completions",
+            json={
+                "language": "python",
+                "user": user,
+                "segments": {"prefix": prefix, "suffix": suffix},
+            },
+        )
         assert t.status_code == 200, t.text
         choices = t.json()["choices"]
-        made.append(("tabby", t.json()["id"].removeprefix("cmpl-"),
-                     choices[0]["text"] if choices else ""))
+        made.append(
+            ("tabby", t.json()["id"].removeprefix("cmpl-"), choices[0]["text"] if choices else "")
+        )
     return made
 
 
@@ -96,22 +113,42 @@ def send_feedback(c: httpx.Client, user: str, m: Markers, made: list[tuple[str, 
     batch = []
     for api, sid, text in made:
         if api == "tabby" and text:
-            r = c.post("/tabby/v1/events", json={"type": "select", "completion_id": f"cmpl-{sid}",
-                                                 "choice_index": 0})
+            r = c.post(
+                "/tabby/v1/events",
+                json={"type": "select", "completion_id": f"cmpl-{sid}", "choice_index": 0},
+            )
             assert r.status_code == 202 and r.json()["accepted"] == 1, r.text
         elif text:  # shown (an empty suggestion is not): accepted whole
-            batch.append(event("accept", user_id=user, suggestion_id=sid,
-                               occurred_at=now_rfc3339(), accepted_chars=None))
+            batch.append(
+                event(
+                    "accept",
+                    user_id=user,
+                    suggestion_id=sid,
+                    occurred_at=now_rfc3339(),
+                    accepted_chars=None,
+                )
+            )
         batch += [
-            event("code_settled", user_id=user, suggestion_id=sid,
-                  occurred_at=now_rfc3339(), text=f"return {m.settled}(path)"),
-            event("code_settled", user_id=user, suggestion_id=sid,
-                  occurred_at=now_rfc3339(), text=f"{m.settled} " + "x" * 1000),
+            event(
+                "code_settled",
+                user_id=user,
+                suggestion_id=sid,
+                occurred_at=now_rfc3339(),
+                text=f"return {m.settled}(path)",
+            ),
+            event(
+                "code_settled",
+                user_id=user,
+                suggestion_id=sid,
+                occurred_at=now_rfc3339(),
+                text=f"{m.settled} " + "x" * 1000,
+            ),
         ]
     r = c.post("/v1/events", json={"events": batch})
     assert r.status_code == 202, r.text
     assert [x["index"] for x in r.json()["rejected"]] == [
-        i for i, e in enumerate(batch) if len(e.get("text", "")) > 1000], r.json()
+        i for i, e in enumerate(batch) if len(e.get("text", "")) > 1000
+    ], r.json()
 
 
 def publish(settings: Any, engine: sa.Engine) -> None:
@@ -124,8 +161,11 @@ def publish(settings: Any, engine: sa.Engine) -> None:
         deadline = time.monotonic() + 90
         while True:
             with engine.connect() as conn:
-                left = conn.execute(sa.select(sa.func.count()).select_from(outbox)
-                                    .where(outbox.c.published_at.is_(None))).scalar_one()
+                left = conn.execute(
+                    sa.select(sa.func.count())
+                    .select_from(outbox)
+                    .where(outbox.c.published_at.is_(None))
+                ).scalar_one()
             if left == 0:
                 return
             assert time.monotonic() < deadline, "the relay did not drain the outbox"
@@ -161,8 +201,9 @@ def found_in(value: Any, markers: tuple[str, ...], tokenizer: CodeTokenizer) -> 
     return found_in(str(value), markers, tokenizer)
 
 
-def in_database(engine: sa.Engine, markers: tuple[str, ...],
-                 tokenizer: CodeTokenizer) -> dict[str, set[str]]:
+def in_database(
+    engine: sa.Engine, markers: tuple[str, ...], tokenizer: CodeTokenizer
+) -> dict[str, set[str]]:
     """table.column -> the markers found there, over every table the database has."""
     found: dict[str, set[str]] = {}
     meta = sa.MetaData()
@@ -177,8 +218,9 @@ def in_database(engine: sa.Engine, markers: tuple[str, ...],
     return found
 
 
-def in_topics(settings: Any, markers: tuple[str, ...],
-               tokenizer: CodeTokenizer) -> dict[str, set[str]]:
+def in_topics(
+    settings: Any, markers: tuple[str, ...], tokenizer: CodeTokenizer
+) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for topic in ALL_TOPICS:
         for record in consume_all(settings.kafka_bootstrap_servers, topic, timeout_s=30):

@@ -28,8 +28,14 @@ class RunningService:
         self.settings = settings
         self.port = free_port()
         self.app = create_app(settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                access_log=False, lifespan="on")
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -52,10 +58,15 @@ class RunningService:
         return self.app.state.ctx.health
 
 
-def make_settings(tmp_path: Path, *, pg_url: str | None = None, bootstrap: str | None = None,
-                  **overrides: Any) -> Settings:
-    return Settings(data_dir=tmp_path / "data", database_url=pg_url,
-                    kafka_bootstrap_servers=bootstrap, **overrides)
+def make_settings(
+    tmp_path: Path, *, pg_url: str | None = None, bootstrap: str | None = None, **overrides: Any
+) -> Settings:
+    return Settings(
+        data_dir=tmp_path / "data",
+        database_url=pg_url,
+        kafka_bootstrap_servers=bootstrap,
+        **overrides,
+    )
 
 
 @pytest.fixture(params=["embedded", "full"])
@@ -127,12 +138,14 @@ def key_factory(engine: sa.Engine) -> Any:
 def client(service: RunningService, key_factory: Any) -> Iterator[httpx.Client]:
     """An HTTP client on the running service, authenticated with an ingest+admin key."""
     token = key_factory("ingest", "admin")
-    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {token}"},
-                      timeout=30) as c:
+    with httpx.Client(
+        base_url=service.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+    ) as c:
         yield c
 
 
 # --- tiny policies: a real (small) tokenizer and a random-init model, saved as checkpoints ----
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint_factory(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
@@ -147,11 +160,19 @@ def tiny_checkpoint_factory(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPa
     def make(seed: int = 0) -> Path:
         if seed not in made:
             torch.manual_seed(seed)
-            cfg = ModelConfig(vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=2,
-                              n_head=2, n_embd=32)
+            cfg = ModelConfig(
+                vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32
+            )
             out = tmp_path_factory.mktemp(f"tiny-ckpt-{seed}")
-            made[seed] = save_checkpoint(out, GPT(cfg).eval(), tiny_tokenizer, version=0,
-                                         parent=None, summary={"seed": seed}, overwrite=True)
+            made[seed] = save_checkpoint(
+                out,
+                GPT(cfg).eval(),
+                tiny_tokenizer,
+                version=0,
+                parent=None,
+                summary={"seed": seed},
+                overwrite=True,
+            )
         return made[seed]
 
     return make
@@ -172,8 +193,12 @@ def served_overrides() -> dict[str, Any]:
 
 
 @pytest.fixture
-def served(settings_factory: Any, tiny_checkpoint_factory: Any, service_factory: Any,
-           served_overrides: dict[str, Any]) -> Any:
+def served(
+    settings_factory: Any,
+    tiny_checkpoint_factory: Any,
+    service_factory: Any,
+    served_overrides: dict[str, Any],
+) -> Any:
     """A running service whose registry holds the tiny base policy (v1, live).
 
     The confidence stop is off: an untrained tiny model is sure of no token, so with it every
@@ -181,9 +206,14 @@ def served(settings_factory: Any, tiny_checkpoint_factory: Any, service_factory:
     """
     from service.registry.store import bootstrap
 
-    settings = settings_factory(**{"base_checkpoint": tiny_checkpoint_factory(0),
-                                   "policy_poll_interval_s": 0.2,
-                                   "stop_logprob": float("-inf"), **served_overrides})
+    settings = settings_factory(
+        **{
+            "base_checkpoint": tiny_checkpoint_factory(0),
+            "policy_poll_interval_s": 0.2,
+            "stop_logprob": float("-inf"),
+            **served_overrides,
+        }
+    )
     engine = make_engine(settings)
     with engine.begin() as conn:
         assert bootstrap(conn, settings.base_checkpoint) == 1

@@ -24,8 +24,9 @@ JSON = {"Content-Type": "application/json"}
 def api(served: Any, key_factory: Any) -> Iterator[httpx.Client]:
     """A service with the tiny policy live (so /v1/complete answers), a small body limit."""
     token = key_factory("ingest")
-    with httpx.Client(base_url=served.url, timeout=30,
-                      headers={"Authorization": f"Bearer {token}"}) as c:
+    with httpx.Client(
+        base_url=served.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+    ) as c:
         yield c
 
 
@@ -40,8 +41,10 @@ def db(served: Any) -> Iterator[sa.Engine]:
 
 def counts(engine: sa.Engine) -> dict[str, int]:
     with engine.connect() as conn:
-        return {t.name: conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
-                for t in (events, dead_letters, outbox, rollouts)}
+        return {
+            t.name: conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
+            for t in (events, dead_letters, outbox, rollouts)
+        }
 
 
 def error(r: httpx.Response, status: int) -> str:
@@ -60,48 +63,111 @@ COMPLETE = {"user_id": "u-1", "prefix": "def f(x):\n    return "}
 REFUSED = [
     ("deeply nested events", "/v1/events", b"[" * 100_000, JSON, 400),
     ("deeply nested complete", "/v1/complete", b'{"prefix": ' + b"[" * 100_000, JSON, 400),
-    ("nested inside an event", "/v1/events",
-     b'{"events": [' + b"[" * 50_000 + b"]" * 50_000 + b"]}", JSON, 400),
-    ("invalid UTF-8 in a string", "/v1/complete", b'{"user_id": "\xff\xfe", "prefix": "x"}',
-     JSON, 400),
-    ("invalid UTF-8 in an event", "/v1/events",
-     b'{"events": [{"user_id": "\xc3\x28"}]}', JSON, 400),
+    (
+        "nested inside an event",
+        "/v1/events",
+        b'{"events": [' + b"[" * 50_000 + b"]" * 50_000 + b"]}",
+        JSON,
+        400,
+    ),
+    (
+        "invalid UTF-8 in a string",
+        "/v1/complete",
+        b'{"user_id": "\xff\xfe", "prefix": "x"}',
+        JSON,
+        400,
+    ),
+    (
+        "invalid UTF-8 in an event",
+        "/v1/events",
+        b'{"events": [{"user_id": "\xc3\x28"}]}',
+        JSON,
+        400,
+    ),
     ("number past 4300 digits", "/v1/events", b'{"events": [' + b"9" * 5000 + b"]}", JSON, 400),
-    ("huge max_new_tokens", "/v1/complete",
-     orjson.dumps(COMPLETE)[:-1] + b', "max_new_tokens": 1' + b"0" * 1000 + b"}", JSON, 422),
-    ("1e400 max_new_tokens", "/v1/complete",
-     orjson.dumps(COMPLETE)[:-1] + b', "max_new_tokens": 1e400}', JSON, 422),
+    (
+        "huge max_new_tokens",
+        "/v1/complete",
+        orjson.dumps(COMPLETE)[:-1] + b', "max_new_tokens": 1' + b"0" * 1000 + b"}",
+        JSON,
+        422,
+    ),
+    (
+        "1e400 max_new_tokens",
+        "/v1/complete",
+        orjson.dumps(COMPLETE)[:-1] + b', "max_new_tokens": 1e400}',
+        JSON,
+        422,
+    ),
     ("NUL in prefix", "/v1/complete", orjson.dumps(dict(COMPLETE, prefix="a\x00b")), JSON, 422),
     ("NUL in user_id", "/v1/complete", orjson.dumps(dict(COMPLETE, user_id="u\x00")), JSON, 422),
-    ("prefix over 1M characters", "/v1/complete",
-     orjson.dumps(dict(COMPLETE, prefix="x" * 1_000_001)), JSON, 422),
+    (
+        "prefix over 1M characters",
+        "/v1/complete",
+        orjson.dumps(dict(COMPLETE, prefix="x" * 1_000_001)),
+        JSON,
+        422,
+    ),
     ("unknown field in complete", "/v1/complete", orjson.dumps(dict(COMPLETE, top_k=5)), JSON, 422),
-    ("unknown field beside events", "/v1/events", orjson.dumps({"events": [], "extra": 1}), JSON,
-     422),
-    ("form-encoded body", "/v1/events", b"events=1", {"Content-Type":
-     "application/x-www-form-urlencoded"}, 422),
-    ("text/plain body", "/v1/complete", orjson.dumps(COMPLETE), {"Content-Type": "text/plain"},
-     422),
-    ("gzip bomb to complete", "/v1/complete",
-     gzip.compress(b'{"prefix": "' + b"x" * 50_000_000 + b'"}'),
-     {**JSON, "Content-Encoding": "gzip"}, 413),
-    ("gzip with trailing garbage", "/v1/events",
-     gzip.compress(batch_bytes(event())) + b"garbage", {**JSON, "Content-Encoding": "gzip"}, 400),
+    (
+        "unknown field beside events",
+        "/v1/events",
+        orjson.dumps({"events": [], "extra": 1}),
+        JSON,
+        422,
+    ),
+    (
+        "form-encoded body",
+        "/v1/events",
+        b"events=1",
+        {"Content-Type": "application/x-www-form-urlencoded"},
+        422,
+    ),
+    (
+        "text/plain body",
+        "/v1/complete",
+        orjson.dumps(COMPLETE),
+        {"Content-Type": "text/plain"},
+        422,
+    ),
+    (
+        "gzip bomb to complete",
+        "/v1/complete",
+        gzip.compress(b'{"prefix": "' + b"x" * 50_000_000 + b'"}'),
+        {**JSON, "Content-Encoding": "gzip"},
+        413,
+    ),
+    (
+        "gzip with trailing garbage",
+        "/v1/events",
+        gzip.compress(batch_bytes(event())) + b"garbage",
+        {**JSON, "Content-Encoding": "gzip"},
+        400,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "path", "body", "headers", "status"), REFUSED,
-                         ids=[r[0] for r in REFUSED])
-def test_refused_and_nothing_stored(api: httpx.Client, db: sa.Engine, name: str, path: str,
-                                    body: bytes, headers: dict[str, str], status: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "path", "body", "headers", "status"), REFUSED, ids=[r[0] for r in REFUSED]
+)
+def test_refused_and_nothing_stored(
+    api: httpx.Client,
+    db: sa.Engine,
+    name: str,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+) -> None:
     before = counts(db)
     r = api.post(path, content=body, headers=headers)
     error(r, status)
     assert counts(db) == before, name
 
 
-def test_oversize_body_without_content_length(api: httpx.Client, db: sa.Engine,
-                                              served: Any) -> None:
+def test_oversize_body_without_content_length(
+    api: httpx.Client, db: sa.Engine, served: Any
+) -> None:
     """Chunked upload, no Content-Length: stopped once the limit is read, not after."""
     limit = served.settings.max_body_bytes
     sent = 0
@@ -125,8 +191,9 @@ def test_oversize_body_without_content_length(api: httpx.Client, db: sa.Engine,
     assert counts(db) == before
 
 
-def test_oversize_single_event_is_rejected_alone(api: httpx.Client, db: sa.Engine,
-                                                 served: Any) -> None:
+def test_oversize_single_event_is_rejected_alone(
+    api: httpx.Client, db: sa.Engine, served: Any
+) -> None:
     big = event("churn", reason="x" * 500) | {"pad": "y" * served.settings.max_event_bytes}
     before = counts(db)
     r = api.post("/v1/events", content=batch_bytes(event(), big), headers=JSON)
@@ -171,8 +238,9 @@ def test_nul_and_surrogates_in_keys_and_values_are_rejected_alone(
         json.dumps(event()),
     ]
     before = counts(db)
-    r = api.post("/v1/events", content=("{\"events\": [" + ", ".join(evs) + "]}").encode(),
-                 headers=JSON)
+    r = api.post(
+        "/v1/events", content=('{"events": [' + ", ".join(evs) + "]}").encode(), headers=JSON
+    )
     assert r.status_code == 202, r.text
     assert r.json()["accepted"] == 1
     assert [x["index"] for x in r.json()["rejected"]] == [0, 1, 2]
@@ -188,7 +256,7 @@ def test_code_settled_text_is_stored_exactly_or_rejected_alone(
     """Settled text is code: 1,000 characters of anything text can hold (4-byte characters,
     quotes, backslashes, control characters) are stored as sent; NUL, a lone surrogate, one
     character more, or a number where the text goes sink only their own event, naming `text`."""
-    text = ("😀\"\\\t\x01é" * 200)[:1000]
+    text = ('😀"\\\t\x01é' * 200)[:1000]
     ok = event("code_settled", text=text)
     evs = [
         json.dumps(ok),
@@ -198,8 +266,9 @@ def test_code_settled_text_is_stored_exactly_or_rejected_alone(
         json.dumps(event("code_settled", text=1.5)),
     ]
     before = counts(db)
-    r = api.post("/v1/events", content=("{\"events\": [" + ", ".join(evs) + "]}").encode(),
-                 headers=JSON)
+    r = api.post(
+        "/v1/events", content=('{"events": [' + ", ".join(evs) + "]}").encode(), headers=JSON
+    )
     assert r.status_code == 202, r.text
     assert r.json()["accepted"] == 1
     rejected = r.json()["rejected"]
@@ -209,8 +278,9 @@ def test_code_settled_text_is_stored_exactly_or_rejected_alone(
     assert after["events"] - before["events"] == 1
     assert after["dead_letters"] - before["dead_letters"] == 4
     with db.connect() as conn:
-        stored = conn.execute(sa.select(events.c.payload)
-                              .where(events.c.event_id == ok["event_id"])).scalar_one()
+        stored = conn.execute(
+            sa.select(events.c.payload).where(events.c.event_id == ok["event_id"])
+        ).scalar_one()
     assert stored["text"] == text
 
 
@@ -223,16 +293,20 @@ def test_duplicate_json_keys_last_one_wins(api: httpx.Client, db: sa.Engine) -> 
     r = api.post("/v1/events", content=body, headers=JSON)
     assert r.status_code == 202 and r.json() == {"accepted": 1, "duplicates": 0, "rejected": []}
     with db.connect() as conn:
-        stored = conn.execute(sa.select(events.c.user_id)
-                              .where(events.c.event_id == ev["event_id"])).scalar_one()
+        stored = conn.execute(
+            sa.select(events.c.user_id).where(events.c.event_id == ev["event_id"])
+        ).scalar_one()
     assert stored == "u-last"
 
     body = orjson.dumps(COMPLETE)[:-1] + b', "user_id": "u-last"}'
     r = api.post("/v1/complete", content=body, headers=JSON)
     assert r.status_code == 200, r.text
     with db.connect() as conn:
-        user = conn.execute(sa.select(rollouts.c.user_id).where(
-            rollouts.c.suggestion_id == r.json()["suggestion_id"])).scalar_one()
+        user = conn.execute(
+            sa.select(rollouts.c.user_id).where(
+                rollouts.c.suggestion_id == r.json()["suggestion_id"]
+            )
+        ).scalar_one()
     assert user == "u-last"
 
 
@@ -245,8 +319,10 @@ def test_context_beyond_the_caps_is_cut_and_stored_bounded(
     r = api.post("/v1/complete", json=dict(COMPLETE, prefix=prefix, suffix="z\n" * 200_000))
     assert r.status_code == 200, r.text
     with db.connect() as conn:
-        row = conn.execute(sa.select(rollouts).where(
-            rollouts.c.suggestion_id == r.json()["suggestion_id"])).one()
+        row = conn.execute(
+            sa.select(rollouts).where(rollouts.c.suggestion_id == r.json()["suggestion_id"])
+        ).one()
     # token ids of at most max_prefix_chars + max_suffix_chars characters
-    assert len(row.context_token_ids) <= (served.settings.max_prefix_chars
-                                          + served.settings.max_suffix_chars)
+    assert len(row.context_token_ids) <= (
+        served.settings.max_prefix_chars + served.settings.max_suffix_chars
+    )

@@ -11,8 +11,13 @@ from hypothesis import strategies as st
 
 from service.body import inflate_bounded
 
-FUZZ = settings(max_examples=300, derandomize=True, database=None, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=300,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 payloads = st.binary(max_size=4096) | st.text(max_size=2048).map(str.encode)
 
 
@@ -68,8 +73,10 @@ def test_corrupt_is_refused_or_harmless(data: bytes, where: int, flip: int) -> N
 
 
 @FUZZ
-@given(data=payloads, tail=st.binary(min_size=1, max_size=32).filter(
-    lambda t: not t.startswith(b"\x1f\x8b")))
+@given(
+    data=payloads,
+    tail=st.binary(min_size=1, max_size=32).filter(lambda t: not t.startswith(b"\x1f\x8b")),
+)
 def test_trailing_garbage_is_refused(data: bytes, tail: bytes) -> None:
     try:
         inflate_bounded(gzip.compress(data) + tail, len(data) + 64)

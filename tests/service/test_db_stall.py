@@ -34,8 +34,9 @@ def test_db_stalled(started: float | None, now: float, stalled: bool) -> None:
 
 def post(url: str, token: str, n: int) -> httpx.Response:
     batch = {"events": [event() for _ in range(n)]}
-    return httpx.post(f"{url}/v1/events", json=batch, timeout=8,
-                      headers={"Authorization": f"Bearer {token}"})
+    return httpx.post(
+        f"{url}/v1/events", json=batch, timeout=8, headers={"Authorization": f"Bearer {token}"}
+    )
 
 
 @pytest.mark.integration  # its own PostgreSQL, the app on a socket
@@ -44,8 +45,9 @@ def test_stalled_database_gets_503_with_retry_after(tmp_path: Path, kafka_broker
     pg = PostgresServer(base, fast=True).start()
     svc = None
     try:
-        settings = make_settings(tmp_path, pg_url=pg.create_database("stall"),
-                                 bootstrap=kafka_broker.bootstrap)
+        settings = make_settings(
+            tmp_path, pg_url=pg.create_database("stall"), bootstrap=kafka_broker.bootstrap
+        )
         upgrade(settings)
         engine = make_engine(settings)
         with engine.begin() as conn:

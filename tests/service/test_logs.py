@@ -79,11 +79,17 @@ def test_requests_are_logged_with_their_id_and_never_the_token_or_code(
     key_id = token.split("_")[1]
     auth = {"Authorization": f"Bearer {token}"}
     with httpx.Client(base_url=served.url, timeout=30) as c:
-        r = c.post("/v1/complete?debug=1", headers={**auth, "X-Request-ID": "req-abc-123"},
-                   json={"user_id": "u-1", "prefix": SECRET_PREFIX, "suffix": SECRET_SUFFIX})
+        r = c.post(
+            "/v1/complete?debug=1",
+            headers={**auth, "X-Request-ID": "req-abc-123"},
+            json={"user_id": "u-1", "prefix": SECRET_PREFIX, "suffix": SECRET_SUFFIX},
+        )
         assert r.status_code == 200 and r.headers["x-request-id"] == "req-abc-123"
-        made = c.post("/v1/complete", headers={**auth, "X-Request-ID": "bad id <x>"},
-                      json={"user_id": "u-1", "prefix": SECRET_PREFIX})
+        made = c.post(
+            "/v1/complete",
+            headers={**auth, "X-Request-ID": "bad id <x>"},
+            json={"user_id": "u-1", "prefix": SECRET_PREFIX},
+        )
         made_id = made.headers["x-request-id"]
         assert made_id and made_id != "bad id <x>"
         unauth = c.get("/admin/keys", headers={"Authorization": "Bearer tlk_nope_wrong-secret"})
@@ -139,8 +145,9 @@ def test_settled_text_is_never_logged(
     assert len(r.json()["rejected"]) == len(bad)
     surrogate = orjson.dumps(event("code_settled", text=text + "SURROGATE")).decode()
     body = '{"events": [' + surrogate.replace("SURROGATE", "\\ud800") + "]}"
-    r2 = client.post("/v1/events", content=body.encode(),
-                     headers={"Content-Type": "application/json"})
+    r2 = client.post(
+        "/v1/events", content=body.encode(), headers={"Content-Type": "application/json"}
+    )
     assert r2.status_code == 202 and len(r2.json()["rejected"]) == 1, r2.text
     whole = client.post("/v1/events", json={"events": [], "settled": text})  # not a batch
     assert whole.status_code == 422 and "settled" in whole.json()["error"]["message"]
@@ -149,8 +156,10 @@ def test_settled_text_is_never_logged(
 
     with engine.connect() as conn:
         published = conn.execute(sa.select(outbox.c.key, outbox.c.payload)).all()
-    records = [Record("tabloop.feedback", 0, i, row.key, orjson.loads(row.payload))
-               for i, row in enumerate(published)]
+    records = [
+        Record("tabloop.feedback", 0, i, row.key, orjson.loads(row.payload))
+        for i, row in enumerate(published)
+    ]
     unreadable = {k: v for k, v in records[0].value.items() if k != "event_id"}
     records.append(Record("tabloop.feedback", 0, len(records), "u-1", unreadable))
     join = Join(engine, RewardSpec(), 1)
@@ -159,8 +168,7 @@ def test_settled_text_is_never_logged(
     assert client.delete("/admin/users/u-1").status_code == 200
 
     assert any(rec.name == "tabloop.access" for rec in caplog.records), "nothing was captured"
-    assert any(rec.name == "trainer.join" and rec.levelname == "WARNING"
-               for rec in caplog.records)
+    assert any(rec.name == "trainer.join" and rec.levelname == "WARNING" for rec in caplog.records)
     for rec in caplog.records:
         assert SETTLED_MARKER not in rec.getMessage(), rec.name
         assert SETTLED_MARKER not in repr(vars(rec)), rec.name

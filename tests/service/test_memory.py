@@ -30,8 +30,9 @@ PROBE = textwrap.dedent(
 
 
 def mmapped(mode: str) -> bool:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True
+    )
     return out.stdout.strip() == "1"
 
 

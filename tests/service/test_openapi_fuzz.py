@@ -34,8 +34,12 @@ SEED = 20261129
 # replay's `to` must be after its `from`, a reward spec's windows must fit in its horizon.
 # Every other check (no 5xx, documented status codes, bodies, headers, invalid input refused)
 # runs on them as on every operation.
-CROSS_FIELD = {"POST /admin/policies", "POST /admin/replay", "PUT /admin/reward-spec",
-               "GET /admin/metrics"}  # at most 500 buckets per window, at most 30 days
+CROSS_FIELD = {
+    "POST /admin/policies",
+    "POST /admin/replay",
+    "PUT /admin/reward-spec",
+    "GET /admin/metrics",
+}  # at most 500 buckets per window, at most 30 days
 
 TALLY: Counter[tuple[str, str, int]] = Counter()  # (mode, operation, status) -> cases
 
@@ -52,9 +56,12 @@ def fuzz_target(
 ) -> Iterator[FuzzTarget]:
     # Rate limits are their own test (tests/service/auth/test_security.py); here they would
     # only turn generated cases into 429s.
-    settings = settings_factory(base_checkpoint=tiny_checkpoint_factory(0),
-                                policy_poll_interval_s=0.2, rate_limit_per_s=1e6,
-                                rate_limit_burst=1_000_000)
+    settings = settings_factory(
+        base_checkpoint=tiny_checkpoint_factory(0),
+        policy_poll_interval_s=0.2,
+        rate_limit_per_s=1e6,
+        rate_limit_burst=1_000_000,
+    )
     engine = make_engine(settings)
     with engine.begin() as conn:
         bootstrap(conn, settings.base_checkpoint)
@@ -67,24 +74,43 @@ def fuzz_target(
     for (_m, _op, status), n in cases.items():
         by_status[status] += n
     operations = len({op for _m, op, _s in cases})
-    print(f"\nschemathesis [{mode}]: {sum(cases.values())} cases over {operations} operations; "
-          f"by status {dict(sorted(by_status.items()))}")
+    print(
+        f"\nschemathesis [{mode}]: {sum(cases.values())} cases over {operations} operations; "
+        f"by status {dict(sorted(by_status.items()))}"
+    )
 
 
 def load_schema(target: FuzzTarget) -> Any:
-    config = SchemathesisConfig.from_dict({
-        "seed": SEED,
-        "base-url": target.url,
-        "headers": target.headers,
-        "request-timeout": 30,
-        "generation": {"deterministic": True, "database": "none"},
-        # A string past its maxLength can make a body past TABLOOP_MAX_BODY_BYTES, refused whole
-        # (413, documented) before it is validated: a rejection too.
-        "checks": {"negative_data_rejection": {"expected-statuses": [
-            "400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429",
-            "5xx",
-        ]}},
-    })
+    config = SchemathesisConfig.from_dict(
+        {
+            "seed": SEED,
+            "base-url": target.url,
+            "headers": target.headers,
+            "request-timeout": 30,
+            "generation": {"deterministic": True, "database": "none"},
+            # A string past its maxLength can make a body past TABLOOP_MAX_BODY_BYTES, refused whole
+            # (413, documented) before it is validated: a rejection too.
+            "checks": {
+                "negative_data_rejection": {
+                    "expected-statuses": [
+                        "400",
+                        "401",
+                        "403",
+                        "404",
+                        "405",
+                        "406",
+                        "409",
+                        "413",
+                        "415",
+                        "422",
+                        "428",
+                        "429",
+                        "5xx",
+                    ]
+                }
+            },
+        }
+    )
     return schemathesis.openapi.from_url(target.url + "/openapi.json", config=config)
 
 
@@ -111,8 +137,13 @@ def test_api_conforms_to_its_schema(fuzz_target: FuzzTarget) -> None:
         for name, strategy in strategies:
             examples = FUZZ_EXAMPLES if name != "examples" else 1
 
-            @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=examples,
+                derandomize=True,
+                database=None,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=strategy)
             def run(case: Any) -> None:
                 check(case)

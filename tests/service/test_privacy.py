@@ -53,8 +53,17 @@ from trainer.loop import Trainer, TrainerConfig
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(None, False), ("1", True), ("true", True), ("Yes", True), (" on ", True),
-     ("0", False), ("FALSE", False), ("no", False), ("off", False)],
+    [
+        (None, False),
+        ("1", True),
+        ("true", True),
+        ("Yes", True),
+        (" on ", True),
+        ("0", False),
+        ("FALSE", False),
+        ("no", False),
+        ("off", False),
+    ],
 )
 def test_the_header_value(value: str | None, expected: bool) -> None:
     assert parse_no_train(value) is expected
@@ -67,12 +76,27 @@ def test_a_header_value_that_says_neither_is_refused(value: str) -> None:
 
 
 def test_a_rollout_without_code_keeps_everything_else() -> None:
-    record = {"suggestion_id": "s", "user_id": "u", "context_token_ids": [1, 2],
-              "heal_text": "re", "token_ids": [3, 4], "token_logprobs": [-0.1, -0.2],
-              "text": "turn x", "shown": True, "logprob_total": -0.3, "no_train": True}
+    record = {
+        "suggestion_id": "s",
+        "user_id": "u",
+        "context_token_ids": [1, 2],
+        "heal_text": "re",
+        "token_ids": [3, 4],
+        "token_logprobs": [-0.1, -0.2],
+        "text": "turn x",
+        "shown": True,
+        "logprob_total": -0.3,
+        "no_train": True,
+    }
     blank = rollout_without_code(record)
-    assert blank == {**record, "context_token_ids": [], "heal_text": "", "token_ids": [],
-                     "text": "", "text_chars": 6}
+    assert blank == {
+        **record,
+        "context_token_ids": [],
+        "heal_text": "",
+        "token_ids": [],
+        "text": "",
+        "text_chars": 6,
+    }
     assert rollout_without_code(blank) == blank  # the length survives a second pass
 
 
@@ -81,7 +105,8 @@ def test_settled_text_is_replaced_by_its_length_and_why() -> None:
     out = settled_without_text(settled, "retention")
     assert "text" not in out and out["text_chars"] == 5 and out["text_withheld"] == "retention"
     assert {k: v for k, v in out.items() if k not in ("text_chars", "text_withheld")} == {
-        k: v for k, v in settled.items() if k != "text"}
+        k: v for k, v in settled.items() if k != "text"
+    }
     accept = event("accept")
     assert settled_without_text(accept, "no_train") is accept
     # a dead letter's raw event, whatever its type claims; other raw text is kept as it was
@@ -95,11 +120,13 @@ def test_settled_text_is_replaced_by_its_length_and_why() -> None:
 
 
 @pytest.fixture
-def served_overrides(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
-                     ) -> dict[str, Any]:
+def served_overrides(
+    tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     """`served` with a policy that shows its suggestions (feedback can judge them)."""
-    return {"base_checkpoint": showing_checkpoint(tiny_tokenizer,
-                                                  tmp_path_factory.mktemp("showing"))}
+    return {
+        "base_checkpoint": showing_checkpoint(tiny_tokenizer, tmp_path_factory.mktemp("showing"))
+    }
 
 
 @pytest.fixture
@@ -109,7 +136,10 @@ def admin(served: Any, key_factory: Any) -> Iterator[httpx.Client]:
 
 
 def test_no_train_stores_no_code_in_any_table_topic_file_or_log_and_is_never_trained(
-    served: Any, admin: httpx.Client, key_factory: Any, mode: str,
+    served: Any,
+    admin: httpx.Client,
+    key_factory: Any,
+    mode: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
@@ -121,8 +151,9 @@ def test_no_train_stores_no_code_in_any_table_topic_file_or_log_and_is_never_tra
     user = f"u-{uuid.uuid4().hex[:8]}"
 
     # a no_train key, made through the admin API; and a plain one
-    r = admin.post("/admin/keys", json={"name": "private-laptop", "scopes": ["ingest"],
-                                        "no_train": True})
+    r = admin.post(
+        "/admin/keys", json={"name": "private-laptop", "scopes": ["ingest"], "no_train": True}
+    )
     assert r.status_code == 201 and r.json()["no_train"] is True, r.text
     private_token = r.json()["token"]
     listed = {k["id"]: k for k in admin.get("/admin/keys").json()}
@@ -156,14 +187,20 @@ def test_no_train_stores_no_code_in_any_table_topic_file_or_log_and_is_never_tra
 
         # recorded, without code: the length of what was shown stands in for it
         with engine.connect() as conn:
-            rows = {r.suggestion_id: r for r in conn.execute(
-                sa.select(rollouts).where(rollouts.c.user_id == user))}
+            rows = {
+                r.suggestion_id: r
+                for r in conn.execute(sa.select(rollouts).where(rollouts.c.user_id == user))
+            }
         assert set(rows) == private_ids | kept_ids
         for _api, sid, text in made:
             row = rows[sid]
             assert row.no_train is True and row.api_key_id is not None
-            assert (row.context_token_ids, row.token_ids, row.heal_text, row.text) == ([], [], "",
-                                                                                      "")
+            assert (row.context_token_ids, row.token_ids, row.heal_text, row.text) == (
+                [],
+                [],
+                "",
+                "",
+            )
             assert row.text_chars == len(text) and rollout_info(row).text_chars == len(text)
         for sid in kept_ids:
             assert not rows[sid].no_train and rows[sid].context_token_ids
@@ -172,8 +209,9 @@ def test_no_train_stores_no_code_in_any_table_topic_file_or_log_and_is_never_tra
         everything = private.all + control.all
         tables = in_database(engine, everything, tokenizer)
         assert set().union(*tables.values()).isdisjoint(private.all), tables
-        assert {control.prefix, control.settled} <= tables["rollouts.context_token_ids"] | \
-            tables["events.payload"], tables  # the scan sees what is stored
+        assert {control.prefix, control.settled} <= tables["rollouts.context_token_ids"] | tables[
+            "events.payload"
+        ], tables  # the scan sees what is stored
         assert control.prefix in tables["rollouts.context_token_ids"]  # through the token ids
         assert control.settled in tables["dead_letters.raw"]
         if mode == "embedded":
@@ -191,19 +229,31 @@ def test_no_train_stores_no_code_in_any_table_topic_file_or_log_and_is_never_tra
         join.recover()
         join.finalize_due(now=utcnow() + timedelta(hours=1))
         with engine.connect() as conn:
-            outcome = dict(conn.execute(
-                sa.select(rewards.c.suggestion_id, rewards.c.outcome)
-                .where(rewards.c.user_id == user)).all())
-            value = dict(conn.execute(
-                sa.select(rewards.c.suggestion_id, rewards.c.value)
-                .where(rewards.c.user_id == user)).all())
+            outcome = dict(
+                conn.execute(
+                    sa.select(rewards.c.suggestion_id, rewards.c.outcome).where(
+                        rewards.c.user_id == user
+                    )
+                ).all()
+            )
+            value = dict(
+                conn.execute(
+                    sa.select(rewards.c.suggestion_id, rewards.c.value).where(
+                        rewards.c.user_id == user
+                    )
+                ).all()
+            )
         assert set(outcome) == private_ids | kept_ids
         for _api, sid, text in made:
             if text:  # an accepted suggestion is worth its size, known without its text
                 assert outcome[sid] == "accepted" and value[sid] > 0, (sid, outcome[sid])
 
-        trainer = Trainer(settings, engine, ServiceClient("http://127.0.0.1:9", "unused"),
-                          TrainerConfig(batch_size=8))
+        trainer = Trainer(
+            settings,
+            engine,
+            ServiceClient("http://127.0.0.1:9", "unused"),
+            TrainerConfig(batch_size=8),
+        )
         trainer.cfg.update.gate_fit, trainer.cfg.update.gate_fit_replay = True, 1000
         trainer.cfg.update.settled_epochs, trainer.cfg.update.settled_replay = 1, 1000
         with engine.connect() as conn:
@@ -212,12 +262,15 @@ def test_no_train_stores_no_code_in_any_table_topic_file_or_log_and_is_never_tra
         batch = trainer._batch_rows(dep)
         assert {r.suggestion_id for r in batch} & (private_ids | kept_ids) == kept_ids
         with engine.begin() as conn:
-            conn.execute(rewards.update().where(rewards.c.user_id == user)
-                         .values(trained_at=utcnow()))
+            conn.execute(
+                rewards.update().where(rewards.c.user_id == user).values(trained_at=utcnow())
+            )
         shown = {sid for sid in kept_ids if rows[sid].shown}  # the gate's fit replays these
-        for read, expected in ((trainer._replay_rows(), shown),
-                               (trainer._settled_replay_rows(), kept_ids),
-                               (trainer._trained_rows(limit=1000), kept_ids)):
+        for read, expected in (
+            (trainer._replay_rows(), shown),
+            (trainer._settled_replay_rows(), kept_ids),
+            (trainer._trained_rows(limit=1000), kept_ids),
+        ):
             assert {r.suggestion_id for r in read} & (private_ids | kept_ids) == expected
         texts = settled_texts(engine, suggestion_ids=private_ids | kept_ids)
         assert set(texts) == kept_ids  # a withheld text is no settled text
@@ -244,8 +297,9 @@ def test_a_header_that_says_neither_is_refused_on_every_api(served: Any, key_fac
 
 @pytest.mark.parametrize("mode", ["embedded"])
 def test_a_no_train_key_cannot_be_talked_out_of_it(served: Any, admin: httpx.Client) -> None:
-    token = admin.post("/admin/keys", json={"name": "p", "scopes": ["ingest"],
-                                            "no_train": True}).json()["token"]
+    token = admin.post(
+        "/admin/keys", json={"name": "p", "scopes": ["ingest"], "no_train": True}
+    ).json()["token"]
     with client_for(served, token, **{"X-Tabloop-No-Train": "0"}) as c:
         r = c.post("/v1/complete", json={"user_id": "u-1", "prefix": "x = ", "no_train": False})
     assert r.status_code == 200, r.text
@@ -260,12 +314,25 @@ def test_a_database_error_never_carries_the_values(settings: Any) -> None:
     """An unexpected database error is logged with its traceback (the 500 handler): its
     message must not hold the statement's values, which can be code."""
     engine = make_engine(settings)
-    row = {"suggestion_id": str(uuid.uuid4()), "user_id": "u-1", "policy_version": 1,
-           "created_at": utcnow(), "context_token_ids": [1], "heal_text": "",
-           "token_ids": [2], "token_logprobs": [-0.1], "text": "secret_code_4c1e()",
-           "shown": True, "gate_prob_show": 0.9, "decision_logprob": -0.1,
-           "logprob_total": -0.2, "temperature": 0.7, "top_p": 0.95, "stop_reason": "newline",
-           "latency_ms": 1.0}
+    row = {
+        "suggestion_id": str(uuid.uuid4()),
+        "user_id": "u-1",
+        "policy_version": 1,
+        "created_at": utcnow(),
+        "context_token_ids": [1],
+        "heal_text": "",
+        "token_ids": [2],
+        "token_logprobs": [-0.1],
+        "text": "secret_code_4c1e()",
+        "shown": True,
+        "gate_prob_show": 0.9,
+        "decision_logprob": -0.1,
+        "logprob_total": -0.2,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "stop_reason": "newline",
+        "latency_ms": 1.0,
+    }
     try:
         with engine.begin() as conn:
             conn.execute(rollouts.insert().values(**row))

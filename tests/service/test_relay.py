@@ -257,7 +257,10 @@ class _DuplicateWithoutOffset:
 
 
 def test_duplicate_ack_without_offset_is_checked_not_trusted(
-    full_settings: Settings, service_factory: Any, full_keys: Any, kafka_broker: Any,
+    full_settings: Settings,
+    service_factory: Any,
+    full_keys: Any,
+    kafka_broker: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import service.relay

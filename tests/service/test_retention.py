@@ -70,8 +70,11 @@ def test_a_retention_under_a_day_is_refused_at_start(days: int) -> None:
 
 def test_topics_that_carry_code_are_created_with_the_retention(tmp_path: Any) -> None:
     kept = Settings(data_dir=tmp_path, code_retention_days=3)
-    assert topic_configs(kept, ROLLOUTS) == topic_configs(kept, FEEDBACK) == {
-        "retention.ms": str(3 * 86_400_000)}
+    assert (
+        topic_configs(kept, ROLLOUTS)
+        == topic_configs(kept, FEEDBACK)
+        == {"retention.ms": str(3 * 86_400_000)}
+    )
     assert topic_configs(kept, POLICIES) == {}  # versions and hashes: no code
     assert topic_configs(Settings(data_dir=tmp_path), ROLLOUTS) == {}  # the broker's default
 
@@ -80,12 +83,14 @@ def test_topics_that_carry_code_are_created_with_the_retention(tmp_path: Any) ->
 
 
 @pytest.fixture
-def served_overrides(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
-                     ) -> dict[str, Any]:
+def served_overrides(
+    tiny_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     """`served` with a policy that shows its suggestions, and a retention of one day."""
-    return {"base_checkpoint": showing_checkpoint(tiny_tokenizer,
-                                                  tmp_path_factory.mktemp("showing")),
-            "code_retention_days": 1}
+    return {
+        "base_checkpoint": showing_checkpoint(tiny_tokenizer, tmp_path_factory.mktemp("showing")),
+        "code_retention_days": 1,
+    }
 
 
 def _traffic(served: Any, token: str, m: Markers, user: str) -> set[str]:
@@ -103,8 +108,11 @@ def _rewards(engine: sa.Engine) -> dict[str, tuple[float, str]]:
 
 def _state(engine: sa.Engine) -> dict[str, Any]:
     with engine.connect() as conn:
-        return dict(conn.execute(sa.select(trainer_state.c.info)
-                                 .where(trainer_state.c.name == STATE_NAME)).scalar_one())
+        return dict(
+            conn.execute(
+                sa.select(trainer_state.c.info).where(trainer_state.c.name == STATE_NAME)
+            ).scalar_one()
+        )
 
 
 def test_retention_blanks_old_code_everywhere_and_keeps_rows_and_rewards(
@@ -127,34 +135,43 @@ def test_retention_blanks_old_code_everywhere_and_keeps_rows_and_rewards(
         before = _rewards(engine)
         assert set(before) == old_ids
         with engine.connect() as conn:
-            chars = {r.suggestion_id: rollout_info(r).text_chars
-                     for r in conn.execute(sa.select(rollouts))}
+            chars = {
+                r.suggestion_id: rollout_info(r).text_chars
+                for r in conn.execute(sa.select(rollouts))
+            }
         markers = old.all + new.all
         assert in_database(engine, markers, tokenizer)  # stored, before
 
         # a pass a day and a second later: everything so far is past the retention
         caplog.set_level(logging.INFO, logger="service.retention")
         counts = run_retention(settings, engine, now=utcnow() + DAY + timedelta(seconds=1))
-        assert counts == {"rollouts": 3, "events": 3, "dead_letters": 3,
-                          "outbox": 6}, counts  # 3 rollout + 3 settled messages
+        assert counts == {"rollouts": 3, "events": 3, "dead_letters": 3, "outbox": 6}, (
+            counts
+        )  # 3 rollout + 3 settled messages
         line = next(r for r in caplog.records if r.name == "service.retention")
-        assert "3 rollouts, 3 settled events, 3 dead letters, 6 outbox messages" in \
-            line.getMessage()
+        assert (
+            "3 rollouts, 3 settled events, 3 dead letters, 6 outbox messages" in line.getMessage()
+        )
 
         assert in_database(engine, markers, tokenizer) == {}  # no code text left anywhere
         if mode == "embedded":  # zeroed in the file, and gone from the write-ahead log
             assert in_files(settings.data_dir, markers) == set()
         with engine.connect() as conn:
             rows = {r.suggestion_id: r for r in conn.execute(sa.select(rollouts))}
-            settled = [r.payload for r in conn.execute(
-                sa.select(events).where(events.c.type == "code_settled"))]
-            n_dead = conn.execute(sa.select(sa.func.count()).select_from(dead_letters)
-                                  ).scalar_one()
+            settled = [
+                r.payload
+                for r in conn.execute(sa.select(events).where(events.c.type == "code_settled"))
+            ]
+            n_dead = conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one()
             n_outbox = conn.execute(sa.select(sa.func.count()).select_from(outbox)).scalar_one()
         assert set(rows) == old_ids and n_dead == 3 and n_outbox >= 6  # every row stays
         for sid, row in rows.items():
             assert (row.context_token_ids, row.token_ids, row.heal_text, row.text) == (
-                [], [], "", "")
+                [],
+                [],
+                "",
+                "",
+            )
             assert row.text_chars == chars[sid] and row.token_logprobs  # numbers stay
         assert all("text" not in p and p["text_withheld"] == "retention" for p in settled)
         assert settled_texts(engine, suggestion_ids=old_ids) == {}
@@ -170,15 +187,26 @@ def test_retention_blanks_old_code_everywhere_and_keeps_rows_and_rewards(
         if mode == "full":
             publish(settings, engine)
         assert run_retention(settings, engine, now=utcnow()) == dict.fromkeys(
-            ("rollouts", "events", "dead_letters", "outbox"), 0)
+            ("rollouts", "events", "dead_letters", "outbox"), 0
+        )
         assert in_database(engine, new.all, tokenizer)
         assert expire_code(engine, utcnow() + timedelta(seconds=1)) == {
-            "rollouts": 3, "events": 3, "dead_letters": 3, "outbox": 6}
+            "rollouts": 3,
+            "events": 3,
+            "dead_letters": 3,
+            "outbox": 6,
+        }
         assert in_database(engine, markers, tokenizer) == {}
         assert _state(engine)["last_run"]["blanked"]["rollouts"] == 3
         with engine.connect() as conn:
-            assert conn.execute(sa.select(sa.func.count()).select_from(rollouts)
-                                .where(rollouts.c.suggestion_id.in_(new_ids))).scalar_one() == 3
+            assert (
+                conn.execute(
+                    sa.select(sa.func.count())
+                    .select_from(rollouts)
+                    .where(rollouts.c.suggestion_id.in_(new_ids))
+                ).scalar_one()
+                == 3
+            )
     finally:
         engine.dispose()
     for rec in caplog.records:
@@ -197,8 +225,14 @@ def test_an_unpublished_outbox_row_is_left_to_the_relay(served: Any, key_factory
         later = utcnow() + timedelta(seconds=1)
         assert expire_code(engine, later)["outbox"] == 0  # type: ignore[index]
         with engine.connect() as conn:
-            assert conn.execute(sa.select(sa.func.count()).select_from(outbox)
-                                .where(outbox.c.published_at.is_(None))).scalar_one() > 0
+            assert (
+                conn.execute(
+                    sa.select(sa.func.count())
+                    .select_from(outbox)
+                    .where(outbox.c.published_at.is_(None))
+                ).scalar_one()
+                > 0
+            )
         publish(settings, engine)
         assert expire_code(engine, later)["outbox"] == 6  # type: ignore[index]
     finally:
@@ -219,8 +253,12 @@ def test_the_trainer_reads_no_rollout_past_the_retention_or_without_code(
         join = Join(engine, spec, spec_version)
         join.recover()
         join.finalize_due(now=utcnow() + timedelta(hours=1))
-        trainer = Trainer(settings, engine, ServiceClient("http://127.0.0.1:9", "unused"),
-                          TrainerConfig(batch_size=8))
+        trainer = Trainer(
+            settings,
+            engine,
+            ServiceClient("http://127.0.0.1:9", "unused"),
+            TrainerConfig(batch_size=8),
+        )
         with engine.connect() as conn:
             dep = current_deployment(conn)
         assert dep is not None
@@ -229,11 +267,17 @@ def test_the_trainer_reads_no_rollout_past_the_retention_or_without_code(
         # rows older than the retention are not read, blanked yet or not
         aged, blanked, fresh = sorted(ids)
         with engine.begin() as conn:
-            conn.execute(rollouts.update().where(rollouts.c.suggestion_id == aged)
-                         .values(created_at=utcnow() - DAY - timedelta(minutes=1)))
+            conn.execute(
+                rollouts.update()
+                .where(rollouts.c.suggestion_id == aged)
+                .values(created_at=utcnow() - DAY - timedelta(minutes=1))
+            )
             # a row blanked (say under an earlier, shorter retention) is skipped, not scored
-            conn.execute(rollouts.update().where(rollouts.c.suggestion_id == blanked)
-                         .values(context_token_ids=[], token_ids=[], heal_text="", text=""))
+            conn.execute(
+                rollouts.update()
+                .where(rollouts.c.suggestion_id == blanked)
+                .values(context_token_ids=[], token_ids=[], heal_text="", text="")
+            )
         assert {r.suggestion_id for r in trainer._batch_rows(dep)} == {fresh}
         with engine.begin() as conn:
             conn.execute(rewards.update().values(trained_at=utcnow()))
@@ -259,13 +303,15 @@ def test_the_service_runs_the_job_in_the_background(
         deadline = time.monotonic() + 30
         while True:
             with engine.connect() as conn:
-                info = conn.execute(sa.select(trainer_state.c.info)
-                                    .where(trainer_state.c.name == STATE_NAME)).scalar()
+                info = conn.execute(
+                    sa.select(trainer_state.c.info).where(trainer_state.c.name == STATE_NAME)
+                ).scalar()
             if info and info.get("last_run"):
                 break
             assert time.monotonic() < deadline, "the retention job did not run"
             time.sleep(0.05)
         assert info["last_run"]["blanked"] == dict.fromkeys(
-            ("rollouts", "events", "dead_letters", "outbox"), 0)
+            ("rollouts", "events", "dead_letters", "outbox"), 0
+        )
     finally:
         engine.dispose()

@@ -33,31 +33,38 @@ from tests.service.conftest import RunningService, make_settings
 NOW = 1_800_000_000.0
 
 
-@pytest.mark.parametrize(("headers", "expected"), [
-    ({"retry-after": "3"}, 3.0),
-    ({"retry-after": " 0.5 "}, 0.5),
-    ({"retry-after": "-2"}, 0.0),
-    ({"retry-after": email.utils.formatdate(NOW + 7, usegmt=True)}, 7.0),  # an HTTP date
-    ({"retry-after": email.utils.formatdate(NOW - 60, usegmt=True)}, 0.0),  # in the past
-    ({"retry-after": "soon"}, None),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"retry-after": "3"}, 3.0),
+        ({"retry-after": " 0.5 "}, 0.5),
+        ({"retry-after": "-2"}, 0.0),
+        ({"retry-after": email.utils.formatdate(NOW + 7, usegmt=True)}, 7.0),  # an HTTP date
+        ({"retry-after": email.utils.formatdate(NOW - 60, usegmt=True)}, 0.0),  # in the past
+        ({"retry-after": "soon"}, None),
+        ({}, None),
+    ],
+)
 def test_retry_after(headers: dict[str, str], expected: float | None) -> None:
     got = retry_after_s(headers, now=NOW)
     assert got == (None if expected is None else pytest.approx(expected, abs=0.01))
 
 
-@pytest.mark.parametrize(("status", "headers", "attempt", "low", "high"), [
-    (429, {"retry-after": "2"}, 0, 2.0, 2.0),  # told: wait exactly that
-    (503, {"retry-after": "1"}, 5, 1.0, 1.0),  # told, whatever the attempt
-    (429, {"retry-after": "600"}, 0, 10.0, 10.0),  # capped
-    (503, {}, 0, 0.1, 0.2),  # not told: backoff, jittered in [half, all]
-    (503, {}, 3, 0.8, 1.6),
-    (None, {}, 10, 5.0, 10.0),  # no answer at all: backoff, capped
-    (500, {"retry-after": "2"}, 0, 0.1, 0.2),  # Retry-After only counts on 429/503
-])
-def test_wait(status: int | None, headers: dict[str, str], attempt: int, low: float,
-              high: float) -> None:
+@pytest.mark.parametrize(
+    ("status", "headers", "attempt", "low", "high"),
+    [
+        (429, {"retry-after": "2"}, 0, 2.0, 2.0),  # told: wait exactly that
+        (503, {"retry-after": "1"}, 5, 1.0, 1.0),  # told, whatever the attempt
+        (429, {"retry-after": "600"}, 0, 10.0, 10.0),  # capped
+        (503, {}, 0, 0.1, 0.2),  # not told: backoff, jittered in [half, all]
+        (503, {}, 3, 0.8, 1.6),
+        (None, {}, 10, 5.0, 10.0),  # no answer at all: backoff, capped
+        (500, {"retry-after": "2"}, 0, 0.1, 0.2),  # Retry-After only counts on 429/503
+    ],
+)
+def test_wait(
+    status: int | None, headers: dict[str, str], attempt: int, low: float, high: float
+) -> None:
     assert low <= wait_s(status, headers, attempt, 0.2, 10.0, random.Random(attempt)) <= high
 
 
@@ -66,8 +73,12 @@ def test_backoff_is_seeded() -> None:
 
 
 def event(i: int) -> dict[str, Any]:
-    return {"event_id": str(uuid.uuid4()), "type": "churn", "user_id": f"u{i}",
-            "occurred_at": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
+    return {
+        "event_id": str(uuid.uuid4()),
+        "type": "churn",
+        "user_id": f"u{i}",
+        "occurred_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+    }
 
 
 @pytest.mark.integration  # the app on a socket
@@ -120,8 +131,11 @@ class Scripted(BaseHTTPRequestHandler):
         Scripted.bodies.append(body)
         status, headers = Scripted.script.pop(0) if Scripted.script else (202, {})
         n = len(body["events"])
-        payload = (json.dumps({"accepted": n, "duplicates": 0, "rejected": []}) if status == 202
-                   else json.dumps({"error": {"code": "x", "message": "scripted"}}))
+        payload = (
+            json.dumps({"accepted": n, "duplicates": 0, "rejected": []})
+            if status == 202
+            else json.dumps({"error": {"code": "x", "message": "scripted"}})
+        )
         self.send_response(status)
         for k, v in headers.items():
             self.send_header(k, v)

@@ -32,8 +32,11 @@ def test_every_python_file_but_tests_and_data(tmp_path: Path) -> None:
     lines = load_lines(tree(tmp_path))
     root = tmp_path.resolve()
     assert [(cl.path.relative_to(root).as_posix(), cl.line_no, cl.line) for cl in lines] == [
-        ("pkg/a.py", 0, "import os"), ("pkg/a.py", 2, "def f(x):"),
-        ("pkg/a.py", 3, "    return x + 1"), ("pkg/sub/b.py", 0, "X = 1")]
+        ("pkg/a.py", 0, "import os"),
+        ("pkg/a.py", 2, "def f(x):"),
+        ("pkg/a.py", 3, "    return x + 1"),
+        ("pkg/sub/b.py", 0, "X = 1"),
+    ]
     assert lines[2].prefix_lines == ("import os", "", "def f(x):")  # the whole file around it
 
 
@@ -43,18 +46,22 @@ def test_the_default_is_the_stdlib_held_out_split() -> None:
     assert load_lines(None)[:50] == list(heldout_lines())[:50]
 
 
-@pytest.mark.parametrize("make", [
-    pytest.param(lambda root: root, id="empty-directory"),
-    pytest.param(lambda root: tree(root) / "pkg" / "a.py", id="a-file"),
-    pytest.param(lambda root: root / "missing", id="missing"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda root: root, id="empty-directory"),
+        pytest.param(lambda root: tree(root) / "pkg" / "a.py", id="a-file"),
+        pytest.param(lambda root: root / "missing", id="missing"),
+    ],
+)
 def test_a_corpus_without_code_is_refused(tmp_path: Path, make: object) -> None:
     with pytest.raises(CorpusError):
         load_lines(make(tmp_path))  # type: ignore[operator]
 
 
 def test_the_command_refuses_a_missing_corpus_before_starting(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--api", "http://127.0.0.1:9", "--key", "k", "--corpus", str(tmp_path / "nope")])
     assert e.value.code == 2

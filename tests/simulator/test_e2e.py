@@ -62,10 +62,16 @@ class Up:
 def up(tmp_path: Path) -> Iterator[Up]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TABLOOP_")}
-    env.update(TABLOOP_PROFILE="sim", TABLOOP_DATA_DIR=str(tmp_path / "data"),
-               TABLOOP_PORT=str(port), TABLOOP_LOG_LEVEL="WARNING",
-               TABLOOP_TRAINER_BATCH_SIZE="48", TABLOOP_TRAINER_CANARY_MIN_ROLLOUTS="20",
-               TABLOOP_RATE_LIMIT_PER_S="100000", TABLOOP_RATE_LIMIT_BURST="100000")
+    env.update(
+        TABLOOP_PROFILE="sim",
+        TABLOOP_DATA_DIR=str(tmp_path / "data"),
+        TABLOOP_PORT=str(port),
+        TABLOOP_LOG_LEVEL="WARNING",
+        TABLOOP_TRAINER_BATCH_SIZE="48",
+        TABLOOP_TRAINER_CANARY_MIN_ROLLOUTS="20",
+        TABLOOP_RATE_LIMIT_PER_S="100000",
+        TABLOOP_RATE_LIMIT_BURST="100000",
+    )
     proc = subprocess.Popen([TABLOOP, "up"], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -79,8 +85,9 @@ def up(tmp_path: Path) -> Iterator[Up]:
 
 
 def admin(up: Up, path: str, **params: Any) -> Any:
-    r = httpx.get(up.url + path, params=params, timeout=30,
-                  headers={"Authorization": f"Bearer {up.token}"})
+    r = httpx.get(
+        up.url + path, params=params, timeout=30, headers={"Authorization": f"Bearer {up.token}"}
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -114,10 +121,33 @@ def greedy_actions(model: Any, tokenizer: Any, cursors: list[Any]) -> list[Compl
 def test_simulated_people_teach_the_service(up: Up, tmp_path: Path) -> None:
     out = tmp_path / "sim"
     sim = subprocess.run(
-        [TABLOOP, "simulate", "--api", up.url, "--key", up.token, "--users", str(USERS),
-         "--minutes", str(MINUTES), "--seed", str(SEED), "--reject-family-share", str(FAMILY_SHARE),
-         "--baseline-cursors", "0", "--bucket-s", "10", "--no-live", "--out", str(out)],
-        capture_output=True, text=True, timeout=MINUTES * 60 + 240)
+        [
+            TABLOOP,
+            "simulate",
+            "--api",
+            up.url,
+            "--key",
+            up.token,
+            "--users",
+            str(USERS),
+            "--minutes",
+            str(MINUTES),
+            "--seed",
+            str(SEED),
+            "--reject-family-share",
+            str(FAMILY_SHARE),
+            "--baseline-cursors",
+            "0",
+            "--bucket-s",
+            "10",
+            "--no-live",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=MINUTES * 60 + 240,
+    )
     print(sim.stdout[-4000:])
     assert sim.returncode == 0, sim.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
@@ -148,19 +178,25 @@ def test_simulated_people_teach_the_service(up: Up, tmp_path: Path) -> None:
     # 3. the live family shown rate, early vs late: reported (too noisy to assert, see above)
     parts = report["fifths"]["parts"]
     first, last = parts[0], parts[-1]
-    print(f"def/class shown rate: first fifth {first['family_shown_rate']} "
-          f"({first['family_requests']} requests), last fifth {last['family_shown_rate']} "
-          f"({last['family_requests']} requests); by version: "
-          + ", ".join(f"v{v} {m['family_shown']}/{m['family_requests']}"
-                      for v, m in report["by_version"].items()))
+    print(
+        f"def/class shown rate: first fifth {first['family_shown_rate']} "
+        f"({first['family_requests']} requests), last fifth {last['family_shown_rate']} "
+        f"({last['family_requests']} requests); by version: "
+        + ", ".join(
+            f"v{v} {m['family_shown']}/{m['family_requests']}"
+            for v, m in report["by_version"].items()
+        )
+    )
     assert first["family_requests"] >= 40 and last["family_requests"] >= 40
 
     # ... and what the candidates learned, without sampling noise
     torch.set_num_threads(1)
     base, tokenizer, _ = load_checkpoint(up.data_dir / "policies" / "v1")
     family, other = probe_cursors()
-    fam_actions, other_actions = greedy_actions(base, tokenizer, family), greedy_actions(
-        base, tokenizer, other)
+    fam_actions, other_actions = (
+        greedy_actions(base, tokenizer, family),
+        greedy_actions(base, tokenizer, other),
+    )
     with torch.no_grad():
         fam0 = score_actions(base, tokenizer, fam_actions).gate_logit
         other0 = score_actions(base, tokenizer, other_actions).gate_logit
@@ -168,8 +204,9 @@ def test_simulated_people_teach_the_service(up: Up, tmp_path: Path) -> None:
         for version in sorted({d["canary_version"] for d in gated})[-3:]:
             model, _, _ = load_checkpoint(up.data_dir / "policies" / f"v{version}")
             d_fam = float((score_actions(model, tokenizer, fam_actions).gate_logit - fam0).mean())
-            d_other = float((score_actions(model, tokenizer, other_actions).gate_logit
-                             - other0).mean())
+            d_other = float(
+                (score_actions(model, tokenizer, other_actions).gate_logit - other0).mean()
+            )
             gaps[version] = (d_fam, d_other)
     print("gate logit change vs base (family, other):", gaps)
     # one candidate may move both up (it is one noisy step from its parent); the last three

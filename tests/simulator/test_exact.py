@@ -16,21 +16,71 @@ LINES = ("import os", "", "def walk(self, top):", "    x = top + 1", "    return
 CORPUS = [CorpusLine(Path("m.py"), no, LINES) for no in (0, 2, 3, 4)]
 
 
-@pytest.mark.parametrize(("texts", "truths", "expected"), [
-    pytest.param(["abc", "", "ab", "x  "], ["abc", "abc", "abc", "x"],
-                 {"cursors": 4, "non_empty": 3, "exact": 2, "exact_rate": 0.5,
-                  "exact_rate_non_empty": 2 / 3}, id="empty-is-a-miss-prefix-is-not-exact"),
-    pytest.param(["a)"], ["a)  "], {"cursors": 1, "non_empty": 1, "exact": 1, "exact_rate": 1.0,
-                                    "exact_rate_non_empty": 1.0}, id="trailing-space-ignored"),
-    pytest.param(["", ""], ["a", "b"], {"cursors": 2, "non_empty": 0, "exact": 0,
-                                        "exact_rate": 0.0, "exact_rate_non_empty": None},
-                 id="all-empty"),
-    pytest.param(["abc d"], ["abc"], {"cursors": 1, "non_empty": 1, "exact": 0,
-                                      "exact_rate": 0.0, "exact_rate_non_empty": 0.0},
-                 id="longer-than-the-line"),
-    pytest.param([], [], {"cursors": 0, "non_empty": 0, "exact": 0, "exact_rate": None,
-                          "exact_rate_non_empty": None}, id="nothing"),
-])
+@pytest.mark.parametrize(
+    ("texts", "truths", "expected"),
+    [
+        pytest.param(
+            ["abc", "", "ab", "x  "],
+            ["abc", "abc", "abc", "x"],
+            {
+                "cursors": 4,
+                "non_empty": 3,
+                "exact": 2,
+                "exact_rate": 0.5,
+                "exact_rate_non_empty": 2 / 3,
+            },
+            id="empty-is-a-miss-prefix-is-not-exact",
+        ),
+        pytest.param(
+            ["a)"],
+            ["a)  "],
+            {
+                "cursors": 1,
+                "non_empty": 1,
+                "exact": 1,
+                "exact_rate": 1.0,
+                "exact_rate_non_empty": 1.0,
+            },
+            id="trailing-space-ignored",
+        ),
+        pytest.param(
+            ["", ""],
+            ["a", "b"],
+            {
+                "cursors": 2,
+                "non_empty": 0,
+                "exact": 0,
+                "exact_rate": 0.0,
+                "exact_rate_non_empty": None,
+            },
+            id="all-empty",
+        ),
+        pytest.param(
+            ["abc d"],
+            ["abc"],
+            {
+                "cursors": 1,
+                "non_empty": 1,
+                "exact": 0,
+                "exact_rate": 0.0,
+                "exact_rate_non_empty": 0.0,
+            },
+            id="longer-than-the-line",
+        ),
+        pytest.param(
+            [],
+            [],
+            {
+                "cursors": 0,
+                "non_empty": 0,
+                "exact": 0,
+                "exact_rate": None,
+                "exact_rate_non_empty": None,
+            },
+            id="nothing",
+        ),
+    ],
+)
 def test_exact_rates(texts: list[str], truths: list[str], expected: dict[str, object]) -> None:
     assert exact_rates(texts, truths) == pytest.approx(expected)
 

@@ -21,29 +21,45 @@ from simulator.report import RequestRecord, fifths, targets
 from tests.simulator.test_report import rec
 
 
-def tagged(t: float, action: str = "abstained", *, baseline_s: float, fresh: bool = True,
-           accepted: int = 0, user: str = "u", reward: float = 0.0) -> RequestRecord:
+def tagged(
+    t: float,
+    action: str = "abstained",
+    *,
+    baseline_s: float,
+    fresh: bool = True,
+    accepted: int = 0,
+    user: str = "u",
+    reward: float = 0.0,
+) -> RequestRecord:
     """A request at t, tagged with its phase as the simulator tags it."""
-    r = rec(t, action, chars=4, accepted=accepted, retained=float(accepted), user=user,
-            reward=reward)
+    r = rec(
+        t, action, chars=4, accepted=accepted, retained=float(accepted), user=user, reward=reward
+    )
     return replace(r, phase=phase_at(t, baseline_s), fresh=fresh)
 
 
-@pytest.mark.parametrize(("t", "baseline_s", "phase"), [
-    pytest.param(0.0, 0.0, "learning", id="no-baseline-phase"),
-    pytest.param(0.0, 30.0, "baseline", id="first-request"),
-    pytest.param(29.99, 30.0, "baseline", id="just-before-the-switch"),
-    pytest.param(30.0, 30.0, "learning", id="at-the-switch"),
-    pytest.param(500.0, 30.0, "learning", id="late"),
-])
+@pytest.mark.parametrize(
+    ("t", "baseline_s", "phase"),
+    [
+        pytest.param(0.0, 0.0, "learning", id="no-baseline-phase"),
+        pytest.param(0.0, 30.0, "baseline", id="first-request"),
+        pytest.param(29.99, 30.0, "baseline", id="just-before-the-switch"),
+        pytest.param(30.0, 30.0, "learning", id="at-the-switch"),
+        pytest.param(500.0, 30.0, "learning", id="late"),
+    ],
+)
 def test_phase_at(t: float, baseline_s: float, phase: str) -> None:
     assert phase_at(t, baseline_s) == phase
 
 
-@pytest.mark.parametrize(("baseline_s", "duration_s", "span"), [
-    (0.0, 60.0, 60.0), (30.0, 90.0, 60.0),
-    pytest.param(30.0, 20.0, 1.0, id="interrupted-in-the-baseline-phase"),
-])
+@pytest.mark.parametrize(
+    ("baseline_s", "duration_s", "span"),
+    [
+        (0.0, 60.0, 60.0),
+        (30.0, 90.0, 60.0),
+        pytest.param(30.0, 20.0, 1.0, id="interrupted-in-the-baseline-phase"),
+    ],
+)
 def test_learning_span(baseline_s: float, duration_s: float, span: float) -> None:
     assert learning_span(baseline_s, duration_s) == span
 
@@ -54,20 +70,25 @@ def test_learning_records_start_at_the_switch() -> None:
 
 
 # A run of 30 s baseline + 50 s learning: the last fifth is [70, 80).
-RUN = [tagged(5, "accept", accepted=8, baseline_s=30, reward=0.5),
-       tagged(10, "reject", baseline_s=30, reward=-0.25),
-       tagged(20, baseline_s=30, fresh=False),
-       tagged(25, "accept", accepted=4, baseline_s=30, fresh=False, reward=0.3),
-       tagged(35, "accept", accepted=4, baseline_s=30),  # the learning phase's first fifth
-       tagged(71, "accept", accepted=12, baseline_s=30, reward=0.6),
-       tagged(75, baseline_s=30),
-       tagged(79, "reject", baseline_s=30, fresh=False, reward=-0.25)]
+RUN = [
+    tagged(5, "accept", accepted=8, baseline_s=30, reward=0.5),
+    tagged(10, "reject", baseline_s=30, reward=-0.25),
+    tagged(20, baseline_s=30, fresh=False),
+    tagged(25, "accept", accepted=4, baseline_s=30, fresh=False, reward=0.3),
+    tagged(35, "accept", accepted=4, baseline_s=30),  # the learning phase's first fifth
+    tagged(71, "accept", accepted=12, baseline_s=30, reward=0.6),
+    tagged(75, baseline_s=30),
+    tagged(79, "reject", baseline_s=30, fresh=False, reward=-0.25),
+]
 
 
-@pytest.mark.parametrize(("baseline_s", "reference_t", "last_t"), [
-    pytest.param(30.0, [5, 10, 20, 25], [71, 75, 79], id="against-the-baseline-phase"),
-    pytest.param(0.0, [5, 10], [71, 75, 79], id="no-baseline-phase-first-fifth"),
-])
+@pytest.mark.parametrize(
+    ("baseline_s", "reference_t", "last_t"),
+    [
+        pytest.param(30.0, [5, 10, 20, 25], [71, 75, 79], id="against-the-baseline-phase"),
+        pytest.param(0.0, [5, 10], [71, 75, 79], id="no-baseline-phase-first-fifth"),
+    ],
+)
 def test_windows(baseline_s: float, reference_t: list[float], last_t: list[float]) -> None:
     records = [replace(r, phase=phase_at(r.t, baseline_s)) for r in RUN]
     reference, last = windows(records, baseline_s, 80.0)
@@ -81,10 +102,17 @@ def test_learning_comparison_on_all_and_fresh_lines() -> None:
     assert c["reference_window_s"] == [0.0, 30.0] and c["last_window_s"] == [70.0, 80.0]
     every, fresh = c["all"], c["fresh"]
     # all: baseline 4 requests, 3 shown, 2 accepted, 12 chars kept; last 3, 2 shown, 1 accepted
-    assert every["reference"] == pytest.approx({
-        "requests": 4, "shown": 3, "accepted": 2, "shown_per_request": 0.75,
-        "accept_rate_of_shown": 2 / 3, "retained_chars_per_100": 300.0,
-        "reward_per_request": 0.55 / 4})
+    assert every["reference"] == pytest.approx(
+        {
+            "requests": 4,
+            "shown": 3,
+            "accepted": 2,
+            "shown_per_request": 0.75,
+            "accept_rate_of_shown": 2 / 3,
+            "retained_chars_per_100": 300.0,
+            "reward_per_request": 0.55 / 4,
+        }
+    )
     assert every["last_fifth"]["shown_per_request"] == pytest.approx(2 / 3)
     assert every["last_fifth"]["retained_chars_per_100"] == pytest.approx(400.0)
     assert every["change"]["accept_rate_of_shown"] == pytest.approx((1 / 2) / (2 / 3) - 1)
@@ -95,8 +123,11 @@ def test_learning_comparison_on_all_and_fresh_lines() -> None:
     assert fresh["reference"]["accept_rate_of_shown"] == pytest.approx(0.5)
     assert fresh["last_fifth"]["accept_rate_of_shown"] == pytest.approx(1.0)
     assert fresh["change"]["accept_rate_of_shown"] == pytest.approx(1.0)
-    assert set(every["interval"]) == {"accept_rate_of_shown", "shown_per_request",
-                                      "retained_chars_per_100"}
+    assert set(every["interval"]) == {
+        "accept_rate_of_shown",
+        "shown_per_request",
+        "retained_chars_per_100",
+    }
 
 
 def test_without_a_baseline_phase_the_reference_is_the_first_fifth_as_before() -> None:
@@ -108,7 +139,8 @@ def test_without_a_baseline_phase_the_reference_is_the_first_fifth_as_before() -
     for key in ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100"):
         assert c["all"]["change"][key] == s["change"][key]
     assert [t["met"] for t in targets(targets_summary(records, 0.0, 80.0), None)] == [
-        t["met"] for t in targets(s, None)]
+        t["met"] for t in targets(s, None)
+    ]
 
 
 def test_nothing_on_fresh_lines_has_no_rates() -> None:
@@ -141,9 +173,17 @@ DEPLOYS: list[dict[str, Any]] = [
 ]
 
 
-@pytest.mark.parametrize(("deployments", "baseline_s", "expected"), [
-    (DEPLOYS, 30.0, 1), (DEPLOYS, 10.0, 0), (DEPLOYS, 0.0, 0), ([], 30.0, 0), (None, 30.0, None),
-])
-def test_baseline_phase_deploys(deployments: list[dict[str, Any]] | None, baseline_s: float,
-                                expected: int | None) -> None:
+@pytest.mark.parametrize(
+    ("deployments", "baseline_s", "expected"),
+    [
+        (DEPLOYS, 30.0, 1),
+        (DEPLOYS, 10.0, 0),
+        (DEPLOYS, 0.0, 0),
+        ([], 30.0, 0),
+        (None, 30.0, None),
+    ],
+)
+def test_baseline_phase_deploys(
+    deployments: list[dict[str, Any]] | None, baseline_s: float, expected: int | None
+) -> None:
     assert baseline_phase_deploys(deployments, baseline_s) == expected

@@ -35,74 +35,197 @@ from simulator.population import (
 )
 from trainer.corpus import CorpusLine
 
-SIM_SPEC = {"accept_reward": 0.75, "reject_penalty": 0.25, "abstain_reward": 0.0,
-            "chars_norm": 20, "chars_exponent": 0.5, "decision_window_s": 4,
-            "retention_checks_s": [4, 8, 12], "horizon_s": 16}
+SIM_SPEC = {
+    "accept_reward": 0.75,
+    "reject_penalty": 0.25,
+    "abstain_reward": 0.0,
+    "chars_norm": 20,
+    "chars_exponent": 0.5,
+    "decision_window_s": 4,
+    "retention_checks_s": [4, 8, 12],
+    "horizon_s": 16,
+}
 
 # A person whose every probability is 0: tests set the ones they need to 1.
-NOBODY = PersonParams(accept_correct=0.0, accept_close=0.0, accept_wrong=0.0,
-                      close_similarity=0.8, partial_accept=0.0, explicit_reject=0.0,
-                      decide_mean_s=1.0, think_mean_s=1.0, switch_after=3, switch_away_s=5.0,
-                      churn_after_switches=2, useless_window=4, useless_accept_rate=0.3)
+NOBODY = PersonParams(
+    accept_correct=0.0,
+    accept_close=0.0,
+    accept_wrong=0.0,
+    close_similarity=0.8,
+    partial_accept=0.0,
+    explicit_reject=0.0,
+    decide_mean_s=1.0,
+    think_mean_s=1.0,
+    switch_after=3,
+    switch_away_s=5.0,
+    churn_after_switches=2,
+    useless_window=4,
+    useless_accept_rate=0.3,
+)
 
 
-@pytest.mark.parametrize(("text", "truth", "expected"), [
-    ("foo(a, b):", "foo(a, b):", 1.0),  # exact
-    ("foo(", "foo(a, b):", 1.0),  # a prefix of the truth
-    ("x = 1  ", "x = 1", 1.0),  # trailing whitespace ignored
-    ("foo(a, c):", "foo(a, b):", 0.9),  # one character off
-    ("foo(a, b): pass", "foo(a, b):", 10 / 15),  # the truth plus extra text
-    ("zzz", "foo", 0.0),  # nothing in common
-    ("   ", "   x", 0.0),  # blank: nothing to keep
-    ("", "foo", 0.0),  # empty
-])
+@pytest.mark.parametrize(
+    ("text", "truth", "expected"),
+    [
+        ("foo(a, b):", "foo(a, b):", 1.0),  # exact
+        ("foo(", "foo(a, b):", 1.0),  # a prefix of the truth
+        ("x = 1  ", "x = 1", 1.0),  # trailing whitespace ignored
+        ("foo(a, c):", "foo(a, b):", 0.9),  # one character off
+        ("foo(a, b): pass", "foo(a, b):", 10 / 15),  # the truth plus extra text
+        ("zzz", "foo", 0.0),  # nothing in common
+        ("   ", "   x", 0.0),  # blank: nothing to keep
+        ("", "foo", 0.0),  # empty
+    ],
+)
 def test_matched_fraction(text: str, truth: str, expected: float) -> None:
     assert matched_fraction(text, truth) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize(("text", "truth", "close_similarity", "expected"), [
-    ("foo(a, b):", "foo(a, b):", 0.8, "correct"),  # the rest of the line
-    ("foo(", "foo(a, b):", 0.8, "correct"),  # a prefix of it
-    ("x = 1  ", "x = 1", 0.8, "correct"),  # trailing whitespace
-    ("foo(a, c):", "foo(a, b):", 0.8, "close"),  # 90% matches
-    ("foo(a, c):", "foo(a, b):", 0.95, "wrong"),  # ... but this person is stricter
-    ("foo(a, b): pass", "foo(a, b):", 0.7, "wrong"),  # 67% matches
-    ("foo(a, b): pass", "foo(a, b):", 0.6, "close"),
-    ("bar", "foo(a, b):", 0.8, "wrong"),
-    ("   ", "   x", 0.5, "wrong"),  # a blank suggestion is never correct nor close
-])
+@pytest.mark.parametrize(
+    ("text", "truth", "close_similarity", "expected"),
+    [
+        ("foo(a, b):", "foo(a, b):", 0.8, "correct"),  # the rest of the line
+        ("foo(", "foo(a, b):", 0.8, "correct"),  # a prefix of it
+        ("x = 1  ", "x = 1", 0.8, "correct"),  # trailing whitespace
+        ("foo(a, c):", "foo(a, b):", 0.8, "close"),  # 90% matches
+        ("foo(a, c):", "foo(a, b):", 0.95, "wrong"),  # ... but this person is stricter
+        ("foo(a, b): pass", "foo(a, b):", 0.7, "wrong"),  # 67% matches
+        ("foo(a, b): pass", "foo(a, b):", 0.6, "close"),
+        ("bar", "foo(a, b):", 0.8, "wrong"),
+        ("   ", "   x", 0.5, "wrong"),  # a blank suggestion is never correct nor close
+    ],
+)
 def test_judge(text: str, truth: str, close_similarity: float, expected: str) -> None:
     assert judge(text, truth, close_similarity) == expected
 
 
-@pytest.mark.parametrize(("person", "text", "truth", "family", "action", "verdict", "chars",
-                          "retained"), [
-    pytest.param(replace(NOBODY, accept_correct=1.0), "foo(", "foo(a)", False,
-                 "accept", "correct", 4, 1.0, id="correct-accepted-whole"),
-    pytest.param(replace(NOBODY, explicit_reject=1.0), "foo(", "foo(a)", False,
-                 "reject", "correct", 0, 0.0, id="correct-but-this-person-rejects"),
-    pytest.param(NOBODY, "foo(", "foo(a)", False,
-                 "ignore", "correct", 0, 0.0, id="not-accepted-not-rejected-is-ignored"),
-    pytest.param(replace(NOBODY, accept_correct=1.0, accept_close=1.0, accept_wrong=1.0,
-                         explicit_reject=1.0), "foo(", "foo(a)", True,
-                 "reject", "wrong", 0, 0.0, id="reject-family-is-always-rejected"),
-    pytest.param(replace(NOBODY, accept_correct=1.0, accept_close=1.0, accept_wrong=1.0),
-                 "foo(", "foo(a)", True,
-                 "ignore", "wrong", 0, 0.0, id="reject-family-ignored-by-a-silent-person"),
-    pytest.param(replace(NOBODY, accept_close=1.0, partial_accept=1.0), "foo(a, c):",
-                 "foo(a, b):", False, "accept", "close", 7, 1.0, id="close-partial-accept"),
-    pytest.param(replace(NOBODY, accept_close=1.0), "foo(a, c):", "foo(a, b):", False,
-                 "accept", "close", 10, 0.9, id="close-whole-accept-keeps-what-matches"),
-    pytest.param(replace(NOBODY, accept_close=1.0, partial_accept=1.0), "xoo(a, b):",
-                 "foo(a, b):", False, "accept", "close", 10, 0.9,
-                 id="close-partial-with-no-matching-lead-takes-all"),
-    pytest.param(replace(NOBODY, accept_wrong=1.0), "bar()", "foo(a, b):", False,
-                 "accept", "wrong", 5, 0.4, id="wrong-accepted-keeps-little"),
-    pytest.param(replace(NOBODY, accept_correct=1.0, explicit_reject=1.0), "bar()",
-                 "foo(a, b):", False, "reject", "wrong", 0, 0.0, id="wrong-rejected"),
-])
-def test_decide(person: PersonParams, text: str, truth: str, family: bool, action: str,
-                verdict: str, chars: int, retained: float) -> None:
+@pytest.mark.parametrize(
+    ("person", "text", "truth", "family", "action", "verdict", "chars", "retained"),
+    [
+        pytest.param(
+            replace(NOBODY, accept_correct=1.0),
+            "foo(",
+            "foo(a)",
+            False,
+            "accept",
+            "correct",
+            4,
+            1.0,
+            id="correct-accepted-whole",
+        ),
+        pytest.param(
+            replace(NOBODY, explicit_reject=1.0),
+            "foo(",
+            "foo(a)",
+            False,
+            "reject",
+            "correct",
+            0,
+            0.0,
+            id="correct-but-this-person-rejects",
+        ),
+        pytest.param(
+            NOBODY,
+            "foo(",
+            "foo(a)",
+            False,
+            "ignore",
+            "correct",
+            0,
+            0.0,
+            id="not-accepted-not-rejected-is-ignored",
+        ),
+        pytest.param(
+            replace(
+                NOBODY, accept_correct=1.0, accept_close=1.0, accept_wrong=1.0, explicit_reject=1.0
+            ),
+            "foo(",
+            "foo(a)",
+            True,
+            "reject",
+            "wrong",
+            0,
+            0.0,
+            id="reject-family-is-always-rejected",
+        ),
+        pytest.param(
+            replace(NOBODY, accept_correct=1.0, accept_close=1.0, accept_wrong=1.0),
+            "foo(",
+            "foo(a)",
+            True,
+            "ignore",
+            "wrong",
+            0,
+            0.0,
+            id="reject-family-ignored-by-a-silent-person",
+        ),
+        pytest.param(
+            replace(NOBODY, accept_close=1.0, partial_accept=1.0),
+            "foo(a, c):",
+            "foo(a, b):",
+            False,
+            "accept",
+            "close",
+            7,
+            1.0,
+            id="close-partial-accept",
+        ),
+        pytest.param(
+            replace(NOBODY, accept_close=1.0),
+            "foo(a, c):",
+            "foo(a, b):",
+            False,
+            "accept",
+            "close",
+            10,
+            0.9,
+            id="close-whole-accept-keeps-what-matches",
+        ),
+        pytest.param(
+            replace(NOBODY, accept_close=1.0, partial_accept=1.0),
+            "xoo(a, b):",
+            "foo(a, b):",
+            False,
+            "accept",
+            "close",
+            10,
+            0.9,
+            id="close-partial-with-no-matching-lead-takes-all",
+        ),
+        pytest.param(
+            replace(NOBODY, accept_wrong=1.0),
+            "bar()",
+            "foo(a, b):",
+            False,
+            "accept",
+            "wrong",
+            5,
+            0.4,
+            id="wrong-accepted-keeps-little",
+        ),
+        pytest.param(
+            replace(NOBODY, accept_correct=1.0, explicit_reject=1.0),
+            "bar()",
+            "foo(a, b):",
+            False,
+            "reject",
+            "wrong",
+            0,
+            0.0,
+            id="wrong-rejected",
+        ),
+    ],
+)
+def test_decide(
+    person: PersonParams,
+    text: str,
+    truth: str,
+    family: bool,
+    action: str,
+    verdict: str,
+    chars: int,
+    retained: float,
+) -> None:
     d = decide(person, text, truth, family, 3.0, random.Random(0))
     assert (d.action, d.verdict, d.accepted_chars) == (action, verdict, chars)
     assert d.retained_fraction == pytest.approx(retained)
@@ -122,43 +245,89 @@ def test_decide_is_reproducible() -> None:
 
 # --- switching and churn -------------------------------------------------------------------
 
-@pytest.mark.parametrize(("session", "accepted", "move", "after"), [
-    pytest.param(Session(), True, "stay", Session(0, 0, (True,)), id="accept"),
-    pytest.param(Session(2, 0, (False, False)), True, "stay", Session(0, 0, (False, False, True)),
-                 id="an-accept-ends-the-bad-run"),
-    pytest.param(Session(1, 0, (False,)), False, "stay", Session(2, 0, (False, False)),
-                 id="bad-run-grows"),
-    pytest.param(Session(2, 0, (True, False, False)), False, "switch",
-                 Session(0, 1, (True, False, False, False)), id="switch-after-3-bad"),
-    pytest.param(Session(2, 1, (False, False, False)), False, "switch",
-                 Session(0, 2, (False, False, False, False)),
-                 id="useless-but-too-few-switches-to-leave"),
-    pytest.param(Session(0, 2, (False, False, False)), False, "churn",
-                 Session(1, 2, (False, False, False, False)), id="useless-after-2-switches"),
-    pytest.param(Session(0, 2, (True, True, False)), False, "stay",
-                 Session(1, 2, (True, True, False, False)),
-                 id="two-accepts-in-four-is-not-useless"),
-    pytest.param(Session(0, 5, (False, False)), False, "stay", Session(1, 5, (False,) * 3),
-                 id="window-not-full-yet"),
-    pytest.param(Session(0, 0, (True, True, True, True)), True, "stay",
-                 Session(0, 0, (True,) * 4), id="window-keeps-the-last-four"),
-])
+
+@pytest.mark.parametrize(
+    ("session", "accepted", "move", "after"),
+    [
+        pytest.param(Session(), True, "stay", Session(0, 0, (True,)), id="accept"),
+        pytest.param(
+            Session(2, 0, (False, False)),
+            True,
+            "stay",
+            Session(0, 0, (False, False, True)),
+            id="an-accept-ends-the-bad-run",
+        ),
+        pytest.param(
+            Session(1, 0, (False,)),
+            False,
+            "stay",
+            Session(2, 0, (False, False)),
+            id="bad-run-grows",
+        ),
+        pytest.param(
+            Session(2, 0, (True, False, False)),
+            False,
+            "switch",
+            Session(0, 1, (True, False, False, False)),
+            id="switch-after-3-bad",
+        ),
+        pytest.param(
+            Session(2, 1, (False, False, False)),
+            False,
+            "switch",
+            Session(0, 2, (False, False, False, False)),
+            id="useless-but-too-few-switches-to-leave",
+        ),
+        pytest.param(
+            Session(0, 2, (False, False, False)),
+            False,
+            "churn",
+            Session(1, 2, (False, False, False, False)),
+            id="useless-after-2-switches",
+        ),
+        pytest.param(
+            Session(0, 2, (True, True, False)),
+            False,
+            "stay",
+            Session(1, 2, (True, True, False, False)),
+            id="two-accepts-in-four-is-not-useless",
+        ),
+        pytest.param(
+            Session(0, 5, (False, False)),
+            False,
+            "stay",
+            Session(1, 5, (False,) * 3),
+            id="window-not-full-yet",
+        ),
+        pytest.param(
+            Session(0, 0, (True, True, True, True)),
+            True,
+            "stay",
+            Session(0, 0, (True,) * 4),
+            id="window-keeps-the-last-four",
+        ),
+    ],
+)
 def test_step(session: Session, accepted: bool, move: str, after: Session) -> None:
     assert step(session, NOBODY, accepted) == (after, move)
 
 
 # --- where the cursor is -------------------------------------------------------------------
 
-@pytest.mark.parametrize(("prefix", "expected"), [
-    ("import os\n    def fo", True),
-    ("def ", True),
-    ("class A(B", True),
-    ("    async def run(self", True),
-    ("    de", False),  # the keyword is not typed yet: not visible in the prefix
-    ("    define = 1", False),
-    ("x = 'def ", False),
-    ("def f():\n    return ", False),  # the def is on an earlier line
-])
+
+@pytest.mark.parametrize(
+    ("prefix", "expected"),
+    [
+        ("import os\n    def fo", True),
+        ("def ", True),
+        ("class A(B", True),
+        ("    async def run(self", True),
+        ("    de", False),  # the keyword is not typed yet: not visible in the prefix
+        ("    define = 1", False),
+        ("x = 'def ", False),
+        ("def f():\n    return ", False),  # the def is on an earlier line
+    ],
+)
 def test_in_reject_family(prefix: str, expected: bool) -> None:
     assert in_reject_family(prefix) is expected
 
@@ -208,30 +377,49 @@ def test_cursor_source_is_seeded() -> None:
 
 # --- reward and timing ---------------------------------------------------------------------
 
-@pytest.mark.parametrize(("shown_chars", "decision", "expected"), [
-    pytest.param(0, None, 0.0, id="abstained"),
-    pytest.param(12, Decision("wrong", "reject", 1.0), -0.25, id="rejected"),
-    pytest.param(12, Decision("wrong", "ignore", 1.0), -0.25, id="ignored-costs-as-much"),
-    pytest.param(20, Decision("correct", "accept", 1.0, 20, 1.0), 0.75, id="20-chars-kept"),
-    pytest.param(20, Decision("close", "accept", 1.0, 5, 1.0), 0.75 * math.sqrt(5 / 20) * 5 / 20,
-                 id="partial"),
-    pytest.param(20, Decision("close", "accept", 1.0, 20, 0.5), 0.375, id="half-rewritten"),
-    pytest.param(80, Decision("correct", "accept", 1.0, 80, 1.0), 0.75 * math.sqrt(3),
-                 id="size-capped-at-3x"),
-    pytest.param(10, Decision("correct", "accept", 1.0, 30, 1.0), 0.75 * math.sqrt(10 / 20),
-                 id="accepted-chars-capped-at-shown"),
-])
+
+@pytest.mark.parametrize(
+    ("shown_chars", "decision", "expected"),
+    [
+        pytest.param(0, None, 0.0, id="abstained"),
+        pytest.param(12, Decision("wrong", "reject", 1.0), -0.25, id="rejected"),
+        pytest.param(12, Decision("wrong", "ignore", 1.0), -0.25, id="ignored-costs-as-much"),
+        pytest.param(20, Decision("correct", "accept", 1.0, 20, 1.0), 0.75, id="20-chars-kept"),
+        pytest.param(
+            20,
+            Decision("close", "accept", 1.0, 5, 1.0),
+            0.75 * math.sqrt(5 / 20) * 5 / 20,
+            id="partial",
+        ),
+        pytest.param(20, Decision("close", "accept", 1.0, 20, 0.5), 0.375, id="half-rewritten"),
+        pytest.param(
+            80,
+            Decision("correct", "accept", 1.0, 80, 1.0),
+            0.75 * math.sqrt(3),
+            id="size-capped-at-3x",
+        ),
+        pytest.param(
+            10,
+            Decision("correct", "accept", 1.0, 30, 1.0),
+            0.75 * math.sqrt(10 / 20),
+            id="accepted-chars-capped-at-shown",
+        ),
+    ],
+)
 def test_decision_reward(shown_chars: int, decision: Decision | None, expected: float) -> None:
     assert decision_reward(SIM_SPEC, shown_chars, decision) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize(("after_s", "margin_s", "expected"), [
-    (1.0, 1.0, [4.0, 8.0, 12.0]),
-    (3.0, 1.0, [4.0, 8.0, 12.0]),  # 3 + 12 = 15 = 16 - 1
-    (3.5, 1.0, [4.0, 8.0]),  # the last check would land too close to the horizon
-    (0.5, 0.0, [4.0, 8.0, 12.0]),
-    (12.5, 0.0, []),
-])
+@pytest.mark.parametrize(
+    ("after_s", "margin_s", "expected"),
+    [
+        (1.0, 1.0, [4.0, 8.0, 12.0]),
+        (3.0, 1.0, [4.0, 8.0, 12.0]),  # 3 + 12 = 15 = 16 - 1
+        (3.5, 1.0, [4.0, 8.0]),  # the last check would land too close to the horizon
+        (0.5, 0.0, [4.0, 8.0, 12.0]),
+        (12.5, 0.0, []),
+    ],
+)
 def test_retention_delays(after_s: float, margin_s: float, expected: list[float]) -> None:
     assert retention_delays(SIM_SPEC, after_s, margin_s) == expected
 
@@ -248,6 +436,7 @@ def test_think_time_is_bounded(seed: int) -> None:
 
 # --- the population ------------------------------------------------------------------------
 
+
 def test_draw_person_is_seeded_and_in_range() -> None:
     cfg = PopulationConfig()
     a, b = draw_person(cfg, random.Random(1)), draw_person(cfg, random.Random(1))
@@ -259,24 +448,30 @@ def test_draw_person_is_seeded_and_in_range() -> None:
     assert isinstance(a.switch_after, int) and isinstance(a.useless_window, int)
 
 
-@pytest.mark.parametrize(("given", "field", "expected"), [
-    ({"accept_close": 0.2}, "accept_close", (0.2, 0.2)),
-    ({"accept_close": [0.1, 0.3]}, "accept_close", (0.1, 0.3)),
-    ({"reject_family_share": 0.5}, "reject_family_share", 0.5),
-    ({}, "accept_wrong", PopulationConfig().accept_wrong),
-])
+@pytest.mark.parametrize(
+    ("given", "field", "expected"),
+    [
+        ({"accept_close": 0.2}, "accept_close", (0.2, 0.2)),
+        ({"accept_close": [0.1, 0.3]}, "accept_close", (0.1, 0.3)),
+        ({"reject_family_share": 0.5}, "reject_family_share", 0.5),
+        ({}, "accept_wrong", PopulationConfig().accept_wrong),
+    ],
+)
 def test_population_from_dict(given: dict, field: str, expected: object) -> None:
     assert getattr(PopulationConfig.from_dict(given), field) == expected
 
 
-@pytest.mark.parametrize("given", [
-    {"accept_typo": 0.1},  # unknown
-    {"accept_close": [0.5, 0.1]},  # low > high
-    {"accept_close": [0.5, 1.5]},  # a probability above 1
-    {"switch_after": [0, 3]},  # nobody switches after zero suggestions
-    {"reject_family_share": 2.0},
-    {"accept_close": "often"},
-])
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"accept_typo": 0.1},  # unknown
+        {"accept_close": [0.5, 0.1]},  # low > high
+        {"accept_close": [0.5, 1.5]},  # a probability above 1
+        {"switch_after": [0, 3]},  # nobody switches after zero suggestions
+        {"reject_family_share": 2.0},
+        {"accept_close": "often"},
+    ],
+)
 def test_population_from_dict_refuses(given: dict) -> None:
     with pytest.raises(ValueError):
         PopulationConfig.from_dict(given)
@@ -284,9 +479,11 @@ def test_population_from_dict_refuses(given: dict) -> None:
 
 # --- code_settled ----------------------------------------------------------------------------
 
+
 def test_nobody_settles_at_share_zero() -> None:
-    assert not any(settles(seed, slot, gen, 0.0)
-                   for seed in range(3) for slot in range(16) for gen in range(3))
+    assert not any(
+        settles(seed, slot, gen, 0.0) for seed in range(3) for slot in range(16) for gen in range(3)
+    )
 
 
 def test_everybody_settles_at_share_one() -> None:
@@ -296,9 +493,25 @@ def test_everybody_settles_at_share_one() -> None:
 def test_settles_is_pinned_per_seat_and_generation() -> None:
     # the opt-in stream of seed 0 (seat by seat): changing it changes every run with --settled
     assert [settles(0, slot, 0, 0.5) for slot in range(8)] == [
-        False, False, True, False, True, False, False, True]
+        False,
+        False,
+        True,
+        False,
+        True,
+        False,
+        False,
+        True,
+    ]
     assert [settles(0, slot, 1, 0.5) for slot in range(8)] == [
-        True, False, True, False, False, False, True, False]
+        True,
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+    ]
 
 
 def test_a_larger_share_keeps_everyone_already_opted_in() -> None:
@@ -313,16 +526,26 @@ def test_the_first_person_of_a_seed_is_pinned() -> None:
     rng = random.Random("0:0:0")
     person = draw_person(PopulationConfig(), rng)
     assert (person.accept_correct, person.switch_after, person.useless_window) == (
-        pytest.approx(0.88842727388753), 8, 30)
+        pytest.approx(0.88842727388753),
+        8,
+        30,
+    )
 
 
-@pytest.mark.parametrize(("line", "col", "expected"), [
-    pytest.param("x = compute(a, b)", 4, "compute(a, b)", id="rest-of-line"),
-    pytest.param("x = 1  ", 4, "1  ", id="trailing-space-kept"),
-    pytest.param("s = '" + "a" * 1500 + "'", 4, ("'" + "a" * 1500)[:SETTLED_TEXT_MAX_CHARS],
-                 id="cut-to-1000"),
-    pytest.param("s = 'a\x00b'", 4, "'ab'", id="no-nul"),
-])
+@pytest.mark.parametrize(
+    ("line", "col", "expected"),
+    [
+        pytest.param("x = compute(a, b)", 4, "compute(a, b)", id="rest-of-line"),
+        pytest.param("x = 1  ", 4, "1  ", id="trailing-space-kept"),
+        pytest.param(
+            "s = '" + "a" * 1500 + "'",
+            4,
+            ("'" + "a" * 1500)[:SETTLED_TEXT_MAX_CHARS],
+            id="cut-to-1000",
+        ),
+        pytest.param("s = 'a\x00b'", 4, "'ab'", id="no-nul"),
+    ],
+)
 def test_settled_text(line: str, col: int, expected: str) -> None:
     cursor = cursor_at(CorpusLine(Path("pkg/m.py"), 0, (line, "y = 2")), col)
     assert settled_text(cursor) == expected

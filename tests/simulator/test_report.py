@@ -24,20 +24,44 @@ from simulator.report import (
 )
 
 
-def rec(t: float, action: str = "abstained", *, family: bool = False, chars: int = 0,
-        accepted: int = 0, retained: float = 0.0, version: int = 1, reward: float = 0.0,
-        user: str = "u") -> RequestRecord:
+def rec(
+    t: float,
+    action: str = "abstained",
+    *,
+    family: bool = False,
+    chars: int = 0,
+    accepted: int = 0,
+    retained: float = 0.0,
+    version: int = 1,
+    reward: float = 0.0,
+    user: str = "u",
+) -> RequestRecord:
     shown = action != "abstained"
-    return RequestRecord(t=t, user_id=user, version=version, shown=shown, family=family,
-                         shown_chars=chars if shown else 0, verdict="correct" if shown else None,
-                         action=action, accepted_chars=accepted, retained_chars=retained,
-                         reward=reward, latency_ms=10.0)
+    return RequestRecord(
+        t=t,
+        user_id=user,
+        version=version,
+        shown=shown,
+        family=family,
+        shown_chars=chars if shown else 0,
+        verdict="correct" if shown else None,
+        action=action,
+        accepted_chars=accepted,
+        retained_chars=retained,
+        reward=reward,
+        latency_ms=10.0,
+    )
 
 
 @pytest.mark.parametrize(
     ("first", "last", "change"),
-    [(0.5, 0.6, 0.2), (0.2, 0.15, -0.25), (0.0, 0.1, None), (-0.0007, 0.0091, None),
-     (None, 0.1, None)],
+    [
+        (0.5, 0.6, 0.2),
+        (0.2, 0.15, -0.25),
+        (0.0, 0.1, None),
+        (-0.0007, 0.0091, None),
+        (None, 0.1, None),
+    ],
 )
 def test_relative_change_only_from_a_positive_start(
     first: float | None, last: float | None, change: float | None
@@ -94,15 +118,21 @@ def test_bucketize_and_by_version() -> None:
     records = [rec(0, version=1), rec(12, "accept", chars=3, accepted=3, retained=3, version=2)]
     buckets = bucketize(records, 10, 20)
     assert [(b["t0"], b["requests"], b["versions"]) for b in buckets] == [
-        (0, 1, {"1": 1}), (10, 1, {"2": 1})]
+        (0, 1, {"1": 1}),
+        (10, 1, {"2": 1}),
+    ]
     assert by_version(records)["2"]["accept_rate_of_shown"] == 1.0
     assert "versions" not in by_version(records)["1"]
 
 
 def test_fifths_compare_first_and_last() -> None:
     # first fifth: 4 requests, 2 shown, 1 accepted; last fifth: 4 requests, 1 shown and accepted
-    first = [rec(0, "accept", chars=4, accepted=4, retained=4), rec(1, "reject", chars=4),
-             rec(2), rec(3)]
+    first = [
+        rec(0, "accept", chars=4, accepted=4, retained=4),
+        rec(1, "reject", chars=4),
+        rec(2),
+        rec(3),
+    ]
     last = [rec(40, "accept", chars=8, accepted=8, retained=8), rec(41), rec(42), rec(43)]
     s = fifths(first + last, 50.0)
     assert [p["requests"] for p in s["parts"]] == [4, 0, 0, 0, 4]
@@ -115,35 +145,86 @@ def test_fifths_compare_first_and_last() -> None:
 def summary(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
     base = {"shown_per_request": 0.2, "accept_rate_of_shown": 0.5, "retained_chars_per_100": 100.0}
     f, la = {**base, **first}, {**base, **last}
-    return {"first": f, "last": la, "change": {
-        k: (la[k] - f[k]) / f[k] for k in ("shown_per_request", "accept_rate_of_shown")}}
+    return {
+        "first": f,
+        "last": la,
+        "change": {k: (la[k] - f[k]) / f[k] for k in ("shown_per_request", "accept_rate_of_shown")},
+    }
 
 
 DEPLOY = {"action": "deploy", "canary_version": 2}
 
 
-@pytest.mark.parametrize(("first", "last", "deploys", "expected"), [
-    pytest.param({}, {"accept_rate_of_shown": 0.65, "shown_per_request": 0.16,
-                      "retained_chars_per_100": 100.0}, [DEPLOY] * 5,
-                 [True, True, True, True, True], id="all-met"),
-    pytest.param({}, {"accept_rate_of_shown": 0.64, "shown_per_request": 0.17,
-                      "retained_chars_per_100": 99.0}, [DEPLOY] * 4,
-                 [False, False, False, False, True], id="all-just-missed"),
-    pytest.param({}, {"shown_per_request": 0.04}, [DEPLOY] * 5,
-                 [False, True, True, True, False], id="collapse-stops-showing"),
-    pytest.param({}, {"retained_chars_per_100": 49.0}, None,
-                 [False, False, False, None, False], id="collapse-loses-retained-no-admin"),
-    pytest.param({}, {}, [{"action": "deploy", "canary_version": None}, {"action": "promote"}],
-                 [False, False, True, False, True], id="only-canary-deploys-count"),
-])
-def test_targets(first: dict[str, Any], last: dict[str, Any], deploys: list[dict[str, Any]] | None,
-                 expected: list[bool | None]) -> None:
+@pytest.mark.parametrize(
+    ("first", "last", "deploys", "expected"),
+    [
+        pytest.param(
+            {},
+            {
+                "accept_rate_of_shown": 0.65,
+                "shown_per_request": 0.16,
+                "retained_chars_per_100": 100.0,
+            },
+            [DEPLOY] * 5,
+            [True, True, True, True, True],
+            id="all-met",
+        ),
+        pytest.param(
+            {},
+            {
+                "accept_rate_of_shown": 0.64,
+                "shown_per_request": 0.17,
+                "retained_chars_per_100": 99.0,
+            },
+            [DEPLOY] * 4,
+            [False, False, False, False, True],
+            id="all-just-missed",
+        ),
+        pytest.param(
+            {},
+            {"shown_per_request": 0.04},
+            [DEPLOY] * 5,
+            [False, True, True, True, False],
+            id="collapse-stops-showing",
+        ),
+        pytest.param(
+            {},
+            {"retained_chars_per_100": 49.0},
+            None,
+            [False, False, False, None, False],
+            id="collapse-loses-retained-no-admin",
+        ),
+        pytest.param(
+            {},
+            {},
+            [{"action": "deploy", "canary_version": None}, {"action": "promote"}],
+            [False, False, True, False, True],
+            id="only-canary-deploys-count",
+        ),
+    ],
+)
+def test_targets(
+    first: dict[str, Any],
+    last: dict[str, Any],
+    deploys: list[dict[str, Any]] | None,
+    expected: list[bool | None],
+) -> None:
     assert [t["met"] for t in targets(summary(first, last), deploys)] == expected
 
 
 def test_gated_deploys_counts_canaries_only() -> None:
-    assert gated_deploys([DEPLOY, {"action": "deploy", "canary_version": None},
-                          {"action": "bootstrap"}, {"action": "rollback"}, DEPLOY]) == 2
+    assert (
+        gated_deploys(
+            [
+                DEPLOY,
+                {"action": "deploy", "canary_version": None},
+                {"action": "bootstrap"},
+                {"action": "rollback"},
+                DEPLOY,
+            ]
+        )
+        == 2
+    )
 
 
 def test_timeline_keeps_the_run_in_order() -> None:
@@ -152,27 +233,76 @@ def test_timeline_keeps_the_run_in_order() -> None:
     def at(s: float) -> str:
         return (start + timedelta(seconds=s)).isoformat().replace("+00:00", "Z")
 
-    rows = [{"id": 3, "created_at": at(50), "action": "promote", "live_version": 2,
-             "canary_version": None, "canary_fraction": 0.0, "reason": "r"},
-            {"id": 2, "created_at": at(20), "action": "deploy", "live_version": 1,
-             "canary_version": 2, "canary_fraction": 0.3, "reason": "r"},
-            {"id": 1, "created_at": at(-5), "action": "bootstrap", "live_version": 1,
-             "canary_version": None, "canary_fraction": 0.0, "reason": "r"},
-            {"id": 4, "created_at": at(500), "action": "deploy", "live_version": 2,
-             "canary_version": 3, "canary_fraction": 0.3, "reason": "r"}]
+    rows = [
+        {
+            "id": 3,
+            "created_at": at(50),
+            "action": "promote",
+            "live_version": 2,
+            "canary_version": None,
+            "canary_fraction": 0.0,
+            "reason": "r",
+        },
+        {
+            "id": 2,
+            "created_at": at(20),
+            "action": "deploy",
+            "live_version": 1,
+            "canary_version": 2,
+            "canary_fraction": 0.3,
+            "reason": "r",
+        },
+        {
+            "id": 1,
+            "created_at": at(-5),
+            "action": "bootstrap",
+            "live_version": 1,
+            "canary_version": None,
+            "canary_fraction": 0.0,
+            "reason": "r",
+        },
+        {
+            "id": 4,
+            "created_at": at(500),
+            "action": "deploy",
+            "live_version": 2,
+            "canary_version": 3,
+            "canary_fraction": 0.3,
+            "reason": "r",
+        },
+    ]
     got = timeline(rows, start, 100)
     assert [(d["id"], d["t"], d["action"]) for d in got] == [
-        (2, 20.0, "deploy"), (3, 50.0, "promote")]
+        (2, 20.0, "deploy"),
+        (3, 50.0, "promote"),
+    ]
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
-    records = [rec(t, "accept" if t % 3 == 0 else "abstained", chars=5, accepted=5, retained=5,
-                   family=t % 4 == 0) for t in range(60)]
-    report = {"config": {"users": 2, "minutes": 1, "seed": 0, "bucket_s": 10},
-              "buckets": bucketize(records, 10, 60),
-              "deployments": [{"t": 20, "action": "deploy"}, {"t": 40, "action": "rollback"}],
-              "baseline": {"best": {"accept_rate_of_shown": 0.6, "shown_per_request": 0.2,
-                                    "retained_chars_per_100": 50, "reward_per_request": 0.01}}}
+    records = [
+        rec(
+            t,
+            "accept" if t % 3 == 0 else "abstained",
+            chars=5,
+            accepted=5,
+            retained=5,
+            family=t % 4 == 0,
+        )
+        for t in range(60)
+    ]
+    report = {
+        "config": {"users": 2, "minutes": 1, "seed": 0, "bucket_s": 10},
+        "buckets": bucketize(records, 10, 60),
+        "deployments": [{"t": 20, "action": "deploy"}, {"t": 40, "action": "rollback"}],
+        "baseline": {
+            "best": {
+                "accept_rate_of_shown": 0.6,
+                "shown_per_request": 0.2,
+                "retained_chars_per_100": 50,
+                "reward_per_request": 0.01,
+            }
+        },
+    }
     plot(report, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -182,30 +312,56 @@ def test_report_main_swaps_the_baseline_and_redraws(tmp_path: Path) -> None:
 
     from simulator.report import main
 
-    records = [rec(t, "accept" if t % 2 else "abstained", chars=4, accepted=4, retained=4)
-               for t in range(50)]
-    report = {"config": {"users": 1, "minutes": 1, "seed": 0, "bucket_s": 10, "duration_s": 50},
-              "buckets": bucketize(records, 10, 50), "fifths": fifths(records, 50),
-              "deployments": None, "baseline": None, "comparison": None}
+    records = [
+        rec(t, "accept" if t % 2 else "abstained", chars=4, accepted=4, retained=4)
+        for t in range(50)
+    ]
+    report = {
+        "config": {"users": 1, "minutes": 1, "seed": 0, "bucket_s": 10, "duration_s": 50},
+        "buckets": bucketize(records, 10, 50),
+        "fifths": fifths(records, 50),
+        "deployments": None,
+        "baseline": None,
+        "comparison": None,
+    }
     (tmp_path / "report.json").write_text(json.dumps(report))
-    best = {"accept_rate_of_shown": 0.4, "shown_per_request": 0.1, "retained_chars_per_100": 9.0,
-            "reward_per_request": 0.0, "family_shown_rate": None}
+    best = {
+        "accept_rate_of_shown": 0.4,
+        "shown_per_request": 0.1,
+        "retained_chars_per_100": 9.0,
+        "reward_per_request": 0.0,
+        "family_shown_rate": None,
+    }
     (tmp_path / "b.json").write_text(json.dumps({"best": best, "stochastic_gate": best}))
     assert main([str(tmp_path / "report.json"), "--baseline", str(tmp_path / "b.json")]) == 0
     out = json.loads((tmp_path / "report.json").read_text())
     assert out["baseline"]["best"] == best
     assert out["comparison"]["accept_rate_of_shown"] == {
-        "learned_last_fifth": 1.0, "baseline": 0.4, "difference": pytest.approx(0.6),
-        "live_first_fifth": 1.0, "base_as_served_offline": 0.4}
+        "learned_last_fifth": 1.0,
+        "baseline": 0.4,
+        "difference": pytest.approx(0.6),
+        "live_first_fifth": 1.0,
+        "base_as_served_offline": 0.4,
+    }
     assert (tmp_path / "learning_curve.png").stat().st_size > 1000
 
 
-def person_requests(user: str, t0: float, accepts: int, rejects: int, abstains: int
-                    ) -> list[RequestRecord]:
+def person_requests(
+    user: str, t0: float, accepts: int, rejects: int, abstains: int
+) -> list[RequestRecord]:
     """One person's requests in a fifth starting at t0: accepts of 4 characters, all kept."""
     acts = ["accept"] * accepts + ["reject"] * rejects + ["abstained"] * abstains
-    return [rec(t0 + 0.01 * i, a, chars=4, accepted=4 if a == "accept" else 0,
-                retained=4.0 if a == "accept" else 0.0, user=user) for i, a in enumerate(acts)]
+    return [
+        rec(
+            t0 + 0.01 * i,
+            a,
+            chars=4,
+            accepted=4 if a == "accept" else 0,
+            retained=4.0 if a == "accept" else 0.0,
+            user=user,
+        )
+        for i, a in enumerate(acts)
+    ]
 
 
 def test_change_intervals_of_an_unchanged_population_straddle_zero() -> None:
@@ -227,15 +383,21 @@ def test_change_intervals_exclude_zero_for_a_change_everyone_shares() -> None:
     assert acc is not None and 0 < acc[0] <= s["change"]["accept_rate_of_shown"] <= acc[1]
     assert shown is not None and shown[0] <= s["change"]["shown_per_request"] <= shown[1] < 0
     assert [t["interval"] for t in targets(s, None)[:3]] == [
-        acc, shown, iv["retained_chars_per_100"]]
+        acc,
+        shown,
+        iv["retained_chars_per_100"],
+    ]
 
 
 def test_change_intervals_resample_people_not_requests() -> None:
     # one person of ten makes the whole gain: 28 more accepts. Resampling requests would call it
     # certain; resampling people finds runs without that person, and the interval reaches 0.
     first = [r for u in range(10) for r in person_requests(f"p{u}", 0, 2, 2, 36)]
-    last = [r for u in range(10)
-            for r in person_requests(f"p{u}", 40, *((30, 2, 8) if u == 0 else (2, 2, 36)))]
+    last = [
+        r
+        for u in range(10)
+        for r in person_requests(f"p{u}", 40, *((30, 2, 8) if u == 0 else (2, 2, 36)))
+    ]
     lo, hi = change_intervals(first, last)["retained_chars_per_100"] or (None, None)
     assert lo is not None and hi is not None
     assert lo <= 0.0 < hi
@@ -253,8 +415,11 @@ def test_change_intervals_need_a_ratio_in_every_resample() -> None:
 def test_bucketize_rates_fresh_lines_apart() -> None:
     from dataclasses import replace
 
-    records = [rec(1, "accept", chars=4, accepted=4, retained=4.0),
-               replace(rec(2, "reject", chars=4), fresh=False), rec(3)]
+    records = [
+        rec(1, "accept", chars=4, accepted=4, retained=4.0),
+        replace(rec(2, "reject", chars=4), fresh=False),
+        rec(3),
+    ]
     b = bucketize(records, 10, 10)[0]
     assert b["accept_rate_of_shown"] == 0.5 and b["fresh_accept_rate_of_shown"] == 1.0
     assert b["fresh_shown_per_request"] == 0.5
@@ -266,15 +431,28 @@ def test_plot_shades_the_baseline_phase_and_draws_fresh_lines(tmp_path: Path) ->
 
     from simulator.phases import learning_comparison, learning_records, phase_at
 
-    records = [replace(rec(t, "accept" if t % 3 == 0 else "abstained", chars=5, accepted=5,
-                           retained=5), phase=phase_at(t, 20), fresh=t % 2 == 0)
-               for t in range(60)]
-    report = {"config": {"users": 2, "minutes": 40 / 60, "seed": 0, "bucket_s": 10,
-                         "duration_s": 60, "settled_share": 1.0},
-              "phases": {"baseline_s": 20.0, "learning_s": 40.0},
-              "buckets": bucketize(records, 10, 60),
-              "fifths": fifths(learning_records(records, 20), 40),
-              "phase_comparison": learning_comparison(records, 20, 60),
-              "deployments": [{"t": 30, "action": "deploy"}]}
+    records = [
+        replace(
+            rec(t, "accept" if t % 3 == 0 else "abstained", chars=5, accepted=5, retained=5),
+            phase=phase_at(t, 20),
+            fresh=t % 2 == 0,
+        )
+        for t in range(60)
+    ]
+    report = {
+        "config": {
+            "users": 2,
+            "minutes": 40 / 60,
+            "seed": 0,
+            "bucket_s": 10,
+            "duration_s": 60,
+            "settled_share": 1.0,
+        },
+        "phases": {"baseline_s": 20.0, "learning_s": 40.0},
+        "buckets": bucketize(records, 10, 60),
+        "fifths": fifths(learning_records(records, 20), 40),
+        "phase_comparison": learning_comparison(records, 20, 60),
+        "deployments": [{"t": 30, "action": "deploy"}],
+    }
     plot(report, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

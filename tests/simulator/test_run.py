@@ -66,12 +66,31 @@ def count(engine: sa.Engine, table: sa.Table) -> int:
 
 @pytest.mark.timeout(120)
 def test_an_ingest_key_gets_the_sim_windows_and_everything_lands_once(
-        served: tuple[Settings, RunningService, sa.Engine], tmp_path: Path) -> None:
+    served: tuple[Settings, RunningService, sa.Engine], tmp_path: Path
+) -> None:
     _, service, engine = served
     out = tmp_path / "sim"
-    rc = main(["--api", service.url, "--key", key(engine, "ingest"), "--users", "4",
-               "--minutes", "0.2", "--seed", "3", "--reject-family-share", "0.3",
-               "--baseline-cursors", "0", "--no-live", "--out", str(out)])
+    rc = main(
+        [
+            "--api",
+            service.url,
+            "--key",
+            key(engine, "ingest"),
+            "--users",
+            "4",
+            "--minutes",
+            "0.2",
+            "--seed",
+            "3",
+            "--reject-family-share",
+            "0.3",
+            "--baseline-cursors",
+            "0",
+            "--no-live",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["reward_spec_source"].startswith("sim defaults")
@@ -90,11 +109,27 @@ def test_an_ingest_key_gets_the_sim_windows_and_everything_lands_once(
     assert (out / "learning_curve.png").is_file()
 
 
-def test_a_refused_key_stops_at_once(served: tuple[Settings, RunningService, sa.Engine],
-                                     tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_refused_key_stops_at_once(
+    served: tuple[Settings, RunningService, sa.Engine],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     _, service, _ = served
-    rc = main(["--api", service.url, "--key", "tlk_nope", "--minutes", "1", "--no-live",
-               "--baseline-cursors", "0", "--out", str(tmp_path / "sim")])
+    rc = main(
+        [
+            "--api",
+            service.url,
+            "--key",
+            "tlk_nope",
+            "--minutes",
+            "1",
+            "--no-live",
+            "--baseline-cursors",
+            "0",
+            "--out",
+            str(tmp_path / "sim"),
+        ]
+    )
     assert rc == 1
     assert "401" in capsys.readouterr().err
     assert not (tmp_path / "sim").exists()
@@ -117,11 +152,30 @@ def test_the_live_display_renders(tmp_path: Path) -> None:
     async def render() -> str:
         cfg = SimConfig(api="http://127.0.0.1:9", key="k", minutes=1, out=tmp_path)
         client = Client(cfg.api, cfg.key)
-        sim = Simulation(cfg, RewardSpec.sim().to_dict(), CursorSource([corpus_line(2)]), client,
-                         EventSender(client))
-        sim.records += [RequestRecord(float(t), "u", 1 + t // 30, t % 3 == 0, t % 5 == 0, 4,
-                                      "correct", "accept" if t % 3 == 0 else "abstained", 4, 4.0,
-                                      0.1, 12.0) for t in range(60)]
+        sim = Simulation(
+            cfg,
+            RewardSpec.sim().to_dict(),
+            CursorSource([corpus_line(2)]),
+            client,
+            EventSender(client),
+        )
+        sim.records += [
+            RequestRecord(
+                float(t),
+                "u",
+                1 + t // 30,
+                t % 3 == 0,
+                t % 5 == 0,
+                4,
+                "correct",
+                "accept" if t % 3 == 0 else "abstained",
+                4,
+                4.0,
+                0.1,
+                12.0,
+            )
+            for t in range(60)
+        ]
         display = Display(cfg, admin=True, console=Console())
         display.deployments = [{"t": 20.0, "action": "deploy"}]
         display.training = {"trainer": {"state": "canary"}, "rewards_finalized": 55}
@@ -138,10 +192,12 @@ def test_the_live_display_renders(tmp_path: Path) -> None:
 # --- the baseline phase and code_settled ------------------------------------------------------
 
 CORPUS = {  # a small corpus: people come back to the same lines, so some are no longer fresh
-    "shop/cart.py": ("import math\n\n\nclass Cart:\n    def __init__(self, items):\n"
-                     "        self.items = list(items)\n\n    def total(self):\n"
-                     "        return sum(item.price for item in self.items)\n\n"
-                     "    def rounded(self):\n        return math.ceil(self.total())\n"),
+    "shop/cart.py": (
+        "import math\n\n\nclass Cart:\n    def __init__(self, items):\n"
+        "        self.items = list(items)\n\n    def total(self):\n"
+        "        return sum(item.price for item in self.items)\n\n"
+        "    def rounded(self):\n        return math.ceil(self.total())\n"
+    ),
     "shop/tests/test_cart.py": "def test_nothing():\n    assert True\n",  # left out
 }
 
@@ -164,8 +220,11 @@ class PausedWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            r = httpx.get(self.url + "/admin/training", timeout=10,
-                          headers={"Authorization": f"Bearer {self.token}"})
+            r = httpx.get(
+                self.url + "/admin/training",
+                timeout=10,
+                headers={"Authorization": f"Bearer {self.token}"},
+            )
             self.seen.append(bool(r.json()["paused"]))
             time.sleep(0.3)
 
@@ -180,19 +239,43 @@ class PausedWatch:
 
 @pytest.mark.timeout(180)
 def test_a_baseline_phase_pauses_then_resumes_the_trainer_and_people_settle_their_lines(
-        served_sim: Served, tmp_path: Path) -> None:
+    served_sim: Served, tmp_path: Path
+) -> None:
     _, service, engine = served_sim
     token = key(engine, "admin", "ingest")
     out = tmp_path / "sim"
     with PausedWatch(service.url, token) as watch:
-        rc = main(["--api", service.url, "--key", token, "--users", "4", "--minutes", "0.2",
-                   "--baseline-minutes", "0.2", "--settled", "1.0", "--seed", "3",
-                   "--corpus", str(corpus(tmp_path / "code")), "--bucket-s", "4",
-                   "--baseline-cursors", "0", "--no-live", "--out", str(out)])
+        rc = main(
+            [
+                "--api",
+                service.url,
+                "--key",
+                token,
+                "--users",
+                "4",
+                "--minutes",
+                "0.2",
+                "--baseline-minutes",
+                "0.2",
+                "--settled",
+                "1.0",
+                "--seed",
+                "3",
+                "--corpus",
+                str(corpus(tmp_path / "code")),
+                "--bucket-s",
+                "4",
+                "--baseline-cursors",
+                "0",
+                "--no-live",
+                "--out",
+                str(out),
+            ]
+        )
     assert rc == 0
     # paused during the baseline phase, running again after it, and left running
     assert True in watch.seen and watch.seen[-1] is False
-    assert False in watch.seen[watch.seen.index(True):]
+    assert False in watch.seen[watch.seen.index(True) :]
     report = json.loads((out / "report.json").read_text())
     trainer = report["phases"]["trainer"]
     assert report["phases"]["baseline_s"] == 12.0
@@ -214,10 +297,14 @@ def test_a_baseline_phase_pauses_then_resumes_the_trainer_and_people_settle_thei
     for side in ("all", "fresh"):
         assert comparison[side]["reference"]["requests"] > 0, side
         assert set(comparison[side]["change"]) == {
-            "shown_per_request", "accept_rate_of_shown", "retained_chars_per_100",
-            "reward_per_request"}
+            "shown_per_request",
+            "accept_rate_of_shown",
+            "retained_chars_per_100",
+            "reward_per_request",
+        }
     assert comparison["all"]["reference"]["requests"] == sum(
-        r["phase"] == "baseline" for r in records)
+        r["phase"] == "baseline" for r in records
+    )
     assert comparison["errors"] == 0 and comparison["events_lost"] == 0
     assert comparison["events_refused"] == 0
 
@@ -227,46 +314,95 @@ def test_a_baseline_phase_pauses_then_resumes_the_trainer_and_people_settle_thei
     assert settled["events"] == len(records)
     assert settled["lines"] == len(json.loads((out / "settled_lines.json").read_text()))
     with engine.connect() as conn:
-        rows = conn.execute(sa.select(events.c.payload, events.c.suggestion_id)
-                            .where(events.c.type == "code_settled")).all()
+        rows = conn.execute(
+            sa.select(events.c.payload, events.c.suggestion_id).where(
+                events.c.type == "code_settled"
+            )
+        ).all()
         suggestions = set(conn.execute(sa.select(rollouts.c.suggestion_id)).scalars())
     assert len(rows) == settled["events"]
     cart = CORPUS["shop/cart.py"].split("\n")
     for payload, suggestion_id in rows:
-        assert set(payload) >= {"event_id", "type", "user_id", "suggestion_id", "occurred_at",
-                                "after_seconds", "text"}
+        assert set(payload) >= {
+            "event_id",
+            "type",
+            "user_id",
+            "suggestion_id",
+            "occurred_at",
+            "after_seconds",
+            "text",
+        }
         assert suggestion_id in suggestions and payload["after_seconds"] >= 0
         assert payload["text"] and any(line.endswith(payload["text"]) for line in cart)
 
 
 @pytest.mark.timeout(120)
 def test_a_paused_trainer_stays_paused_and_an_admin_key_can_come_apart(
-        served_sim: Served, tmp_path: Path) -> None:
+    served_sim: Served, tmp_path: Path
+) -> None:
     _, service, engine = served_sim
     admin = key(engine, "admin")
-    r = httpx.post(service.url + "/admin/training/pause", timeout=10,
-                   headers={"Authorization": f"Bearer {admin}"})
+    r = httpx.post(
+        service.url + "/admin/training/pause",
+        timeout=10,
+        headers={"Authorization": f"Bearer {admin}"},
+    )
     assert r.status_code == 200
     out = tmp_path / "sim"
-    rc = main(["--api", service.url, "--key", key(engine, "ingest"), "--admin-key", admin,
-               "--users", "2", "--minutes", "0.05", "--baseline-minutes", "0.05",
-               "--corpus", str(corpus(tmp_path / "code")), "--baseline-cursors", "0",
-               "--no-live", "--out", str(out)])
+    rc = main(
+        [
+            "--api",
+            service.url,
+            "--key",
+            key(engine, "ingest"),
+            "--admin-key",
+            admin,
+            "--users",
+            "2",
+            "--minutes",
+            "0.05",
+            "--baseline-minutes",
+            "0.05",
+            "--corpus",
+            str(corpus(tmp_path / "code")),
+            "--baseline-cursors",
+            "0",
+            "--no-live",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     trainer = json.loads((out / "report.json").read_text())["phases"]["trainer"]
     assert trainer["paused_before"] is True and trainer["paused_by_simulator"] is False
     assert trainer["resumed_at_s"] is None and "already paused" in trainer["note"]
-    r = httpx.get(service.url + "/admin/training", timeout=10,
-                  headers={"Authorization": f"Bearer {admin}"})
+    r = httpx.get(
+        service.url + "/admin/training", timeout=10, headers={"Authorization": f"Bearer {admin}"}
+    )
     assert r.json()["paused"] is True  # the simulator never resumes what it did not pause
 
 
 def test_a_baseline_phase_needs_the_admin_scope(
-        served_sim: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    served_sim: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _, service, engine = served_sim
-    rc = main(["--api", service.url, "--key", key(engine, "ingest"), "--minutes", "1",
-               "--baseline-minutes", "1", "--no-live", "--baseline-cursors", "0",
-               "--out", str(tmp_path / "sim")])
+    rc = main(
+        [
+            "--api",
+            service.url,
+            "--key",
+            key(engine, "ingest"),
+            "--minutes",
+            "1",
+            "--baseline-minutes",
+            "1",
+            "--no-live",
+            "--baseline-cursors",
+            "0",
+            "--out",
+            str(tmp_path / "sim"),
+        ]
+    )
     assert rc == 1
     err = capsys.readouterr().err
     assert "admin scope" in err and "--admin-key" in err
@@ -284,24 +420,37 @@ def test_a_settled_event_says_what_stands_after_the_cursor(tmp_path: Path) -> No
     from tests.simulator.test_population import corpus_line
 
     async def settle() -> tuple[list[dict[str, Any]], Simulation]:
-        cfg = SimConfig(api="http://127.0.0.1:9", key="k", minutes=1, out=tmp_path,
-                        settled_share=1.0)
+        cfg = SimConfig(
+            api="http://127.0.0.1:9", key="k", minutes=1, out=tmp_path, settled_share=1.0
+        )
         client = Client(cfg.api, cfg.key)
         sender = EventSender(client)
-        sim = Simulation(cfg, RewardSpec.sim().to_dict(), CursorSource([corpus_line(2)]), client,
-                         sender)
-        sim._settle("u-1", "6f1c1b1e-0000-4000-8000-000000000001", cursor_at(corpus_line(2), 8),
-                    sim.now())
+        sim = Simulation(
+            cfg, RewardSpec.sim().to_dict(), CursorSource([corpus_line(2)]), client, sender
+        )
+        sim._settle(
+            "u-1", "6f1c1b1e-0000-4000-8000-000000000001", cursor_at(corpus_line(2), 8), sim.now()
+        )
         await client.aclose()
         return list(sender._queue), sim
 
     queued, sim = asyncio.run(settle())
     assert len(queued) == 1
     event = queued[0]
-    assert set(event) == {"event_id", "type", "user_id", "suggestion_id", "occurred_at",
-                          "after_seconds", "text"}
+    assert set(event) == {
+        "event_id",
+        "type",
+        "user_id",
+        "suggestion_id",
+        "occurred_at",
+        "after_seconds",
+        "text",
+    }
     assert (event["type"], event["user_id"], event["text"]) == (
-        "code_settled", "u-1", "walk(self, top):")
+        "code_settled",
+        "u-1",
+        "walk(self, top):",
+    )
     assert isinstance(event["after_seconds"], float) and event["after_seconds"] >= 0
     assert event["occurred_at"].endswith("Z")
     assert sim.settled_lines == {("mod.py", 2)} and sim.counters.settled == 1

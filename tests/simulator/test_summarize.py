@@ -24,28 +24,55 @@ def write_run(out: Path, minutes: float) -> Path:
     for t in range(0, int(duration), 5):
         late = t >= duration - 180
         action = "accept" if late or (t < BASELINE_S and t % 10 == 0) else "reject"
-        records.append(tagged(float(t), action, accepted=4 if action == "accept" else 0,
-                              baseline_s=BASELINE_S, user=f"u{t % 3}"))
+        records.append(
+            tagged(
+                float(t),
+                action,
+                accepted=4 if action == "accept" else 0,
+                baseline_s=BASELINE_S,
+                user=f"u{t % 3}",
+            )
+        )
     # a seen line (not fresh) that would change the figures if it were counted
-    records.append(replace(records[-1], t=duration - 1, action="reject", fresh=False,
-                           accepted_chars=0, retained_chars=0.0))
+    records.append(
+        replace(
+            records[-1],
+            t=duration - 1,
+            action="reject",
+            fresh=False,
+            accepted_chars=0,
+            retained_chars=0.0,
+        )
+    )
     out.mkdir()
     with (out / "records.jsonl").open("w") as f:
         for r in records:
             f.write(json.dumps(asdict(r)) + "\n")
     comparison = learning_comparison(records, BASELINE_S, duration)
     comparison.update(gated_deploys=1, errors=0, events_lost=0)
-    deployments = [{"t": BASELINE_S + 30, "id": 2, "action": "deploy", "live_version": 1,
-                    "canary_version": 2}]
-    (out / "report.json").write_text(json.dumps({
-        "config": {"seed": 0, "corpus": None, "baseline_minutes": BASELINE_S / 60},
-        "phase_comparison": comparison, "deployments": deployments}))
+    deployments = [
+        {"t": BASELINE_S + 30, "id": 2, "action": "deploy", "live_version": 1, "canary_version": 2}
+    ]
+    (out / "report.json").write_text(
+        json.dumps(
+            {
+                "config": {"seed": 0, "corpus": None, "baseline_minutes": BASELINE_S / 60},
+                "phase_comparison": comparison,
+                "deployments": deployments,
+            }
+        )
+    )
     return out
 
 
 def summarize(*args: str) -> list[str]:
-    done = subprocess.run([sys.executable, "benchmarks/summarize.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/summarize.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [line for line in done.stdout.splitlines() if line.startswith("| ")]
 
 

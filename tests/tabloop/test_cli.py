@@ -168,8 +168,12 @@ def test_log_format_flag_on_the_long_running_commands() -> None:
 @pytest.mark.integration  # `tabloop train` serving its metrics
 def test_train_serves_its_metrics_on_the_metrics_port(tmp_path: Path) -> None:
     port = free_port()
-    env = env_for(tmp_path, TABLOOP_METRICS_PORT=str(port), TABLOOP_TRAINER_API_KEY="tlk_x_y",
-                  TABLOOP_LOG_FORMAT="json")
+    env = env_for(
+        tmp_path,
+        TABLOOP_METRICS_PORT=str(port),
+        TABLOOP_TRAINER_API_KEY="tlk_x_y",
+        TABLOOP_LOG_FORMAT="json",
+    )
     assert run(["db", "upgrade"], env).returncode == 0
     proc = subprocess.Popen([TABLOOP, "train"], env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -206,11 +210,13 @@ def test_serve_with_workers_sums_every_workers_metrics(tmp_path: Path) -> None:
     port = free_port()
     env = env_for(tmp_path, TABLOOP_PORT=str(port), TABLOOP_LOG_FORMAT="json")
     assert run(["db", "upgrade"], env).returncode == 0
-    proc = subprocess.Popen([TABLOOP, "serve", "--workers", "2"], env=env,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [TABLOOP, "serve", "--workers", "2"], env=env, stderr=subprocess.PIPE, text=True
+    )
     url = f"http://127.0.0.1:{port}"
-    healthz = ('tabloop_http_request_duration_seconds_count'
-               '{method="GET",route="/healthz",status="200"}')
+    healthz = (
+        'tabloop_http_request_duration_seconds_count{method="GET",route="/healthz",status="200"}'
+    )
     dirs = set(Path(tempfile.gettempdir()).glob("tabloop-metrics-*"))
     try:
         wait_http_ready(url, proc, timeout_s=120)

@@ -38,9 +38,10 @@ def test_keys_made_and_revoked_on_the_command_line(tmp_path: Path) -> None:
     assert run(["keys", "revoke", "nosuchkey"], env).returncode == 1  # nothing revoked
 
     rows = audit_rows(Settings(data_dir=tmp_path / "data"))
-    assert [(r["action"], r["target"], r["key_id"], r["key_name"], r["outcome"])
-            for r in rows] == [("key.create", key_id, None, "cli", "ok"),
-                               ("key.revoke", key_id, None, "cli", "ok")]
+    assert [(r["action"], r["target"], r["key_id"], r["key_name"], r["outcome"]) for r in rows] == [
+        ("key.create", key_id, None, "cli", "ok"),
+        ("key.revoke", key_id, None, "cli", "ok"),
+    ]
     assert rows[0]["detail"] == {"name": "ops", "scopes": ["admin"], "no_train": False}
     assert token.split("_", 2)[2] not in json.dumps(rows, default=str)
 

@@ -50,10 +50,18 @@ class Served:
 def served(tmp_path: Path, tiny_tokenizer: Any) -> Iterator[Served]:
     """The service with a tiny random policy live and an ingest key."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2,
-                      n_embd=32)
-    checkpoint = save_checkpoint(tmp_path / "policy", GPT(cfg).eval(), tiny_tokenizer, version=0,
-                                 parent=None, summary={}, overwrite=True)
+    cfg = ModelConfig(
+        vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32
+    )
+    checkpoint = save_checkpoint(
+        tmp_path / "policy",
+        GPT(cfg).eval(),
+        tiny_tokenizer,
+        version=0,
+        parent=None,
+        summary={},
+        overwrite=True,
+    )
     settings = make_settings(tmp_path, base_checkpoint=checkpoint, policy_poll_interval_s=0.2)
     upgrade(settings)
     engine = make_engine(settings)
@@ -79,8 +87,11 @@ class Relay(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
         raw = self.rfile.read(int(self.headers["Content-Length"]))
-        headers = {k: v for k, v in self.headers.items()
-                   if k.lower() not in ("host", "content-length", "connection")}
+        headers = {
+            k: v
+            for k, v in self.headers.items()
+            if k.lower() not in ("host", "content-length", "connection")
+        }
         Relay.seen.append((self.path, headers, raw))
         step = Relay.script.pop(0) if Relay.script else None
         if step is not None and step[0] != "lose":
@@ -138,16 +149,27 @@ def test_a_suggestion_then_its_feedback_in_gzipped_batches(served: Served, relay
             assert s is not None
             async with EventSender(client, batch_size=3, gzip_min_bytes=1) as sender:
                 # what stands after the cursor: feedback about any suggestion, shown or not
-                ids = [sender.add({"type": "code_settled", "user_id": "u-1",
-                                   "suggestion_id": s["suggestion_id"], "after_seconds": 2,
-                                   "text": " + b"})]
+                ids = [
+                    sender.add(
+                        {
+                            "type": "code_settled",
+                            "user_id": "u-1",
+                            "suggestion_id": s["suggestion_id"],
+                            "after_seconds": 2,
+                            "text": " + b",
+                        }
+                    )
+                ]
                 ids += [sender.add(churn(i)) for i in range(6)]
         return s, sender, ids
 
     suggestion, sender, ids = asyncio.run(go())
     with served.engine.connect() as conn:
-        user = conn.execute(sa.select(rollouts.c.user_id).where(
-            rollouts.c.suggestion_id == suggestion["suggestion_id"])).scalar_one()
+        user = conn.execute(
+            sa.select(rollouts.c.user_id).where(
+                rollouts.c.suggestion_id == suggestion["suggestion_id"]
+            )
+        ).scalar_one()
     assert user == "u-1"
     assert all(str(uuid.UUID(i)) == i for i in ids) and len(set(ids)) == 7
     assert sorted(served.stored()) == sorted(ids)
@@ -213,8 +235,9 @@ def test_a_refused_request_raises_and_is_not_retried(served: Served) -> None:
 
 def test_no_answer_backs_off_then_gives_up_keeping_the_events() -> None:
     async def go() -> tuple[Client, EventSender, bool]:
-        async with Client("http://127.0.0.1:9", "k", max_attempts=3, backoff_base_s=0.01,
-                          seed=1) as client:
+        async with Client(
+            "http://127.0.0.1:9", "k", max_attempts=3, backoff_base_s=0.01, seed=1
+        ) as client:
             sender = EventSender(client)
             sender.add(churn(0))
             return client, sender, await sender.flush()
@@ -244,6 +267,7 @@ def test_refused_events_are_counted_each_and_logged_once_a_minute(
 ) -> None:
     """Three batches, each with one event the service refuses (a churn with an unknown field):
     all three counted by type, one warning (the next would come a minute later)."""
+
     async def go() -> EventSender:
         async with Client(served.url, served.token) as client:
             sender = EventSender(client, batch_size=2)

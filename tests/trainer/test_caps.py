@@ -37,12 +37,24 @@ def test_a_user_with_90_percent_of_the_feedback_gets_the_caps_share() -> None:
         ("one sample", ["u"], 0.25, {"u": 1.0}),
         ("one person: never capped", ["u"] * 5, 0.25, {"u": 1.0}),
         ("two people: at most even", ["u"] * 9 + ["v"], 0.25, {"u": 0.5, "v": 0.5}),
-        ("four people: exactly a quarter each", ["u"] * 7 + ["v", "w", "x"], 0.25,
-         {"u": 0.25, "v": 0.25, "w": 0.25, "x": 0.25}),
-        ("nobody over the cap: unchanged", ["u", "v", "w", "x", "y"] * 2, 0.25,
-         {g: 0.2 for g in "uvwxy"}),
-        ("two over the cap", ["u"] * 40 + ["v"] * 40 + [f"s{i}" for i in range(20)], 0.25,
-         {"u": 0.25, "v": 0.25, **{f"s{i}": 0.025 for i in range(20)}}),
+        (
+            "four people: exactly a quarter each",
+            ["u"] * 7 + ["v", "w", "x"],
+            0.25,
+            {"u": 0.25, "v": 0.25, "w": 0.25, "x": 0.25},
+        ),
+        (
+            "nobody over the cap: unchanged",
+            ["u", "v", "w", "x", "y"] * 2,
+            0.25,
+            {g: 0.2 for g in "uvwxy"},
+        ),
+        (
+            "two over the cap",
+            ["u"] * 40 + ["v"] * 40 + [f"s{i}" for i in range(20)],
+            0.25,
+            {"u": 0.25, "v": 0.25, **{f"s{i}": 0.025 for i in range(20)}},
+        ),
         ("cap 1: off", ["u"] * 9 + ["v"], 1.0, {"u": 0.9, "v": 0.1}),
     ],
 )
@@ -80,8 +92,10 @@ def test_when_both_caps_cannot_hold_the_persons_cap_does() -> None:
     assert max_share(w, users) <= 0.25 + 1e-9
 
 
-@pytest.mark.parametrize(("cap", "groups", "expected"),
-                         [(0.25, 0, 1.0), (0.25, 1, 1.0), (0.25, 3, 1 / 3), (0.25, 10, 0.25)])
+@pytest.mark.parametrize(
+    ("cap", "groups", "expected"),
+    [(0.25, 0, 1.0), (0.25, 1, 1.0), (0.25, 3, 1 / 3), (0.25, 10, 0.25)],
+)
 def test_effective_cap(cap: float, groups: int, expected: float) -> None:
     assert effective_cap(cap, groups) == pytest.approx(expected)
 

@@ -19,8 +19,14 @@ from trainer.deploy import ArmStats, CanaryConfig, arm_stats, canary_verdict
 from trainer.gate import GateConfig, check, heldout_sample, snis
 from trainer.update import Batch, UpdateConfig, make_optimizer, update
 
-CFG = CanaryConfig(min_rollouts=100, timeout_s=600, min_shown=20, reward_tolerance=0.02,
-                   accept_tolerance=0.05, z=0.0)  # z 0: roll back on any drop past tolerance
+CFG = CanaryConfig(
+    min_rollouts=100,
+    timeout_s=600,
+    min_shown=20,
+    reward_tolerance=0.02,
+    accept_tolerance=0.05,
+    z=0.0,
+)  # z 0: roll back on any drop past tolerance
 LIVE = ArmStats(n=1000, shown=200, accepted=100, mean_reward=0.05)
 
 
@@ -42,7 +48,6 @@ def test_canary_verdict(name: str, canary: ArmStats, age_s: float, verdict: str)
     got, why = canary_verdict(canary, LIVE, age_s, CFG)
     assert got == verdict, f"{name}: {why}"
     assert why
-
 
 
 def test_arm_stats_without_capping_are_the_plain_counts() -> None:
@@ -73,8 +78,14 @@ def test_one_person_rejecting_everything_cannot_carry_the_canary() -> None:
     assert capped.accept_rate == pytest.approx(0.45)
     assert capped.n < plain.n and capped.shown < plain.shown  # fewer effective rows
     live = ArmStats(n=100, shown=100, accepted=60, mean_reward=0.2, reward_var=0.14)
-    cfg = CanaryConfig(min_rollouts=50, timeout_s=600, min_shown=20, reward_tolerance=0.15,
-                       accept_tolerance=0.2, z=0.0)
+    cfg = CanaryConfig(
+        min_rollouts=50,
+        timeout_s=600,
+        min_shown=20,
+        reward_tolerance=0.15,
+        accept_tolerance=0.2,
+        z=0.0,
+    )
     assert canary_verdict(plain, live, 10, cfg)[0] == "rollback"
     assert canary_verdict(capped, live, 10, cfg)[0] == "promote"
 
@@ -84,8 +95,9 @@ def test_arm_stats_of_nothing() -> None:
     assert (arm.n, arm.shown, arm.accept_rate) == (0, 0, 0.0)
 
 
-SIG = CanaryConfig(min_rollouts=60, timeout_s=150, min_shown=20, reward_tolerance=0.0,
-                   accept_tolerance=0.0, z=1.64)
+SIG = CanaryConfig(
+    min_rollouts=60, timeout_s=150, min_shown=20, reward_tolerance=0.0, accept_tolerance=0.0, z=1.64
+)
 # the sim profile's scale: a few hundred live rollouts, per-rollout reward s.d. ~0.15
 LIVE_SIM = ArmStats(n=400, shown=70, accepted=38, mean_reward=0.005, reward_var=0.0225)
 
@@ -145,8 +157,10 @@ def _logged(model: GPT, tokenizer: CodeTokenizer, n: int) -> list[Completion]:
         model.gate.features.weight.zero_()
         model.gate.features.bias.zero_()
     gen = torch.Generator().manual_seed(0)
-    return [complete(model, tokenizer, PROMPT, "", 6, 0.8, 0.95, gen, stop_logprob=None)
-            for _ in range(n)]
+    return [
+        complete(model, tokenizer, PROMPT, "", 6, 0.8, 0.95, gen, stop_logprob=None)
+        for _ in range(n)
+    ]
 
 
 def _heldout(tokenizer: CodeTokenizer, small_code: list[str]) -> torch.Tensor:
@@ -157,8 +171,16 @@ def test_an_empty_batch_cannot_pass_the_gate(
     tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
 ) -> None:
     """No logged rollouts to estimate the candidate on: no evidence, no deploy."""
-    result = check(copy.deepcopy(tiny_model), tiny_model, tiny_tokenizer,
-                   _heldout(tiny_tokenizer, small_code), [], torch.empty(0), torch.empty(0), GATE)
+    result = check(
+        copy.deepcopy(tiny_model),
+        tiny_model,
+        tiny_tokenizer,
+        _heldout(tiny_tokenizer, small_code),
+        [],
+        torch.empty(0),
+        torch.empty(0),
+        GATE,
+    )
     assert not result.passed
     assert "effective sample size" in result.reason
 
@@ -176,12 +198,25 @@ def test_poisoned_settled_text_cannot_pass_the_gate() -> None:
     candidate = copy.deepcopy(base)
     candidate.requires_grad_(True)
     cfg = UpdateConfig(learning_rate=1e-3, kl_coef=0.0, settled_epochs=5, minibatch_size=4)
-    update(candidate, base, tokenizer, Batch.of(comps, rewards, poison),
-           make_optimizer(candidate, cfg), cfg)
+    update(
+        candidate,
+        base,
+        tokenizer,
+        Batch.of(comps, rewards, poison),
+        make_optimizer(candidate, cfg),
+        cfg,
+    )
     heldout = heldout_sample(tokenizer, read_corpus("train"), rows=8, length=64)
-    result = check(candidate, base, tokenizer, heldout, comps,
-                   torch.tensor([c.logprob_total for c in comps]), torch.tensor(rewards),
-                   replace(GATE, max_reward_drop=10.0))
+    result = check(
+        candidate,
+        base,
+        tokenizer,
+        heldout,
+        comps,
+        torch.tensor([c.logprob_total for c in comps]),
+        torch.tensor(rewards),
+        replace(GATE, max_reward_drop=10.0),
+    )
     assert not result.passed
     assert result.reason.startswith("held-out loss")
 
@@ -198,13 +233,24 @@ def test_small_steps_that_add_up_to_forgetting_fail_against_the_base(
     comps = _logged(tiny_model, tiny_tokenizer, 8)
     logp = torch.tensor([c.logprob_total for c in comps])
     rewards = torch.zeros(len(comps))
-    lenient = replace(GATE, max_heldout_regression=0.0, max_reward_drop=10.0, min_ess=0.0,
-                      min_ess_fraction=0.0)
+    lenient = replace(
+        GATE, max_heldout_regression=0.0, max_reward_drop=10.0, min_ess=0.0, min_ess_fraction=0.0
+    )
     # the drifted model as its own live parent passes; against the base it does not
-    assert check(drifted, drifted, tiny_tokenizer, heldout, comps, logp, rewards,
-                 lenient, base=drifted).passed
-    result = check(drifted, drifted, tiny_tokenizer, heldout, comps, logp, rewards,
-                   replace(lenient, max_heldout_regression_base=0.0), base=tiny_model)
+    assert check(
+        drifted, drifted, tiny_tokenizer, heldout, comps, logp, rewards, lenient, base=drifted
+    ).passed
+    result = check(
+        drifted,
+        drifted,
+        tiny_tokenizer,
+        heldout,
+        comps,
+        logp,
+        rewards,
+        replace(lenient, max_heldout_regression_base=0.0),
+        base=tiny_model,
+    )
     assert not result.passed
     assert "vs base" in result.reason
 
@@ -220,9 +266,16 @@ def test_poisoned_rewards_cannot_pass_the_gate(
     candidate = copy.deepcopy(tiny_model)
     with torch.no_grad():
         candidate.gate.features.bias.fill_(5.0)  # shows nearly everything
-    result = check(candidate, tiny_model, tiny_tokenizer, _heldout(tiny_tokenizer, small_code),
-                   comps, torch.tensor([c.logprob_total for c in comps]), rewards,
-                   replace(GATE, min_ess_fraction=0.0))
+    result = check(
+        candidate,
+        tiny_model,
+        tiny_tokenizer,
+        _heldout(tiny_tokenizer, small_code),
+        comps,
+        torch.tensor([c.logprob_total for c in comps]),
+        rewards,
+        replace(GATE, min_ess_fraction=0.0),
+    )
     assert not result.passed
     assert result.reason.startswith("estimated reward")
 

@@ -73,8 +73,10 @@ def test_fim_tokens_are_what_serving_builds_then_the_middle(fim_tokenizer: CodeT
     tok = fim_tokenizer
     assert tok.fim_ids is not None
     pre, suf, mid = tok.fim_ids
-    prefix, middle, suffix = "import os\n\ndef read(path):\n    return open(pa", "th).read()\n", (
-        "th).read()\n\n\ndef write(path, text):\n    pass\n"
+    prefix, middle, suffix = (
+        "import os\n\ndef read(path):\n    return open(pa",
+        "th).read()\n",
+        ("th).read()\n\n\ndef write(path, text):\n    pass\n"),
     )
     for budget in (MIN_BUDGET, 40, BLOCK - 16):
         context, target = fim_tokens(tok, prefix, middle, suffix, BLOCK, budget, 16)

@@ -38,11 +38,23 @@ def engine(tmp_path: Path) -> Iterator[sa.Engine]:
 def _rollout(engine: sa.Engine, user: str) -> dict[str, Any]:
     """A shown rollout row in the database, and its message as the trainer reads it."""
     row = {
-        "suggestion_id": str(uuid.uuid4()), "user_id": user, "policy_version": 1,
-        "created_at": utcnow(), "context_token_ids": [1], "heal_text": "", "token_ids": [2],
-        "token_logprobs": [-0.1], "text": "return x", "shown": True, "gate_prob_show": 0.9,
-        "decision_logprob": -0.1, "logprob_total": -0.2, "temperature": 0.7, "top_p": 0.95,
-        "stop_reason": "eol", "latency_ms": 1.0,
+        "suggestion_id": str(uuid.uuid4()),
+        "user_id": user,
+        "policy_version": 1,
+        "created_at": utcnow(),
+        "context_token_ids": [1],
+        "heal_text": "",
+        "token_ids": [2],
+        "token_logprobs": [-0.1],
+        "text": "return x",
+        "shown": True,
+        "gate_prob_show": 0.9,
+        "decision_logprob": -0.1,
+        "logprob_total": -0.2,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "stop_reason": "eol",
+        "latency_ms": 1.0,
     }
     with engine.begin() as conn:
         conn.execute(rollouts.insert().values(**row))
@@ -155,12 +167,18 @@ def test_code_settled_is_neither_awaited_nor_late_and_changes_no_reward(
 
     def feedback(type_: str, r: dict[str, Any], after: float, **kw: Any) -> dict[str, Any]:
         at = datetime.fromisoformat(r["created_at"]) + timedelta(seconds=after)
-        return parse_event(event(type_, user_id="u-1", suggestion_id=r["suggestion_id"],
-                                 occurred_at=at.isoformat(), **kw))
+        return parse_event(
+            event(
+                type_,
+                user_id="u-1",
+                suggestion_id=r["suggestion_id"],
+                occurred_at=at.isoformat(),
+                **kw,
+            )
+        )
 
     def deliver(evs: list[dict[str, Any]]) -> None:
-        result = ingest_events(engine, evs, api_key_id=None, max_event_bytes=16384,
-                               embedded=True)
+        result = ingest_events(engine, evs, api_key_id=None, max_event_bytes=16384, embedded=True)
         assert result.accepted == len(evs), result
         join.add([rec(FEEDBACK, "u-1", e) for e in evs])
 

@@ -34,17 +34,26 @@ def trainer(tmp_path: Path) -> Iterator[Trainer]:
     with engine.begin() as conn:
         bootstrap(conn, settings.base_checkpoint)  # v1 live: the versions a batch draws from
     # the client is never called here: nothing is registered or deployed
-    yield Trainer(settings, engine, ServiceClient("http://127.0.0.1:9", "unused"),
-                  TrainerConfig(batch_size=8))
+    yield Trainer(
+        settings, engine, ServiceClient("http://127.0.0.1:9", "unused"), TrainerConfig(batch_size=8)
+    )
     engine.dispose()
 
 
 def _sampled(shown: bool) -> Completion:
     """A completion the policy chose (its numbers need not come from a model here)."""
     return Completion(
-        text="x)", token_ids=[5, 6], token_logprobs=[-0.2, -0.3], context_token_ids=[1, 2, 3],
-        heal_text="", temperature=0.7, top_p=0.95, gate_prob_show=0.6, shown=shown,
-        decision_logprob=-0.5 if shown else -0.9, logprob_total=-1.0 if shown else -1.4,
+        text="x)",
+        token_ids=[5, 6],
+        token_logprobs=[-0.2, -0.3],
+        context_token_ids=[1, 2, 3],
+        heal_text="",
+        temperature=0.7,
+        top_p=0.95,
+        gate_prob_show=0.6,
+        shown=shown,
+        decision_logprob=-0.5 if shown else -0.9,
+        logprob_total=-1.0 if shown else -1.4,
         stop_reason="newline",
     )
 

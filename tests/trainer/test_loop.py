@@ -189,19 +189,28 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
     batch_caps = status["trainer"]["capped"][0]
     assert batch_caps["rollouts"] == candidate.summary["rollouts"]
     assert len(batch_caps["users"]) == caps["users_capped"]
-    assert all(u["weight_share"] == pytest.approx(1 / 12, abs=1e-3) and u["share"] > 1 / 12
-               for u in batch_caps["users"])
-    trust = httpx.get(svc.url + "/admin/metrics", params={"window": "1h"},
-                      headers={"Authorization": f"Bearer {ingest}"}).json()["feedback"]
+    assert all(
+        u["weight_share"] == pytest.approx(1 / 12, abs=1e-3) and u["share"] > 1 / 12
+        for u in batch_caps["users"]
+    )
+    trust = httpx.get(
+        svc.url + "/admin/metrics",
+        params={"window": "1h"},
+        headers={"Authorization": f"Bearer {ingest}"},
+    ).json()["feedback"]
     assert trust["batches"] >= 1 and trust["capped_users"]
     # what the gate's fit replays: exactly the shown rollouts already trained on, newest first
     replay = trainer._replay_rows()
     with engine.connect() as conn:
-        expected = conn.execute(
-            sa.select(rollouts.c.suggestion_id)
-            .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
-            .where(rollouts.c.shown.is_(True), rewards.c.trained_at.is_not(None))
-        ).scalars().all()
+        expected = (
+            conn.execute(
+                sa.select(rollouts.c.suggestion_id)
+                .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
+                .where(rollouts.c.shown.is_(True), rewards.c.trained_at.is_not(None))
+            )
+            .scalars()
+            .all()
+        )
     assert expected and sorted(r.suggestion_id for r in replay) == sorted(expected)
     assert "gate_fit/shown" in candidate.summary["update"]
     # the supervised term read the batch's settled texts, each for its own rollout
@@ -209,9 +218,11 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
     settled_replay = trainer._settled_replay_rows()
     assert settled_replay and {r.suggestion_id for r in settled_replay} <= set(sent)
     with engine.connect() as conn:
-        trained = set(conn.execute(
-            sa.select(rewards.c.suggestion_id).where(rewards.c.trained_at.is_not(None))
-        ).scalars())
+        trained = set(
+            conn.execute(
+                sa.select(rewards.c.suggestion_id).where(rewards.c.trained_at.is_not(None))
+            ).scalars()
+        )
     assert {r.suggestion_id for r in settled_replay} <= trained
     engine.dispose()
 
@@ -268,8 +279,10 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
         standby_log = tmp_path / "standby.log"
         with standby_log.open("wb") as err:
             standby = subprocess.Popen(
-                train, env={**env, "TABLOOP_DATA_DIR": str(tmp_path / "standby-data")},
-                stdout=subprocess.DEVNULL, stderr=err,
+                train,
+                env={**env, "TABLOOP_DATA_DIR": str(tmp_path / "standby-data")},
+                stdout=subprocess.DEVNULL,
+                stderr=err,
             )
         wait_for(lambda: b"standing by" in standby_log.read_bytes(), 60, "the standby")
         proc.send_signal(signal.SIGKILL)  # mid-stream: some rewards final, many pending
@@ -330,15 +343,19 @@ def test_a_new_reward_spec_is_followed_without_a_restart(tmp_path: Path) -> None
     engine.dispose()
 
 
-@pytest.mark.parametrize(("version", "root"), [
-    pytest.param(1, 1, id="the-first-base"),
-    pytest.param(4, 1, id="trained-from-the-first-base"),
-    pytest.param(5, 5, id="a-base-registered-later"),
-    pytest.param(7, 5, id="trained-from-the-later-base"),
-    pytest.param(9, 9, id="unknown-version"),
-    pytest.param(11, 10, id="a-cycle-ends-the-walk"),
-])
-def test_the_kl_reference_is_the_root_of_the_live_policys_own_lineage(version: int,
-                                                                        root: int) -> None:
+@pytest.mark.parametrize(
+    ("version", "root"),
+    [
+        pytest.param(1, 1, id="the-first-base"),
+        pytest.param(4, 1, id="trained-from-the-first-base"),
+        pytest.param(5, 5, id="a-base-registered-later"),
+        pytest.param(7, 5, id="trained-from-the-later-base"),
+        pytest.param(9, 9, id="unknown-version"),
+        pytest.param(11, 10, id="a-cycle-ends-the-walk"),
+    ],
+)
+def test_the_kl_reference_is_the_root_of_the_live_policys_own_lineage(
+    version: int, root: int
+) -> None:
     parents = {1: None, 2: 1, 3: 2, 4: 3, 5: None, 6: 5, 7: 6, 10: 11, 11: 10}
     assert lineage_root(parents, version) == root

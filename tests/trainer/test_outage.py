@@ -48,9 +48,13 @@ def test_trainer_keeps_running_through_a_database_restart(
     pg = PostgresServer(base, fast=True).start()
     stop = threading.Event()
     try:
-        settings = make_settings(tmp_path, pg_url=pg.create_database("outage"),
-                                 bootstrap=kafka_broker.bootstrap, profile="sim",
-                                 kafka_session_timeout_ms=3000)
+        settings = make_settings(
+            tmp_path,
+            pg_url=pg.create_database("outage"),
+            bootstrap=kafka_broker.bootstrap,
+            profile="sim",
+            kafka_session_timeout_ms=3000,
+        )
         upgrade(settings)
         engine = make_engine(settings)
         with engine.begin() as conn:

@@ -79,21 +79,34 @@ def test_directory_corpus_files_and_split(corpus: Path) -> None:
     rels = {p.relative_to(corpus).as_posix() for p in train + heldout}
     assert rels == (
         {f"py/{n}" for n in ("textwrap.py", "string.py", "json/decoder.py", "json/encoder.py")}
-        | {f"rs/src/count{i}.rs" for i in range(6)} | {f"web/clamp{i}.ts" for i in range(6)}
+        | {f"rs/src/count{i}.rs" for i in range(6)}
+        | {f"web/clamp{i}.ts" for i in range(6)}
         | {"tools/build.zzcode"}
     )
     assert heldout and not set(train) & set(heldout)  # a small corpus still holds one out
     assert train == sorted(train)
-    assert (train, heldout) == (directory_files("train", corpus),
-                                directory_files("heldout", corpus))  # deterministic
+    assert (train, heldout) == (
+        directory_files("train", corpus),
+        directory_files("heldout", corpus),
+    )  # deterministic
 
 
 def test_pretrain_on_a_directory(corpus: Path, tmp_path: Path) -> None:
-    out = pretrain(PretrainConfig(
-        out_dir=tmp_path / "base", corpus=corpus, vocab_size=300, batch_size=4, max_iters=8,
-        warmup_iters=2, eval_every=100, gate_examples=10, progress=False, fim_rate=0.5,
-        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64),
-    ))
+    out = pretrain(
+        PretrainConfig(
+            out_dir=tmp_path / "base",
+            corpus=corpus,
+            vocab_size=300,
+            batch_size=4,
+            max_iters=8,
+            warmup_iters=2,
+            eval_every=100,
+            gate_examples=10,
+            progress=False,
+            fim_rate=0.5,
+            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64),
+        )
+    )
     model, tok, manifest = load_checkpoint(out)
     assert manifest.languages == ("python", "rust", "typescript")  # from the extensions seen
     assert manifest.fim and tok.fim
@@ -113,8 +126,9 @@ def test_pretrain_on_a_directory(corpus: Path, tmp_path: Path) -> None:
     assert all(c.token_ids and "\n" not in c.text for c in comps)
     with torch.no_grad():
         total = score_actions(model, tok, comps).total
-    torch.testing.assert_close(total, torch.tensor([c.logprob_total for c in comps]),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        total, torch.tensor([c.logprob_total for c in comps]), atol=1e-4, rtol=0
+    )
 
 
 def test_a_corpus_too_small_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -126,8 +140,9 @@ def test_a_corpus_too_small_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
     _write(tiny, "a.rs", "fn a() {}\n")
     _write(tiny, "b.rs", "fn b() {}\n")
     with pytest.raises(CorpusError, match="fewer than one window"):
-        pretrain(PretrainConfig(out_dir=tmp_path / "y", corpus=tiny, vocab_size=300,
-                                progress=False))
+        pretrain(
+            PretrainConfig(out_dir=tmp_path / "y", corpus=tiny, vocab_size=300, progress=False)
+        )
     # the command line says why, in one line, and exits 2
     assert cli_main(["pretrain", "--out", str(tmp_path / "z"), "--corpus", str(one)]) == 2
     assert "at least 2" in capsys.readouterr().err
@@ -142,31 +157,53 @@ def test_continue_from_a_left_to_right_base_into_fill_in_the_middle(
     """`--init CKPT --fim-rate R`: the sentinels are appended to the base's vocabulary (every
     other token keeps its id and its embedding), the architecture and weights are the base's."""
     small = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64)
-    common = dict(corpus=corpus, vocab_size=300, batch_size=4, warmup_iters=2, eval_every=100,
-                  gate_examples=10, progress=False, model=small)
+    common = dict(
+        corpus=corpus,
+        vocab_size=300,
+        batch_size=4,
+        warmup_iters=2,
+        eval_every=100,
+        gate_examples=10,
+        progress=False,
+        model=small,
+    )
     base = pretrain(PretrainConfig(out_dir=tmp_path / "base", max_iters=4, **common))
     base_model, base_tok, base_manifest = load_checkpoint(base)
     assert not base_tok.fim
     # zero steps: exactly the base, grown by three rows at the mean embedding
-    grown = pretrain(PretrainConfig(out_dir=tmp_path / "grown", init=base, fim_rate=0.5,
-                                    max_iters=0, **common))
+    grown = pretrain(
+        PretrainConfig(out_dir=tmp_path / "grown", init=base, fim_rate=0.5, max_iters=0, **common)
+    )
     model, tok, manifest = load_checkpoint(grown)
     assert manifest.fim and tok.fim_ids == (300, 301, 302) and tok.vocab_size == 303
-    assert manifest.summary["init"] == {"path": str(base), "version": 0,
-                                        "weights_sha256": base_manifest.weights_sha256}
+    assert manifest.summary["init"] == {
+        "path": str(base),
+        "version": 0,
+        "weights_sha256": base_manifest.weights_sha256,
+    }
     text = (STDLIB / "textwrap.py").read_text(encoding="utf-8")[:2000]
     assert tok.encode(text) == base_tok.encode(text)
     new_rows = model.wte.weight[300:]
     torch.testing.assert_close(model.wte.weight[:300], base_model.wte.weight)
-    torch.testing.assert_close(new_rows, base_model.wte.weight.mean(0).expand(3, -1),
-                               atol=1e-2, rtol=0)  # bfloat16 storage
-    torch.testing.assert_close(model.h[0].mlp.c_fc.weight,
-                               base_model.h[0].mlp.c_fc.weight)
+    torch.testing.assert_close(
+        new_rows, base_model.wte.weight.mean(0).expand(3, -1), atol=1e-2, rtol=0
+    )  # bfloat16 storage
+    torch.testing.assert_close(model.h[0].mlp.c_fc.weight, base_model.h[0].mlp.c_fc.weight)
     # and steps train it: the suffix-reading checkpoint completes with the suffix
-    fim = pretrain(PretrainConfig(out_dir=tmp_path / "fim", init=base, fim_rate=0.5,
-                                  max_iters=4, **common))
+    fim = pretrain(
+        PretrainConfig(out_dir=tmp_path / "fim", init=base, fim_rate=0.5, max_iters=4, **common)
+    )
     model, tok, manifest = load_checkpoint(fim)
     assert manifest.fim and manifest.summary["iters"] == 4
-    comp = complete(model, tok, RUST[:60], RUST[60:], 8, 0.7, 0.95,
-                    torch.Generator().manual_seed(0), stop_logprob=None)
+    comp = complete(
+        model,
+        tok,
+        RUST[:60],
+        RUST[60:],
+        8,
+        0.7,
+        0.95,
+        torch.Generator().manual_seed(0),
+        stop_logprob=None,
+    )
     assert tok.fim_ids is not None and tok.fim_ids[1] in comp.context_token_ids

@@ -40,8 +40,11 @@ def settings(tmp_path: Path) -> Settings:
 def engine(settings: Settings) -> Iterator[sa.Engine]:
     e = make_engine(settings)
     with e.begin() as conn:
-        conn.execute(deployments.insert().values(created_at=utcnow() - 2 * OLD,
-                                                 action="bootstrap", live_version=1))
+        conn.execute(
+            deployments.insert().values(
+                created_at=utcnow() - 2 * OLD, action="bootstrap", live_version=1
+            )
+        )
     yield e
     e.dispose()
 
@@ -49,11 +52,23 @@ def engine(settings: Settings) -> Iterator[sa.Engine]:
 def rollout(engine: sa.Engine, *, reports_views: bool | None) -> dict[str, Any]:
     created = utcnow() - OLD
     row: dict[str, Any] = {
-        "suggestion_id": str(uuid.uuid4()), "user_id": "u1", "policy_version": 1,
-        "created_at": created, "context_token_ids": [1], "heal_text": "",
-        "token_ids": [2, 3], "token_logprobs": [-0.1, -0.2], "text": "x + 1)", "shown": True,
-        "gate_prob_show": 0.9, "decision_logprob": -0.1, "logprob_total": -0.4,
-        "temperature": 0.7, "top_p": 0.95, "stop_reason": "newline", "latency_ms": 1.0,
+        "suggestion_id": str(uuid.uuid4()),
+        "user_id": "u1",
+        "policy_version": 1,
+        "created_at": created,
+        "context_token_ids": [1],
+        "heal_text": "",
+        "token_ids": [2, 3],
+        "token_logprobs": [-0.1, -0.2],
+        "text": "x + 1)",
+        "shown": True,
+        "gate_prob_show": 0.9,
+        "decision_logprob": -0.1,
+        "logprob_total": -0.4,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "stop_reason": "newline",
+        "latency_ms": 1.0,
         "reports_views": reports_views,
     }
     with engine.begin() as conn:
@@ -65,21 +80,36 @@ def test_the_join_rewards_a_never_viewed_suggestion_as_unviewed(engine: sa.Engin
     silent = rollout(engine, reports_views=True)  # its client reports views; none came
     legacy = rollout(engine, reports_views=None)  # a row from before the column: no views
     join = Join(engine, RewardSpec.sim(), 1)
-    join.add([Record(ROLLOUTS, 0, i, "u1", orjson.loads(encode(r)))
-              for i, r in enumerate((silent, legacy))])
+    join.add(
+        [
+            Record(ROLLOUTS, 0, i, "u1", orjson.loads(encode(r)))
+            for i, r in enumerate((silent, legacy))
+        ]
+    )
     assert join.finalize_due(now=utcnow()) == 2
     with engine.connect() as conn:
         got = dict(conn.execute(sa.select(rewards.c.suggestion_id, rewards.c.outcome)).all())
     assert got == {silent["suggestion_id"]: "unviewed", legacy["suggestion_id"]: "ignored"}
 
 
-def _reward(engine: sa.Engine, r: dict[str, Any], outcome: str, value: float,
-            trained: bool = False) -> None:
+def _reward(
+    engine: sa.Engine, r: dict[str, Any], outcome: str, value: float, trained: bool = False
+) -> None:
     with engine.begin() as conn:
-        conn.execute(rewards.insert().values(
-            suggestion_id=r["suggestion_id"], user_id="u1", policy_version=1,
-            rollout_created_at=utcnow() - OLD, value=value, outcome=outcome, components={},
-            spec_version=1, finalized_at=utcnow(), trained_at=utcnow() if trained else None))
+        conn.execute(
+            rewards.insert().values(
+                suggestion_id=r["suggestion_id"],
+                user_id="u1",
+                policy_version=1,
+                rollout_created_at=utcnow() - OLD,
+                value=value,
+                outcome=outcome,
+                components={},
+                spec_version=1,
+                finalized_at=utcnow(),
+                trained_at=utcnow() if trained else None,
+            )
+        )
 
 
 def test_no_training_read_and_no_canary_arm_counts_an_unviewed_reward(

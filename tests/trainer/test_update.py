@@ -50,8 +50,17 @@ def _rollouts(
 ) -> list[Completion]:
     gen = torch.Generator().manual_seed(seed)
     return [
-        complete(model, tokenizer, p, "", 6, temperature=0.8, top_p=0.95, generator=gen,
-                 stop_logprob=None)  # an untrained model is sure of nothing: whole completions
+        complete(
+            model,
+            tokenizer,
+            p,
+            "",
+            6,
+            temperature=0.8,
+            top_p=0.95,
+            generator=gen,
+            stop_logprob=None,
+        )  # an untrained model is sure of nothing: whole completions
         for p in prompts
         for _ in range(per_prompt)
     ]
@@ -364,9 +373,10 @@ def test_per_part_and_whole_action_ratios_give_the_same_gradient_when_nothing_is
     adv = torch.linspace(-1.0, 1.0, len(comps))
     cfg = UpdateConfig(kl_coef=0.0, entropy_coef=0.0)
     grads = []
-    for batch in (_batch(comps, [0.0] * len(comps)),
-                  Batch(comps, torch.tensor([c.logprob_total for c in comps]),
-                        torch.zeros(len(comps)))):
+    for batch in (
+        _batch(comps, [0.0] * len(comps)),
+        Batch(comps, torch.tensor([c.logprob_total for c in comps]), torch.zeros(len(comps))),
+    ):
         tiny_model.zero_grad(set_to_none=True)
         loss, m = pg_loss(tiny_model, tiny_model, tiny_tokenizer, batch, cfg, adv=adv)
         loss.backward()
@@ -399,8 +409,9 @@ def test_token_drift_silences_the_decision_only_with_a_whole_action_ratio(
         ),
     )
     cfg = UpdateConfig(kl_coef=0.0, entropy_coef=0.0, clip_eps=0.2)
-    loss, m = pg_loss(tiny_model, tiny_model, tiny_tokenizer, batch, cfg,
-                      adv=torch.ones(len(comps)))
+    loss, m = pg_loss(
+        tiny_model, tiny_model, tiny_tokenizer, batch, cfg, adv=torch.ones(len(comps))
+    )
     loss.backward()
     gate = {n: g for n, g in _grads(tiny_model).items() if n.startswith("gate.")}
     gate_moves = any(float(g.abs().sum()) > 0 for g in gate.values())
@@ -606,16 +617,18 @@ def test_gate_passes_move_the_gate_further_and_leave_the_language_model_alone(
         model = copy.deepcopy(tiny_model)
         cfg = UpdateConfig(learning_rate=1e-4, kl_coef=0.0, gate_epochs=gate_epochs)
         torch.manual_seed(0)
-        m = update(model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
-                   make_optimizer(model, cfg), cfg)
+        m = update(
+            model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, make_optimizer(model, cfg), cfg
+        )
         assert m.get("gate/steps", 0) == gate_epochs
         after[gate_epochs] = model
     lm = [n for n, _ in tiny_model.named_parameters() if not n.startswith("gate.")]
     p0, p8 = _params(after[0]), _params(after[8])
     assert all(torch.equal(p0[n], p8[n]) for n in lm)
     with torch.no_grad():
-        logit = {k: score_actions(m, tiny_tokenizer, [shown]).gate_logit.item()
-                 for k, m in after.items()}
+        logit = {
+            k: score_actions(m, tiny_tokenizer, [shown]).gate_logit.item() for k, m in after.items()
+        }
     assert logit[8] > logit[0] + 0.05
 
 
@@ -630,8 +643,14 @@ def test_gate_passes_stop_at_the_clip(
     abstained = _relogged(tiny_model, tiny_tokenizer, dataclasses.replace(shown, shown=False))
     batch = _batch([shown, abstained], [reward, 0.0])
     cfg = UpdateConfig(learning_rate=2e-6, kl_coef=0.0, clip_eps=0.2, gate_epochs=400)
-    update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
-           make_optimizer(tiny_model, cfg), cfg)
+    update(
+        tiny_model,
+        copy.deepcopy(tiny_model),
+        tiny_tokenizer,
+        batch,
+        make_optimizer(tiny_model, cfg),
+        cfg,
+    )
     with torch.no_grad():
         p = torch.sigmoid(score_actions(tiny_model, tiny_tokenizer, [shown]).gate_logit).item()
     ratio = p / 0.5
@@ -645,8 +664,11 @@ def test_gate_passes_stop_at_the_clip(
 def _families(model: GPT, tokenizer: CodeTokenizer, seed: int) -> tuple[list[Completion], ...]:
     gen = torch.Generator().manual_seed(seed)
     return tuple(
-        [complete(model, tokenizer, p, "", 6, 1.0, None, gen, stop_logprob=None)
-         for p in prompts for _ in range(6)]
+        [
+            complete(model, tokenizer, p, "", 6, 1.0, None, gen, stop_logprob=None)
+            for p in prompts
+            for _ in range(6)
+        ]
         for prompts in (FAMILY_A, FAMILY_B)
     )
 
@@ -666,8 +688,14 @@ def test_gate_fit_shows_where_showing_paid(tiny_model: GPT, tiny_tokenizer: Code
     assert {c.shown for c in a} == {c.shown for c in b} == {True, False}
     before = _params(tiny_model)
     cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0, gate_fit_min_shown=0)
-    m = update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, _batch(a + b, rewards),
-               make_optimizer(tiny_model, cfg), cfg)
+    m = update(
+        tiny_model,
+        copy.deepcopy(tiny_model),
+        tiny_tokenizer,
+        _batch(a + b, rewards),
+        make_optimizer(tiny_model, cfg),
+        cfg,
+    )
     assert m["gate_fit/fitted"] == 1.0
     assert m["gate_fit/shown"] == sum(c.shown and bool(c.text) for c in a + b)
     after = _params(tiny_model)
@@ -684,21 +712,30 @@ def test_gate_fit_learns_from_the_replayed_verdicts(
     kept); with earlier batches' shown rollouts replayed, the fit uses their verdicts."""
     _set_gate(tiny_model, 0.0)
     a, b = _families(tiny_model, tiny_tokenizer, seed=0)
-    abstained = [_relogged(tiny_model, tiny_tokenizer, dataclasses.replace(c, shown=False))
-                 for c in a + b]
+    abstained = [
+        _relogged(tiny_model, tiny_tokenizer, dataclasses.replace(c, shown=False)) for c in a + b
+    ]
     now = _batch(abstained, [0.0] * len(abstained))
     shown = [c for c in a + b if c.shown]
     earlier = _batch(shown, [_reward(c, "A" if c in a else "B") for c in shown])
     cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0, gate_fit_min_shown=0)
     alone = copy.deepcopy(tiny_model)
-    m = update(alone, copy.deepcopy(tiny_model), tiny_tokenizer, now,
-               make_optimizer(alone, cfg), cfg)
+    m = update(
+        alone, copy.deepcopy(tiny_model), tiny_tokenizer, now, make_optimizer(alone, cfg), cfg
+    )
     assert m["gate_fit/fitted"] == 0.0 and m["gate_fit/shown"] == 0
     fresh_a, fresh_b = _families(tiny_model, tiny_tokenizer, seed=1)
     # the PG step on an all-abstain batch (all advantages 0) leaves the gate where it was
     assert _p_show(alone, tiny_tokenizer, fresh_a) == pytest.approx(0.5, abs=0.02)
-    m = update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, now,
-               make_optimizer(tiny_model, cfg), cfg, replay=earlier)
+    m = update(
+        tiny_model,
+        copy.deepcopy(tiny_model),
+        tiny_tokenizer,
+        now,
+        make_optimizer(tiny_model, cfg),
+        cfg,
+        replay=earlier,
+    )
     assert m["gate_fit/fitted"] == 1.0 and m["gate_fit/shown"] == len(shown)
     assert _p_show(tiny_model, tiny_tokenizer, fresh_a) < 0.2
     assert _p_show(tiny_model, tiny_tokenizer, fresh_b) > 0.8
@@ -714,10 +751,16 @@ def test_gate_fit_sharpness_scales_the_logit(
     logits = {}
     for sharpness in (1.0, 3.0):
         model = copy.deepcopy(tiny_model)
-        cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0,
-                           gate_fit_min_shown=0, gate_fit_sharpness=sharpness)
-        update(model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
-               make_optimizer(model, cfg), cfg)
+        cfg = UpdateConfig(
+            train_gate_only=True,
+            gate_fit=True,
+            gate_fit_l2=1.0,
+            gate_fit_min_shown=0,
+            gate_fit_sharpness=sharpness,
+        )
+        update(
+            model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, make_optimizer(model, cfg), cfg
+        )
         with torch.no_grad():
             logits[sharpness] = score_actions(model, tiny_tokenizer, a + b).gate_logit
     torch.testing.assert_close(logits[3.0], 3.0 * logits[1.0], rtol=1e-3, atol=1e-3)
@@ -738,10 +781,16 @@ def test_gate_fit_sharpness_grows_with_the_verdicts(
     logits, sharpness = {}, {}
     for cap in (0.0, 10.0, 1.5):
         model = copy.deepcopy(tiny_model)
-        cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0,
-                           gate_fit_min_shown=need, gate_fit_sharpness_max=cap)
-        m = update(model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
-                   make_optimizer(model, cfg), cfg)
+        cfg = UpdateConfig(
+            train_gate_only=True,
+            gate_fit=True,
+            gate_fit_l2=1.0,
+            gate_fit_min_shown=need,
+            gate_fit_sharpness_max=cap,
+        )
+        m = update(
+            model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, make_optimizer(model, cfg), cfg
+        )
         sharpness[cap] = m["gate_fit/sharpness"]
         with torch.no_grad():
             logits[cap] = score_actions(model, tiny_tokenizer, a + b).gate_logit
@@ -758,10 +807,12 @@ def test_gate_fit_waits_for_enough_verdicts(tiny_model: GPT, tiny_tokenizer: Cod
     shown = sum(c.shown and bool(c.text) for c in a + b)
     for need, fitted in ((shown, 1.0), (shown + 1, 0.0)):
         model = copy.deepcopy(tiny_model)
-        cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_min_shown=need,
-                           gate_epochs=2)
-        m = update(model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
-                   make_optimizer(model, cfg), cfg)
+        cfg = UpdateConfig(
+            train_gate_only=True, gate_fit=True, gate_fit_min_shown=need, gate_epochs=2
+        )
+        m = update(
+            model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, make_optimizer(model, cfg), cfg
+        )
         assert m["gate_fit/fitted"] == fitted
         assert ("gate/steps" in m) == (not fitted)
 
@@ -778,8 +829,12 @@ def test_gate_fit_waits_for_enough_verdicts(tiny_model: GPT, tiny_tokenizer: Cod
     ids=["none", "empty", "healed", "index-and-line-ending"],
 )
 def test_settled_targets(
-    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, heal: str, texts: list[str | None],
-    max_tokens: int, expected: list[tuple[int, str]],
+    tiny_model: GPT,
+    tiny_tokenizer: CodeTokenizer,
+    heal: str,
+    texts: list[str | None],
+    max_tokens: int,
+    expected: list[tuple[int, str]],
 ) -> None:
     comp = dataclasses.replace(_shown_completion(tiny_model, tiny_tokenizer, True), heal_text=heal)
     got = settled_targets(tiny_tokenizer, [comp] * len(texts), texts, max_tokens)
@@ -816,8 +871,14 @@ def test_update_moves_tokens_toward_settled_text_and_away_from_rejected_suggesti
 
     settled_before, rejected_before = logps()
     cfg = UpdateConfig(learning_rate=3e-3, kl_coef=0.0, settled_epochs=3)
-    metrics = update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
-                     make_optimizer(tiny_model, cfg), cfg)
+    metrics = update(
+        tiny_model,
+        copy.deepcopy(tiny_model),
+        tiny_tokenizer,
+        batch,
+        make_optimizer(tiny_model, cfg),
+        cfg,
+    )
     settled_after, rejected_after = logps()
     assert metrics["settled/examples"] == 1
     assert settled_after > settled_before + 1.0
@@ -857,10 +918,23 @@ def test_generic_mix_holds_generic_code_while_settled_text_is_learned(
     for mix in (0.0, 1.0):
         torch.manual_seed(0)
         model = copy.deepcopy(tiny_model)
-        cfg = UpdateConfig(learning_rate=3e-3, kl_coef=0.0, settled_epochs=6, minibatch_size=8,
-                           generic_mix=mix, generic_rows=16)
-        update(model, tiny_model, tiny_tokenizer, Batch.of(comps, [0.0] * len(comps), texts),
-               make_optimizer(model, cfg), cfg, generic=generic)
+        cfg = UpdateConfig(
+            learning_rate=3e-3,
+            kl_coef=0.0,
+            settled_epochs=6,
+            minibatch_size=8,
+            generic_mix=mix,
+            generic_rows=16,
+        )
+        update(
+            model,
+            tiny_model,
+            tiny_tokenizer,
+            Batch.of(comps, [0.0] * len(comps), texts),
+            make_optimizer(model, cfg),
+            cfg,
+            generic=generic,
+        )
         with torch.no_grad():
             learned = settled_nll(model, comps[:1], [(0, target)]).item()
         losses[mix] = (heldout_loss(model, probe), learned)
@@ -879,12 +953,24 @@ def test_settled_text_is_evidence_only_for_its_own_rollout(
     batch = Batch.of(comps, [0.0, 0.0], [None, None])
     cfg = UpdateConfig(learning_rate=1e-2, kl_coef=0.0, settled_epochs=2)
     before = _params(tiny_model)
-    metrics = update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
-                     make_optimizer(tiny_model, cfg), cfg)
+    metrics = update(
+        tiny_model,
+        copy.deepcopy(tiny_model),
+        tiny_tokenizer,
+        batch,
+        make_optimizer(tiny_model, cfg),
+        cfg,
+    )
     assert metrics["settled/examples"] == 0
     assert all(torch.equal(before[n], p) for n, p in _params(tiny_model).items())
     frozen = dataclasses.replace(cfg, train_gate_only=True)
     batch = Batch.of(comps, [0.0, 0.0], ["x = 1", "y = 2"])
-    update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch,
-           make_optimizer(tiny_model, frozen), frozen)
+    update(
+        tiny_model,
+        copy.deepcopy(tiny_model),
+        tiny_tokenizer,
+        batch,
+        make_optimizer(tiny_model, frozen),
+        frozen,
+    )
     assert all(torch.equal(before[n], p) for n, p in _params(tiny_model).items())

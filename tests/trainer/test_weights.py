@@ -25,25 +25,52 @@ def _rollouts(model: GPT, tokenizer: CodeTokenizer, n: int) -> list[Completion]:
         model.gate.features.weight.zero_()
         model.gate.features.bias.fill_(0.0)
     gen = torch.Generator().manual_seed(0)
-    return [complete(model, tokenizer, PROMPTS[i % 2], "", 6, temperature=0.8, top_p=0.95,
-                     generator=gen, stop_logprob=None) for i in range(n)]
+    return [
+        complete(
+            model,
+            tokenizer,
+            PROMPTS[i % 2],
+            "",
+            6,
+            temperature=0.8,
+            top_p=0.95,
+            generator=gen,
+            stop_logprob=None,
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize(
     ("rewards", "weights", "baseline", "expected"),
     [
-        pytest.param([1.0, 2.0, 3.0, 6.0], [1.0] * 4, "loo", [1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0],
-                     id="equal-weights-are-no-weights-loo"),
-        pytest.param([1.0, 2.0, 3.0, 6.0], [1.0] * 4, "mean", [-2.0, -1.0, 0.0, 3.0],
-                     id="equal-weights-are-no-weights-mean"),
+        pytest.param(
+            [1.0, 2.0, 3.0, 6.0],
+            [1.0] * 4,
+            "loo",
+            [1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0],
+            id="equal-weights-are-no-weights-loo",
+        ),
+        pytest.param(
+            [1.0, 2.0, 3.0, 6.0],
+            [1.0] * 4,
+            "mean",
+            [-2.0, -1.0, 0.0, 3.0],
+            id="equal-weights-are-no-weights-mean",
+        ),
         # weighted mean (3 * 1 + 1 * 0) / 4 = 0.75
         pytest.param([1.0, 0.0], [1.5, 0.5], "mean", [0.25, -0.75], id="weighted-mean"),
         # each against the weighted mean of the others: here the other one alone
         pytest.param([1.0, 0.0], [1.5, 0.5], "loo", [1.0, -1.0], id="weighted-loo-two"),
         # a loud person's 0.75s (weight 1/3 each) against one 0 and one -0.25 (weight 1 each):
         # the baseline is (0.75 + 0 - 0.25) / 3 = 1/6, not the plain mean 0.4
-        pytest.param([0.75, 0.75, 0.75, 0.0, -0.25], [1 / 3, 1 / 3, 1 / 3, 1.0, 1.0], "mean",
-                     [7 / 12, 7 / 12, 7 / 12, -1 / 6, -5 / 12], id="capped-loud-person"),
+        pytest.param(
+            [0.75, 0.75, 0.75, 0.0, -0.25],
+            [1 / 3, 1 / 3, 1 / 3, 1.0, 1.0],
+            "mean",
+            [7 / 12, 7 / 12, 7 / 12, -1 / 6, -5 / 12],
+            id="capped-loud-person",
+        ),
         pytest.param([0.5], [1.0], "loo", [0.0], id="one-sample"),
     ],
 )
@@ -64,7 +91,8 @@ def test_the_loss_scales_each_rows_advantage_by_its_weight(
     adv = weighted_advantages(weighted, cfg)
     mean = sum(r * w for r, w in zip(rewards, weights, strict=True)) / sum(weights)
     torch.testing.assert_close(
-        adv, torch.tensor([(r - mean) * w for r, w in zip(rewards, weights, strict=True)]))
+        adv, torch.tensor([(r - mean) * w for r, w in zip(rewards, weights, strict=True)])
+    )
 
     def grads(batch: Batch, given: torch.Tensor | None) -> list[torch.Tensor]:
         model = copy.deepcopy(tiny_model)
@@ -96,15 +124,23 @@ def test_settled_text_weighs_as_its_row(tiny_model: GPT, tiny_tokenizer: CodeTok
         pytest.param([0.0] * 4, [1.0, 0.0, 0.0, 0.0], None, 0.25, 4.0, id="no-weights"),
         pytest.param([0.0] * 4, [1.0, 0.0, 0.0, 0.0], [1.0] * 4, 0.25, 4.0, id="equal-weights"),
         # a loud person's three 1.0 rewards held to the weight of one
-        pytest.param([0.0] * 4, [1.0, 1.0, 1.0, 0.0], [1 / 3, 1 / 3, 1 / 3, 1.0], 0.5, 3.0,
-                     id="capped"),
+        pytest.param(
+            [0.0] * 4, [1.0, 1.0, 1.0, 0.0], [1 / 3, 1 / 3, 1 / 3, 1.0], 0.5, 3.0, id="capped"
+        ),
     ],
 )
 def test_snis_with_row_weights(
-    log_ratio: list[float], rewards: list[float], row_weights: list[float] | None,
-    estimate: float, ess: float,
+    log_ratio: list[float],
+    rewards: list[float],
+    row_weights: list[float] | None,
+    estimate: float,
+    ess: float,
 ) -> None:
-    got_est, got_ess = snis(torch.tensor(log_ratio), torch.zeros(len(log_ratio)),
-                            torch.tensor(rewards), 5.0,
-                            None if row_weights is None else torch.tensor(row_weights))
+    got_est, got_ess = snis(
+        torch.tensor(log_ratio),
+        torch.zeros(len(log_ratio)),
+        torch.tensor(rewards),
+        5.0,
+        None if row_weights is None else torch.tensor(row_weights),
+    )
     assert got_est == pytest.approx(estimate) and got_ess == pytest.approx(ess)

@@ -23,24 +23,42 @@ def at(minute: int, second: float = 0) -> datetime:
     return END.replace(hour=11, minute=minute) + timedelta(seconds=second)
 
 
-def rollout(sid: str, version: int, created: datetime, *, shown: bool, text: str,
-            latency: float) -> dict[str, Any]:
+def rollout(
+    sid: str, version: int, created: datetime, *, shown: bool, text: str, latency: float
+) -> dict[str, Any]:
     return {
-        "suggestion_id": sid, "user_id": "u-" + sid, "policy_version": version,
-        "created_at": created, "context_token_ids": [], "heal_text": "", "token_ids": [],
-        "token_logprobs": [], "text": text, "shown": shown, "gate_prob_show": 0.5,
-        "decision_logprob": -0.7, "logprob_total": -1.0, "temperature": 1.0,
-        "stop_reason": "eos", "latency_ms": latency,
+        "suggestion_id": sid,
+        "user_id": "u-" + sid,
+        "policy_version": version,
+        "created_at": created,
+        "context_token_ids": [],
+        "heal_text": "",
+        "token_ids": [],
+        "token_logprobs": [],
+        "text": text,
+        "shown": shown,
+        "gate_prob_show": 0.5,
+        "decision_logprob": -0.7,
+        "logprob_total": -1.0,
+        "temperature": 1.0,
+        "stop_reason": "eos",
+        "latency_ms": latency,
     }
 
 
-def reward(row: dict[str, Any], value: float, outcome: str, share: float = 0.0,
-           retention: float = 0.0) -> dict[str, Any]:
+def reward(
+    row: dict[str, Any], value: float, outcome: str, share: float = 0.0, retention: float = 0.0
+) -> dict[str, Any]:
     components = {**dict.fromkeys(COMPONENTS, 0.0), "share": share, "retention": retention}
     return {
-        "suggestion_id": row["suggestion_id"], "user_id": row["user_id"],
-        "policy_version": row["policy_version"], "rollout_created_at": row["created_at"],
-        "value": value, "outcome": outcome, "components": components, "spec_version": 1,
+        "suggestion_id": row["suggestion_id"],
+        "user_id": row["user_id"],
+        "policy_version": row["policy_version"],
+        "rollout_created_at": row["created_at"],
+        "value": value,
+        "outcome": outcome,
+        "components": components,
+        "spec_version": 1,
         "finalized_at": row["created_at"] + timedelta(seconds=30),
     }
 
@@ -65,41 +83,66 @@ def seed(engine: sa.Engine) -> None:
     }
     with engine.begin() as conn:
         conn.execute(rollouts.insert(), list(r.values()))
-        conn.execute(rewards.insert(), [
-            reward(r["a"], 0.4, "accepted", share=1.0, retention=0.5),  # 10 chars, 5 kept
-            reward(r["b"], -0.25, "rejected"),
-            reward(r["c"], 0.0, "abstained"),
-            reward(r["d"], 0.6, "accepted", share=0.5, retention=1.0),  # 10 of 20 chars, all kept
-            reward(r["f"], 0.1, "accepted", share=0.25, retention=0.0),  # 2 of 8 chars, none kept
-            reward(r["before"], 1.0, "accepted", share=1.0, retention=1.0),
-            reward(r["end"], 1.0, "accepted", share=1.0, retention=1.0),
-        ])
+        conn.execute(
+            rewards.insert(),
+            [
+                reward(r["a"], 0.4, "accepted", share=1.0, retention=0.5),  # 10 chars, 5 kept
+                reward(r["b"], -0.25, "rejected"),
+                reward(r["c"], 0.0, "abstained"),
+                reward(
+                    r["d"], 0.6, "accepted", share=0.5, retention=1.0
+                ),  # 10 of 20 chars, all kept
+                reward(
+                    r["f"], 0.1, "accepted", share=0.25, retention=0.0
+                ),  # 2 of 8 chars, none kept
+                reward(r["before"], 1.0, "accepted", share=1.0, retention=1.0),
+                reward(r["end"], 1.0, "accepted", share=1.0, retention=1.0),
+            ],
+        )
 
 
-def row(version: int, suggestions: int, shown: int, shown_final: int, accepted: int,
-        retained_fraction: Any, accepted_chars: float, retained_chars: float, reward_sum: float,
-        finalized: int, p50: float, p99: float) -> dict[str, Any]:
+def row(
+    version: int,
+    suggestions: int,
+    shown: int,
+    shown_final: int,
+    accepted: int,
+    retained_fraction: Any,
+    accepted_chars: float,
+    retained_chars: float,
+    reward_sum: float,
+    finalized: int,
+    p50: float,
+    p99: float,
+) -> dict[str, Any]:
     """The expected Row: rates of acceptance, characters and reward are over finalized rewards."""
+
     def per_final(x: float) -> Any:
         return pytest.approx(x / finalized) if finalized else None
 
     return {
-        "policy_version": version, "suggestions": suggestions, "shown": shown,
-        "shown_rate": pytest.approx(shown / suggestions), "shown_finalized": shown_final,
+        "policy_version": version,
+        "suggestions": suggestions,
+        "shown": shown,
+        "shown_rate": pytest.approx(shown / suggestions),
+        "shown_finalized": shown_final,
         "accepted": accepted,
         "accept_rate": pytest.approx(accepted / shown_final) if shown_final else None,
         "retained_fraction": retained_fraction,
         "accepted_chars_per_request": per_final(accepted_chars),
         "retained_chars_per_request": per_final(retained_chars),
-        "mean_reward": per_final(reward_sum), "rewards_finalized": finalized,
-        "latency_ms_p50": pytest.approx(p50), "latency_ms_p99": pytest.approx(p99),
+        "mean_reward": per_final(reward_sum),
+        "rewards_finalized": finalized,
+        "latency_ms_p50": pytest.approx(p50),
+        "latency_ms_p99": pytest.approx(p99),
     }
 
 
 def test_figures_on_a_small_dataset(client: httpx.Client, engine: sa.Engine) -> None:
     seed(engine)
-    r = client.get("/admin/metrics", params={"window": "10m", "bucket": "5m",
-                                              "to": "2026-01-01T12:00:00Z"})
+    r = client.get(
+        "/admin/metrics", params={"window": "10m", "bucket": "5m", "to": "2026-01-01T12:00:00Z"}
+    )
     assert r.status_code == 200, r.text
     m = r.json()
     assert m["window_s"] == 600 and m["bucket_s"] == 300
@@ -125,8 +168,10 @@ def test_figures_on_a_small_dataset(client: httpx.Client, engine: sa.Engine) -> 
 def test_buckets_align_to_the_epoch(client: httpx.Client, engine: sa.Engine) -> None:
     seed(engine)
     # the window starts at 11:52:30: its first bucket starts at 11:50 but holds only c and v3
-    m = client.get("/admin/metrics", params={"window": "450", "bucket": "300",
-                                             "to": "2026-01-01T12:00:00+00:00"}).json()
+    m = client.get(
+        "/admin/metrics",
+        params={"window": "450", "bucket": "300", "to": "2026-01-01T12:00:00+00:00"},
+    ).json()
     assert datetime.fromisoformat(m["from"]) == at(52, 30)
     first = [b for b in m["buckets"] if datetime.fromisoformat(b["start"]) == at(50)]
     assert [(b["policy_version"], b["suggestions"]) for b in first] == [(1, 1), (3, 1)]

@@ -21,12 +21,27 @@ def z(at: datetime) -> str:
 def rollout(engine: sa.Engine, *, user: str, key: str | None, shown: bool) -> str:
     sid = str(uuid.uuid4())
     with engine.begin() as conn:
-        conn.execute(rollouts.insert().values(
-            suggestion_id=sid, user_id=user, policy_version=1, created_at=datetime.now(UTC),
-            context_token_ids=[1], heal_text="", token_ids=[2], token_logprobs=[-0.1],
-            text="x" if shown else "", shown=shown, gate_prob_show=0.5, decision_logprob=-0.7,
-            logprob_total=-0.8, temperature=0.7, stop_reason="newline", latency_ms=1.0,
-            api_key_id=key))
+        conn.execute(
+            rollouts.insert().values(
+                suggestion_id=sid,
+                user_id=user,
+                policy_version=1,
+                created_at=datetime.now(UTC),
+                context_token_ids=[1],
+                heal_text="",
+                token_ids=[2],
+                token_logprobs=[-0.1],
+                text="x" if shown else "",
+                shown=shown,
+                gate_prob_show=0.5,
+                decision_logprob=-0.7,
+                logprob_total=-0.8,
+                temperature=0.7,
+                stop_reason="newline",
+                latency_ms=1.0,
+                api_key_id=key,
+            )
+        )
     return sid
 
 
@@ -38,25 +53,44 @@ def test_refused_and_capped_people_and_keys(client: httpx.Client, engine: sa.Eng
     now = datetime.now(UTC)
     theirs = rollout(engine, user="u-victim", key="elsewhere", shown=True)
     silent = rollout(engine, user="u-liar", key=None, shown=False)
-    evs = [event("accept", user_id="u-victim", suggestion_id=theirs, occurred_at=z(now))
-           for _ in range(3)]
-    evs += [event("accept", user_id="u-liar", suggestion_id=silent, occurred_at=z(now)),
-            event("churn", user_id="u-liar", occurred_at=z(now)),  # taken
-            {"type": "teleport"}]  # invalid: a dead letter, not a refusal
+    evs = [
+        event("accept", user_id="u-victim", suggestion_id=theirs, occurred_at=z(now))
+        for _ in range(3)
+    ]
+    evs += [
+        event("accept", user_id="u-liar", suggestion_id=silent, occurred_at=z(now)),
+        event("churn", user_id="u-liar", occurred_at=z(now)),  # taken
+        {"type": "teleport"},
+    ]  # invalid: a dead letter, not a refusal
     r = client.post("/v1/events", json={"events": evs})
     assert r.status_code == 202 and len(r.json()["rejected"]) == 5, r.text
-    loud = {"id": "u-loud", "rows": 90, "share": 0.9, "weight_share": 0.25,
-            "weight_removed": 65.0}
+    loud = {"id": "u-loud", "rows": 90, "share": 0.9, "weight_share": 0.25, "weight_removed": 65.0}
     with engine.begin() as conn:
-        conn.execute(trainer_state.insert().values(
-            name=TRAINER_STATE_NAME, updated_at=now, info={"capped": [
-                capped_entry(now - timedelta(hours=4), [loud]),  # before either window
-                capped_entry(now - timedelta(minutes=20), [loud]),
-                capped_entry(now - timedelta(minutes=10), [
-                    {**loud, "rows": 50, "share": 0.5, "weight_removed": 25.0},
-                    {"id": "u-busy", "rows": 30, "share": 0.3, "weight_share": 0.25,
-                     "weight_removed": 5.0}]),
-            ]}))
+        conn.execute(
+            trainer_state.insert().values(
+                name=TRAINER_STATE_NAME,
+                updated_at=now,
+                info={
+                    "capped": [
+                        capped_entry(now - timedelta(hours=4), [loud]),  # before either window
+                        capped_entry(now - timedelta(minutes=20), [loud]),
+                        capped_entry(
+                            now - timedelta(minutes=10),
+                            [
+                                {**loud, "rows": 50, "share": 0.5, "weight_removed": 25.0},
+                                {
+                                    "id": "u-busy",
+                                    "rows": 30,
+                                    "share": 0.3,
+                                    "weight_share": 0.25,
+                                    "weight_removed": 5.0,
+                                },
+                            ],
+                        ),
+                    ]
+                },
+            )
+        )
         key_id, key_name = conn.execute(sa.select(api_keys.c.id, api_keys.c.name)).one()
 
     r = client.get("/admin/metrics", params={"window": "1h"})
@@ -68,14 +102,27 @@ def test_refused_and_capped_people_and_keys(client: httpx.Client, engine: sa.Eng
         {"id": "u-victim", "name": None, "refused": 3, "reasons": {"wrong_key": 3}},
         {"id": "u-liar", "name": None, "refused": 1, "reasons": {"not_shown": 1}},
     ]
-    assert trust["refused_keys"] == [{"id": key_id, "name": key_name, "refused": 4,
-                                      "reasons": {"wrong_key": 3, "not_shown": 1}}]
+    assert trust["refused_keys"] == [
+        {"id": key_id, "name": key_name, "refused": 4, "reasons": {"wrong_key": 3, "not_shown": 1}}
+    ]
     assert trust["batches"] == 2
     assert trust["capped_users"] == [
-        {"id": "u-loud", "name": None, "batches": 2, "rows": 140, "weight_removed": 90.0,
-         "max_share": 0.9},
-        {"id": "u-busy", "name": None, "batches": 1, "rows": 30, "weight_removed": 5.0,
-         "max_share": 0.3},
+        {
+            "id": "u-loud",
+            "name": None,
+            "batches": 2,
+            "rows": 140,
+            "weight_removed": 90.0,
+            "max_share": 0.9,
+        },
+        {
+            "id": "u-busy",
+            "name": None,
+            "batches": 1,
+            "rows": 30,
+            "weight_removed": 5.0,
+            "max_share": 0.3,
+        },
     ]
     assert trust["capped_keys"] == []
 

@@ -36,8 +36,9 @@ class Admin:
 @pytest.fixture
 def admin(served: Any, key_factory: Any) -> Iterator[Admin]:
     token = key_factory("admin", "deploy", name="ops")
-    with httpx.Client(base_url=served.url, timeout=30,
-                      headers={"Authorization": f"Bearer {token}"}) as http:
+    with httpx.Client(
+        base_url=served.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+    ) as http:
         yield Admin(http, token, token.split("_")[1], "ops")
 
 
@@ -52,8 +53,9 @@ def rows(served: Any, after: int = 0) -> list[dict[str, Any]]:
 
 def last_id(served: Any) -> int:
     with served.app.state.ctx.engine.connect() as conn:
-        return int(conn.execute(sa.select(sa.func.coalesce(sa.func.max(audit_log.c.id), 0)))
-                   .scalar_one())
+        return int(
+            conn.execute(sa.select(sa.func.coalesce(sa.func.max(audit_log.c.id), 0))).scalar_one()
+        )
 
 
 def timeline_length(served: Any) -> int:
@@ -68,8 +70,14 @@ Act = Callable[[], tuple[httpx.Response, str | None]]  # -> the answer, the expe
 
 
 def _files(ckpt: Path) -> dict[str, tuple[str, bytes]]:
-    return {field: (name, (ckpt / name).read_bytes()) for field, name in
-            (("manifest", MANIFEST_FILE), ("weights", WEIGHTS_FILE), ("tokenizer", TOKENIZER_FILE))}
+    return {
+        field: (name, (ckpt / name).read_bytes())
+        for field, name in (
+            ("manifest", MANIFEST_FILE),
+            ("weights", WEIGHTS_FILE),
+            ("tokenizer", TOKENIZER_FILE),
+        )
+    }
 
 
 def _register(a: Admin, ckpt: Any) -> None:
@@ -85,6 +93,7 @@ def key_create(a: Admin, ckpt: Any) -> Act:
     def act() -> tuple[httpx.Response, str | None]:
         r = a.http.post("/admin/keys", json={"name": "vscode", "scopes": ["ingest"]}, headers=RID)
         return r, r.json()["id"]
+
     return act
 
 
@@ -94,14 +103,22 @@ def key_revoke(a: Admin, ckpt: Any) -> Act:
 
 
 def policy_register(a: Admin, ckpt: Any) -> Act:
-    return lambda: (a.http.post("/admin/policies", files=_files(ckpt(1)), data={"parent": "1"},
-                                headers=RID), "2")
+    return lambda: (
+        a.http.post("/admin/policies", files=_files(ckpt(1)), data={"parent": "1"}, headers=RID),
+        "2",
+    )
 
 
 def deploy(a: Admin, ckpt: Any) -> Act:
     _register(a, ckpt)
-    return lambda: (a.http.post("/admin/policies/2/deploy", headers=RID,
-                                json={"canary_fraction": 0.5, "reason": "hand canary"}), "2")
+    return lambda: (
+        a.http.post(
+            "/admin/policies/2/deploy",
+            headers=RID,
+            json={"canary_fraction": 0.5, "reason": "hand canary"},
+        ),
+        "2",
+    )
 
 
 def promote(a: Admin, ckpt: Any) -> Act:
@@ -111,8 +128,10 @@ def promote(a: Admin, ckpt: Any) -> Act:
 
 def rollback(a: Admin, ckpt: Any) -> Act:
     _canary(a, ckpt)  # the rollback withdraws the canary, v2: its target
-    return lambda: (a.http.post("/admin/rollback", json={"reason": "accept rate fell"},
-                                headers=RID), "2")
+    return lambda: (
+        a.http.post("/admin/rollback", json={"reason": "accept rate fell"}, headers=RID),
+        "2",
+    )
 
 
 def training_pause(a: Admin, ckpt: Any) -> Act:
@@ -125,8 +144,10 @@ def training_resume(a: Admin, ckpt: Any) -> Act:
 
 
 def reward_spec_update(a: Admin, ckpt: Any) -> Act:
-    return lambda: (a.http.put("/admin/reward-spec", json={"reject_penalty": 0.3}, headers=RID),
-                    "2")  # version 1 is the profile's default
+    return lambda: (
+        a.http.put("/admin/reward-spec", json={"reject_penalty": 0.3}, headers=RID),
+        "2",
+    )  # version 1 is the profile's default
 
 
 def replay(a: Admin, ckpt: Any) -> Act:
@@ -138,11 +159,19 @@ def purge(a: Admin, ckpt: Any) -> Act:
     return lambda: (a.http.delete("/admin/users/u-42", headers=RID), "u-42")
 
 
-ACTIONS = {"key.create": key_create, "key.revoke": key_revoke,
-           "policy.register": policy_register, "deploy": deploy, "promote": promote,
-           "rollback": rollback, "training.pause": training_pause,
-           "training.resume": training_resume, "reward_spec.update": reward_spec_update,
-           "replay": replay, "purge": purge}
+ACTIONS = {
+    "key.create": key_create,
+    "key.revoke": key_revoke,
+    "policy.register": policy_register,
+    "deploy": deploy,
+    "promote": promote,
+    "rollback": rollback,
+    "training.pause": training_pause,
+    "training.resume": training_resume,
+    "reward_spec.update": reward_spec_update,
+    "replay": replay,
+    "purge": purge,
+}
 
 
 @pytest.mark.parametrize("action", sorted(ACTIONS))
@@ -180,8 +209,10 @@ def test_every_mutating_admin_route_is_audited(served: Any) -> None:
         if not methods or dependant is None or not route.path.startswith("/admin"):
             continue
         calls = [d.call for d in dependant.dependencies]
-        assert any(getattr(c, "__name__", "") == "dependency" and "audited" in c.__qualname__
-                   for c in calls), f"{sorted(methods)} {route.path} is not audited"
+        assert any(
+            getattr(c, "__name__", "") == "dependency" and "audited" in c.__qualname__
+            for c in calls
+        ), f"{sorted(methods)} {route.path} is not audited"
         audited.add(route.path)
     assert len(audited) >= 11, sorted(audited)
 
@@ -189,7 +220,11 @@ def test_every_mutating_admin_route_is_audited(served: Any) -> None:
 def test_the_bootstrap_is_recorded_as_done_by_the_service(served: Any) -> None:
     (row,) = [r for r in rows(served) if r["action"] == "bootstrap"]
     assert (row["key_id"], row["key_name"], row["target"], row["outcome"]) == (
-        None, "service", "1", "ok")
+        None,
+        "service",
+        "1",
+        "ok",
+    )
     assert len(row["detail"]["sha256"]) == 64 and row["request_id"] is None
 
 
@@ -210,7 +245,8 @@ def test_the_trainers_deploys_are_recorded_with_its_key(
     written = rows(served, mark)
     assert [r["action"] for r in written] == ["policy.register", "deploy", "promote", "rollback"]
     assert {(r["key_id"], r["key_name"], r["outcome"]) for r in written} == {
-        (token.split("_")[1], "trainer", "ok")}
+        (token.split("_")[1], "trainer", "ok")
+    }
     assert [r["target"] for r in written] == ["2", "2", "2", "2"]
     assert written[-1]["detail"]["reason"] == "trainer: accept rate fell"
 
@@ -219,32 +255,87 @@ def test_the_trainers_deploys_are_recorded_with_its_key(
 
 REFUSALS: dict[str, tuple[Callable[[httpx.Client, Any], httpx.Response], str, int, str | None]] = {
     # case: (request, action, status, target)
-    "deploy an unknown version": (lambda c, ck: c.post(
-        "/admin/policies/99/deploy", json={"canary_fraction": 0.1}), "deploy", 404, "99"),
-    "deploy the live version": (lambda c, ck: c.post(
-        "/admin/policies/1/deploy", json={"canary_fraction": 1}), "deploy", 409, "1"),
-    "deploy to too many users": (lambda c, ck: c.post(
-        "/admin/policies/1/deploy", json={"canary_fraction": 5}), "deploy", 422, "1"),
-    "promote what is no canary": (lambda c, ck: c.post(
-        "/admin/policies/1/promote"), "promote", 409, "1"),
-    "roll back with no previous version": (lambda c, ck: c.post(
-        "/admin/rollback"), "rollback", 409, None),
-    "register a tampered checkpoint": (lambda c, ck: upload(
-        c, ck(1), weights=b"not the weights"), "policy.register", 422, None),
-    "revoke an unknown key": (lambda c, ck: c.delete(
-        "/admin/keys/nosuchkey"), "key.revoke", 404, "nosuchkey"),
-    "make a key with no scope": (lambda c, ck: c.post(
-        "/admin/keys", json={"name": "x", "scopes": []}), "key.create", 422, None),
-    "store a spec whose windows do not fit": (lambda c, ck: c.put(
-        "/admin/reward-spec", json={"horizon_s": 1}), "reward_spec.update", 422, None),
-    "replay a spec that does not exist": (lambda c, ck: c.post(
-        "/admin/replay", json={"from": "2026-01-01T00:00:00Z", "to": "2026-01-02T00:00:00Z",
-                               "reward_spec_version": 9}), "replay", 404, "9"),
-    "replay backwards": (lambda c, ck: c.post(
-        "/admin/replay", json={"from": "2026-01-02T00:00:00Z", "to": "2026-01-01T00:00:00Z"}),
-        "replay", 422, None),
-    "purge a user id too long": (lambda c, ck: c.delete(
-        "/admin/users/" + "u" * 257), "purge", 422, "u" * 257),
+    "deploy an unknown version": (
+        lambda c, ck: c.post("/admin/policies/99/deploy", json={"canary_fraction": 0.1}),
+        "deploy",
+        404,
+        "99",
+    ),
+    "deploy the live version": (
+        lambda c, ck: c.post("/admin/policies/1/deploy", json={"canary_fraction": 1}),
+        "deploy",
+        409,
+        "1",
+    ),
+    "deploy to too many users": (
+        lambda c, ck: c.post("/admin/policies/1/deploy", json={"canary_fraction": 5}),
+        "deploy",
+        422,
+        "1",
+    ),
+    "promote what is no canary": (
+        lambda c, ck: c.post("/admin/policies/1/promote"),
+        "promote",
+        409,
+        "1",
+    ),
+    "roll back with no previous version": (
+        lambda c, ck: c.post("/admin/rollback"),
+        "rollback",
+        409,
+        None,
+    ),
+    "register a tampered checkpoint": (
+        lambda c, ck: upload(c, ck(1), weights=b"not the weights"),
+        "policy.register",
+        422,
+        None,
+    ),
+    "revoke an unknown key": (
+        lambda c, ck: c.delete("/admin/keys/nosuchkey"),
+        "key.revoke",
+        404,
+        "nosuchkey",
+    ),
+    "make a key with no scope": (
+        lambda c, ck: c.post("/admin/keys", json={"name": "x", "scopes": []}),
+        "key.create",
+        422,
+        None,
+    ),
+    "store a spec whose windows do not fit": (
+        lambda c, ck: c.put("/admin/reward-spec", json={"horizon_s": 1}),
+        "reward_spec.update",
+        422,
+        None,
+    ),
+    "replay a spec that does not exist": (
+        lambda c, ck: c.post(
+            "/admin/replay",
+            json={
+                "from": "2026-01-01T00:00:00Z",
+                "to": "2026-01-02T00:00:00Z",
+                "reward_spec_version": 9,
+            },
+        ),
+        "replay",
+        404,
+        "9",
+    ),
+    "replay backwards": (
+        lambda c, ck: c.post(
+            "/admin/replay", json={"from": "2026-01-02T00:00:00Z", "to": "2026-01-01T00:00:00Z"}
+        ),
+        "replay",
+        422,
+        None,
+    ),
+    "purge a user id too long": (
+        lambda c, ck: c.delete("/admin/users/" + "u" * 257),
+        "purge",
+        422,
+        "u" * 257,
+    ),
 }
 
 
@@ -273,7 +364,11 @@ def test_a_key_without_the_scope_is_recorded_and_nothing_else_is(
     assert r.status_code == 403
     (row,) = rows(served, mark)
     assert (row["action"], row["outcome"], row["key_id"], row["key_name"]) == (
-        "rollback", "403", ingest.split("_")[1], "vscode")
+        "rollback",
+        "403",
+        ingest.split("_")[1],
+        "vscode",
+    )
     assert row["detail"]["error"]["code"] == "forbidden"
 
     # no key, a malformed or unknown one, a revoked one: no admin action, no row
@@ -295,9 +390,12 @@ def test_a_key_without_the_scope_is_recorded_and_nothing_else_is(
 def test_a_key_over_its_rate_limit_writes_no_rows(served: Any, key_factory: Any) -> None:
     ingest = key_factory("ingest")
     mark = last_id(served)
-    statuses = [httpx.post(served.url + "/admin/rollback",
-                           headers={"Authorization": f"Bearer {ingest}"}).status_code
-                for _ in range(5)]
+    statuses = [
+        httpx.post(
+            served.url + "/admin/rollback", headers={"Authorization": f"Bearer {ingest}"}
+        ).status_code
+        for _ in range(5)
+    ]
     assert statuses == [403, 403, 429, 429, 429]
     assert [r["outcome"] for r in rows(served, mark)] == ["403", "403"]
 
@@ -314,7 +412,8 @@ def test_the_action_and_its_row_commit_together(
         conn.exec_driver_sql(
             "CREATE TRIGGER refuse_deploy_rows BEFORE INSERT ON audit_log "
             "WHEN NEW.action = 'deploy' AND NEW.outcome = 'ok' "
-            "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END")
+            "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+        )
     mark, deployed = last_id(served), timeline_length(served)
     r = admin.http.post("/admin/policies/2/deploy", json={"canary_fraction": 0.5})
     assert r.status_code == 500
@@ -325,6 +424,7 @@ def test_the_action_and_its_row_commit_together(
 
 # --- secrets -----------------------------------------------------------------------------------
 
+
 def test_no_row_holds_a_token_or_its_secret(
     served: Any, admin: Admin, tiny_checkpoint_factory: Any
 ) -> None:
@@ -334,8 +434,11 @@ def test_no_row_holds_a_token_or_its_secret(
     # tokens pasted where they do not belong: a path, a reason, the request id
     assert admin.http.delete(f"/admin/keys/{token}").status_code == 404
     _register(admin, tiny_checkpoint_factory)
-    r = admin.http.post("/admin/policies/2/deploy", headers={"X-Request-ID": admin.token},
-                        json={"canary_fraction": 0.5, "reason": f"by {admin.token}"})
+    r = admin.http.post(
+        "/admin/policies/2/deploy",
+        headers={"X-Request-ID": admin.token},
+        json={"canary_fraction": 0.5, "reason": f"by {admin.token}"},
+    )
     assert r.status_code == 200
     assert admin.http.delete(f"/admin/keys/{made['id']}").status_code == 200
     everything = json.dumps(rows(served), default=str)
@@ -351,12 +454,17 @@ def test_no_row_holds_a_token_or_its_secret(
 
 # --- GET /admin/audit --------------------------------------------------------------------------
 
+
 def test_pages_newest_first_with_filters(served: Any, admin: Admin, key_factory: Any) -> None:
     other = key_factory("admin", name="other")
     for _ in range(4):
         assert admin.http.post("/admin/training/pause").status_code == 200
-        assert httpx.post(served.url + "/admin/training/resume",
-                          headers={"Authorization": f"Bearer {other}"}).status_code == 200
+        assert (
+            httpx.post(
+                served.url + "/admin/training/resume", headers={"Authorization": f"Bearer {other}"}
+            ).status_code
+            == 200
+        )
     newest_first = [r["id"] for r in reversed(rows(served))]
 
     seen: list[int] = []
@@ -383,13 +491,19 @@ def test_pages_newest_first_with_filters(served: Any, admin: Admin, key_factory:
     other_id = other.split("_")[1]
     by_key = admin.http.get("/admin/audit", params={"key_id": other_id}).json()["entries"]
     assert len(by_key) == 4 and {(e["key_name"], e["action"]) for e in by_key} == {
-        ("other", "training.resume")}
+        ("other", "training.resume")
+    }
     assert ids(action="training.resume", key_id=admin.key_id) == []
     assert ids(since=(utcnow() + timedelta(hours=1)).isoformat()) == []
     assert ids(since="2000-01-01T00:00:00Z") == newest_first[:100]
     assert ids(since="2000-01-01T00:00:00") == newest_first[:100]  # no zone: UTC
-    for bad in ({"limit": 0}, {"limit": 1001}, {"before": 0}, {"since": "yesterday"},
-                {"since": "1700000000"}):
+    for bad in (
+        {"limit": 0},
+        {"limit": 1001},
+        {"before": 0},
+        {"since": "yesterday"},
+        {"since": "1700000000"},
+    ):
         assert admin.http.get("/admin/audit", params=bad).status_code == 422, bad
 
 

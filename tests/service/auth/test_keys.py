@@ -55,17 +55,24 @@ def test_revocation_reaches_every_api_process_within_the_ttl(
     settings = settings_factory(auth_cache_ttl_s=0.5)
     a, b = service_factory(settings), service_factory(settings)
     admin = key_factory("admin")
-    made = httpx.post(a.url + "/admin/keys", json={"name": "plugin", "scopes": ["ingest"]},
-                      headers={"Authorization": f"Bearer {admin}"})
+    made = httpx.post(
+        a.url + "/admin/keys",
+        json={"name": "plugin", "scopes": ["ingest"]},
+        headers={"Authorization": f"Bearer {admin}"},
+    )
     token, key_id = made.json()["token"], made.json()["id"]
 
     def post(svc: Any) -> int:
-        return httpx.post(svc.url + "/v1/events", json={"events": [event()]},
-                          headers={"Authorization": f"Bearer {token}"}).status_code
+        return httpx.post(
+            svc.url + "/v1/events",
+            json={"events": [event()]},
+            headers={"Authorization": f"Bearer {token}"},
+        ).status_code
 
     assert post(a) == 202 and post(b) == 202  # both have it cached now
-    revoked = httpx.delete(f"{a.url}/admin/keys/{key_id}",
-                           headers={"Authorization": f"Bearer {admin}"})
+    revoked = httpx.delete(
+        f"{a.url}/admin/keys/{key_id}", headers={"Authorization": f"Bearer {admin}"}
+    )
     assert revoked.status_code == 200
     assert post(a) == 401
     deadline = time.monotonic() + 0.5 + 2.0  # the ttl, plus slack for a loaded machine

@@ -121,9 +121,16 @@ def test_route_scope_matrix(service: Any, keys: dict[str, str]) -> None:
                 r = call(None)
                 assert r.status_code not in (401, 403), (where, r.status_code)
                 continue
-            for auth in (None, "", "Bearer", "Bearer garbage", "Bearer tlk_nope_nope",
-                         "Basic " + keys["all"], "Bearer " + keys["all"][:-2] + "xx",
-                         "Bearer " + keys["revoked"]):
+            for auth in (
+                None,
+                "",
+                "Bearer",
+                "Bearer garbage",
+                "Bearer tlk_nope_nope",
+                "Basic " + keys["all"],
+                "Bearer " + keys["all"][:-2] + "xx",
+                "Bearer " + keys["revoked"],
+            ):
                 r = call(auth)
                 assert r.status_code == 401, (where, auth, r.status_code, r.text)
                 assert r.json()["error"]["code"] == "unauthorized"

@@ -34,8 +34,9 @@ def test_rate_limit_holds_under_concurrency(
     lock = threading.Lock()
 
     def hit() -> None:
-        with httpx.Client(base_url=svc.url, timeout=30,
-                          headers={"Authorization": f"Bearer {token}"}) as c:
+        with httpx.Client(
+            base_url=svc.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+        ) as c:
             start.wait()
             r = c.post("/v1/events", json={"events": []})
         with lock:
@@ -50,8 +51,11 @@ def test_rate_limit_holds_under_concurrency(
         t.join(timeout=60)
     assert statuses == {202: burst, 429: n - burst}, statuses
     assert all(v is not None and int(v) >= 1 for v in retry_after), retry_after
-    r = httpx.post(svc.url + "/v1/events", json={"events": [event()]},
-                   headers={"Authorization": f"Bearer {other}"})
+    r = httpx.post(
+        svc.url + "/v1/events",
+        json={"events": [event()]},
+        headers={"Authorization": f"Bearer {other}"},
+    )
     assert r.status_code == 202  # another key's bucket is untouched
 
 
@@ -85,35 +89,61 @@ def test_tokens_never_reach_the_logs(
     admin = key_factory("admin")
     # SQLAlchemy and uvicorn set their own loggers' levels: lower each, the SQL log included
     # (statements and their parameters)
-    for name in (None, "sqlalchemy", "sqlalchemy.engine", "sqlalchemy.pool", "uvicorn",
-                 "uvicorn.error", "service", "fastapi"):
+    for name in (
+        None,
+        "sqlalchemy",
+        "sqlalchemy.engine",
+        "sqlalchemy.pool",
+        "uvicorn",
+        "uvicorn.error",
+        "service",
+        "fastapi",
+    ):
         caplog.set_level(logging.DEBUG, logger=name)
     seen: list[str] = [admin]
     with httpx.Client(base_url=service.url, timeout=30) as c:
-        made = c.post("/admin/keys", json={"name": "plugin", "scopes": ["ingest"]},
-                      headers={"Authorization": f"Bearer {admin}"})
+        made = c.post(
+            "/admin/keys",
+            json={"name": "plugin", "scopes": ["ingest"]},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
         assert made.status_code == 201
         token = made.json()["token"]
         seen.append(token)
         auth = {"Authorization": f"Bearer {token}"}
-        assert c.post("/v1/events", json={"events": [event(), {"bad": 1}]},
-                      headers=auth).status_code == 202
-        assert c.post("/v1/events", content=b"{not json",
-                      headers=auth | {"Content-Type": "application/json"}).status_code == 400
+        assert (
+            c.post("/v1/events", json={"events": [event(), {"bad": 1}]}, headers=auth).status_code
+            == 202
+        )
+        assert (
+            c.post(
+                "/v1/events",
+                content=b"{not json",
+                headers=auth | {"Content-Type": "application/json"},
+            ).status_code
+            == 400
+        )
         assert c.get("/admin/keys", headers=auth).status_code == 403
         wrong = token[:-4] + "abcd"
         seen.append(wrong)
-        assert c.post("/v1/events", json={"events": []},
-                      headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
-        assert c.delete(f"/admin/keys/{made.json()['id']}",
-                        headers={"Authorization": f"Bearer {admin}"}).status_code == 200
+        assert (
+            c.post(
+                "/v1/events", json={"events": []}, headers={"Authorization": f"Bearer {wrong}"}
+            ).status_code
+            == 401
+        )
+        assert (
+            c.delete(
+                f"/admin/keys/{made.json()['id']}", headers={"Authorization": f"Bearer {admin}"}
+            ).status_code
+            == 200
+        )
         assert c.post("/v1/events", json={"events": []}, headers=auth).status_code == 401
     # The test's own HTTP client logs nothing of headers either, but only the service is judged.
     records = [r for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))]
     names = {r.name for r in records}
     assert "sqlalchemy.engine.Engine" in names, f"the capture missed the SQL log: {names}"
-    text = "\n".join(r.getMessage() + " " + str(r.args) + " " + (r.exc_text or "")
-                     for r in records)
+    text = "\n".join(r.getMessage() + " " + str(r.args) + " " + (r.exc_text or "") for r in records)
     for t in seen:
         secret = t.removeprefix(keys.PREFIX).split("_", 1)[1]
         assert t not in text and secret not in text

@@ -34,8 +34,17 @@ async def _all(batcher: Batcher, jobs: list[tuple[LoadedPolicy, Prompt]]) -> lis
 
 
 def _alone(policy: LoadedPolicy, prefix: str, budget: int, seed: int) -> Completion:
-    return complete(policy.model, policy.tokenizer, prefix, "", budget, SAMPLING.temperature,
-                    SAMPLING.top_p, torch.Generator().manual_seed(seed), stop_logprob=None)
+    return complete(
+        policy.model,
+        policy.tokenizer,
+        prefix,
+        "",
+        budget,
+        SAMPLING.temperature,
+        SAMPLING.top_p,
+        torch.Generator().manual_seed(seed),
+        stop_logprob=None,
+    )
 
 
 def test_concurrent_requests_are_batched_and_sampled_as_alone(
@@ -50,9 +59,10 @@ def test_concurrent_requests_are_batched_and_sampled_as_alone(
         other.gate.features.bias.add_(1.0)
     canary = LoadedPolicy(2, other, tiny_tokenizer)
     prompts = _prompts(small_code, 40)
-    jobs = [(live if i % 3 else canary,
-             Prompt(prefix, "", budget, torch.Generator().manual_seed(i)))
-            for i, (prefix, budget) in enumerate(prompts)]
+    jobs = [
+        (live if i % 3 else canary, Prompt(prefix, "", budget, torch.Generator().manual_seed(i)))
+        for i, (prefix, budget) in enumerate(prompts)
+    ]
     sizes: list[tuple[int, int]] = []  # (requests, policies) of each batch sampled
 
     class Recording(Batcher):
@@ -76,8 +86,9 @@ def test_concurrent_requests_are_batched_and_sampled_as_alone(
         mine = [c for (p, _), c in zip(jobs, got, strict=True) if p is policy]
         with torch.no_grad():
             total = score_actions(policy.model, policy.tokenizer, mine).total
-        torch.testing.assert_close(total, torch.tensor([c.logprob_total for c in mine]),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            total, torch.tensor([c.logprob_total for c in mine]), atol=1e-4, rtol=0
+        )
 
 
 def test_a_failing_batch_fails_only_its_bad_request(
@@ -86,22 +97,28 @@ def test_a_failing_batch_fails_only_its_bad_request(
     """A request the model cannot sample (max_new_tokens 0 trips an assertion) in a batch of
     good ones: the batch is retried one request at a time, the good ones are answered."""
     policy = LoadedPolicy(1, tiny_model, tiny_tokenizer)
-    prompts = [Prompt(prefix, "", budget, torch.Generator().manual_seed(i))
-               for i, (prefix, budget) in enumerate(_prompts(small_code, 6))]
+    prompts = [
+        Prompt(prefix, "", budget, torch.Generator().manual_seed(i))
+        for i, (prefix, budget) in enumerate(_prompts(small_code, 6))
+    ]
     prompts[3] = Prompt(prompts[3].prefix, "", 0, torch.Generator().manual_seed(3))
     batcher = Batcher(SAMPLING, threads=1, max_batch=8, wait_ms=20)
 
     async def run() -> list[object]:
-        return await asyncio.gather(*(batcher.sample(policy, p) for p in prompts),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *(batcher.sample(policy, p) for p in prompts), return_exceptions=True
+        )
 
     try:
         results = asyncio.run(run())
     finally:
         batcher.close()
     assert isinstance(results[3], RuntimeError)
-    assert all(isinstance(r, tuple) and isinstance(r[0], Completion)
-               for i, r in enumerate(results) if i != 3)
+    assert all(
+        isinstance(r, tuple) and isinstance(r[0], Completion)
+        for i, r in enumerate(results)
+        if i != 3
+    )
 
 
 def test_close_finishes_what_is_queued(tiny_model: GPT, tiny_tokenizer: CodeTokenizer) -> None:

@@ -31,8 +31,7 @@ SUFFIX = "ad()  # the rest of this line\n\n\ndef write(path, text):\n    pass\n"
 
 def _client(svc: Any, key_factory: Any) -> httpx.Client:
     token = key_factory("ingest")
-    return httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {token}"},
-                        timeout=30)
+    return httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
 
 @pytest.fixture
@@ -42,8 +41,15 @@ def api(served: Any, key_factory: Any) -> Iterator[httpx.Client]:
 
 
 def complete(c: httpx.Client, **over: Any) -> dict[str, Any]:
-    body = {"user_id": "u-1", "language": "python", "file_path": "pkg/mod.py", "prefix": PREFIX,
-            "suffix": SUFFIX, "max_new_tokens": 12, **over}
+    body = {
+        "user_id": "u-1",
+        "language": "python",
+        "file_path": "pkg/mod.py",
+        "prefix": PREFIX,
+        "suffix": SUFFIX,
+        "max_new_tokens": 12,
+        **over,
+    }
     r = c.post("/v1/complete", json={k: v for k, v in body.items() if v is not None})
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
@@ -65,10 +71,13 @@ def test_another_language_abstains_without_a_model_call_and_is_recorded(
     api: httpx.Client, served: Any
 ) -> None:
     inferences = _sample("tabloop_complete_inference_seconds_count")
-    unsupported = {lang: _sample("tabloop_complete_unsupported_language_total", language=lang)
-                   for lang in ("rust", "plaintext", "other")}
-    answers = {lang: complete(api, language=lang)
-               for lang in ("rust", "plaintext", "Klingon-Script")}
+    unsupported = {
+        lang: _sample("tabloop_complete_unsupported_language_total", language=lang)
+        for lang in ("rust", "plaintext", "other")
+    }
+    answers = {
+        lang: complete(api, language=lang) for lang in ("rust", "plaintext", "Klingon-Script")
+    }
     for r in answers.values():
         assert r["shown"] is False and r["text"] == ""
     assert _sample("tabloop_complete_inference_seconds_count") == inferences  # no model call
@@ -91,11 +100,19 @@ def test_another_language_abstains_without_a_model_call_and_is_recorded(
     # what the person wrote there is taken like any other suggestion's; a judgment of it is
     # refused: nothing was shown
     at = utcnow().isoformat()
-    settled, reject = ({"event_id": str(uuid.uuid4()), "type": t, "user_id": "u-1",
-                        "suggestion_id": answers["rust"]["suggestion_id"], "occurred_at": at}
-                       for t in ("code_settled", "reject"))
-    resp = api.post("/v1/events", json={"events": [{**settled, "after_seconds": 5, "text": "}"},
-                                                   reject]})
+    settled, reject = (
+        {
+            "event_id": str(uuid.uuid4()),
+            "type": t,
+            "user_id": "u-1",
+            "suggestion_id": answers["rust"]["suggestion_id"],
+            "occurred_at": at,
+        }
+        for t in ("code_settled", "reject")
+    )
+    resp = api.post(
+        "/v1/events", json={"events": [{**settled, "after_seconds": 5, "text": "}"}, reject]}
+    )
     assert resp.status_code == 202 and resp.json()["accepted"] == 1, resp.text
     assert resp.json()["rejected"][0]["error"].startswith("refused (not_shown)")
 
@@ -126,8 +143,9 @@ def test_without_a_language_the_file_extension_decides(api: httpx.Client, served
 
 
 def _start(settings_factory: Any, service_factory: Any, checkpoint: Path) -> Any:
-    settings = settings_factory(base_checkpoint=checkpoint, policy_poll_interval_s=0.2,
-                                stop_logprob=float("-inf"))
+    settings = settings_factory(
+        base_checkpoint=checkpoint, policy_poll_interval_s=0.2, stop_logprob=float("-inf")
+    )
     engine = make_engine(settings)
     with engine.begin() as conn:
         assert bootstrap(conn, checkpoint) == 1
@@ -136,14 +154,24 @@ def _start(settings_factory: Any, service_factory: Any, checkpoint: Path) -> Any
 
 
 def test_a_policy_trained_on_rust_serves_rust_and_not_python(
-    settings_factory: Any, service_factory: Any, key_factory: Any, tiny_tokenizer: Any,
+    settings_factory: Any,
+    service_factory: Any,
+    key_factory: Any,
+    tiny_tokenizer: Any,
     tmp_path: Path,
 ) -> None:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=1, n_head=2,
-                      n_embd=32)
-    ckpt = save_checkpoint(tmp_path / "rust", GPT(cfg).eval(), tiny_tokenizer, version=0,
-                           parent=None, languages=["rust"])
+    cfg = ModelConfig(
+        vocab_size=tiny_tokenizer.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=32
+    )
+    ckpt = save_checkpoint(
+        tmp_path / "rust",
+        GPT(cfg).eval(),
+        tiny_tokenizer,
+        version=0,
+        parent=None,
+        languages=["rust"],
+    )
     svc = _start(settings_factory, service_factory, ckpt)
     with _client(svc, key_factory) as c:
         rust = complete(c, language="rust", file_path="src/main.rs")
@@ -156,12 +184,21 @@ def test_a_policy_trained_on_rust_serves_rust_and_not_python(
 @pytest.fixture(scope="module")
 def fim_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A few seconds of FIM pretraining on a few standard-library files (the real code path)."""
-    return pretrain(PretrainConfig(
-        out_dir=tmp_path_factory.mktemp("fim") / "base", max_files=6, vocab_size=300,
-        batch_size=4, max_iters=8, warmup_iters=2, eval_every=100, gate_examples=8,
-        fim_rate=0.5, progress=False,
-        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64),
-    ))
+    return pretrain(
+        PretrainConfig(
+            out_dir=tmp_path_factory.mktemp("fim") / "base",
+            max_files=6,
+            vocab_size=300,
+            batch_size=4,
+            max_iters=8,
+            warmup_iters=2,
+            eval_every=100,
+            gate_examples=8,
+            fim_rate=0.5,
+            progress=False,
+            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64),
+        )
+    )
 
 
 def test_a_fim_policy_reads_the_suffix_and_its_rollouts_rescore_exactly(
@@ -174,8 +211,10 @@ def test_a_fim_policy_reads_the_suffix_and_its_rollouts_rescore_exactly(
     suffixes = [SUFFIX, "", "\n" * 3 + "x = 1\n" * 40, ")\n    return data\n"]
     requests = [(s, 4 + i) for i, s in enumerate(suffixes * 3)]
     with _client(svc, key_factory) as c:
-        answers = [complete(c, user_id=f"u-{i}", suffix=s, max_new_tokens=n)
-                   for i, (s, n) in enumerate(requests)]
+        answers = [
+            complete(c, user_id=f"u-{i}", suffix=s, max_new_tokens=n)
+            for i, (s, n) in enumerate(requests)
+        ]
     rows = _rows(svc.settings)
     for r, (suffix, n) in zip(answers, requests, strict=True):
         budget = min(DEFAULT_MAX_CONTEXT_TOKENS, model.config.block_size - n)

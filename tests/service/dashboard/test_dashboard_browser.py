@@ -28,11 +28,18 @@ pytestmark = pytest.mark.integration  # chromium
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-default-apps", "--disable-sync", "--no-first-run",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-default-apps",
+    "--disable-sync",
+    "--no-first-run",
 ]
 PREFIXES = [
-    "import os\nimport ", "def add(a, b):\n    return a ", "for i in range(",
+    "import os\nimport ",
+    "def add(a, b):\n    return a ",
+    "for i in range(",
     "class Point:\n    def __init__(self, x, y):\n        self.",
 ]
 TIMEOUT_MS = 30_000  # generous: CI machines are shared
@@ -83,17 +90,33 @@ def real_traffic(served: Any, admin: httpx.Client, ingest: httpx.Client, ckpt: P
     events = []
     for i in range(40):
         user = f"user-{i}"
-        r = ingest.post("/v1/complete", json={"user_id": user, "prefix": PREFIXES[i % 4],
-                                              "max_new_tokens": 12})
+        r = ingest.post(
+            "/v1/complete", json={"user_id": user, "prefix": PREFIXES[i % 4], "max_new_tokens": 12}
+        )
         assert r.status_code == 200, r.text
         s = r.json()
         if s["shown"]:
             now, sid = utcnow().isoformat(), s["suggestion_id"]
             if i % 3:
-                events.append(event("accept", user_id=user, suggestion_id=sid, occurred_at=now,
-                                    accepted_chars=None))
-                events.append(event("code_retained", user_id=user, suggestion_id=sid,
-                                    occurred_at=now, after_seconds=30, retained_fraction=0.75))
+                events.append(
+                    event(
+                        "accept",
+                        user_id=user,
+                        suggestion_id=sid,
+                        occurred_at=now,
+                        accepted_chars=None,
+                    )
+                )
+                events.append(
+                    event(
+                        "code_retained",
+                        user_id=user,
+                        suggestion_id=sid,
+                        occurred_at=now,
+                        after_seconds=30,
+                        retained_fraction=0.75,
+                    )
+                )
             else:
                 events.append(event("reject", user_id=user, suggestion_id=sid, occurred_at=now))
     if events:
@@ -109,10 +132,14 @@ def test_login_charts_and_rollback(
     from playwright.sync_api import expect
 
     admin_token, ingest_token = key_factory("admin", "deploy"), key_factory("ingest")
-    with httpx.Client(base_url=served.url, timeout=30,
-                      headers={"Authorization": f"Bearer {admin_token}"}) as admin, \
-         httpx.Client(base_url=served.url, timeout=30,
-                      headers={"Authorization": f"Bearer {ingest_token}"}) as ingest:
+    with (
+        httpx.Client(
+            base_url=served.url, timeout=30, headers={"Authorization": f"Bearer {admin_token}"}
+        ) as admin,
+        httpx.Client(
+            base_url=served.url, timeout=30, headers={"Authorization": f"Bearer {ingest_token}"}
+        ) as ingest,
+    ):
         real_traffic(served, admin, ingest, tiny_checkpoint_factory(1))
     page = browser_page
     page.goto(served.url + "/admin/")
@@ -145,7 +172,10 @@ def test_login_charts_and_rollback(
     audit = page.locator("#audit-table tbody tr")
     expect(audit).to_have_count(3)
     assert audit.evaluate_all("rows => rows.map((r) => r.dataset.action)") == [
-        "deploy", "policy.register", "bootstrap"]
+        "deploy",
+        "policy.register",
+        "bootstrap",
+    ]
 
     # roll back the canary from the page (confirming the dialog); the timeline gains the entry
     expect(page.locator("#timeline li")).to_have_count(2)  # bootstrap, deploy

@@ -24,7 +24,10 @@ pytestmark = pytest.mark.integration  # chromium
 
 
 def test_refused_and_capped_people_are_listed(
-    served: Any, key_factory: Any, engine: sa.Engine, browser_page: Any  # noqa: F811
+    served: Any,  # noqa: F811
+    key_factory: Any,
+    engine: sa.Engine,
+    browser_page: Any,  # noqa: F811
 ) -> None:
     from playwright.sync_api import expect
 
@@ -32,21 +35,60 @@ def test_refused_and_capped_people_are_listed(
     now = datetime.now(UTC)
     sid = str(uuid.uuid4())
     with engine.begin() as conn:  # served to another key
-        conn.execute(rollouts.insert().values(
-            suggestion_id=sid, user_id="u-mallory", policy_version=1, created_at=now,
-            context_token_ids=[1], heal_text="", token_ids=[2], token_logprobs=[-0.1], text="x",
-            shown=True, gate_prob_show=0.5, decision_logprob=-0.7, logprob_total=-0.8,
-            temperature=0.7, stop_reason="newline", latency_ms=1.0, api_key_id="other"))
-        conn.execute(trainer_state.insert().values(
-            name=TRAINER_STATE_NAME, updated_at=now, heartbeat_at=now, info={"capped": [{
-                "at": (now - timedelta(minutes=5)).isoformat(), "rollouts": 100,
-                "max_share": 0.25, "keys": [],
-                "users": [{"id": "u-loud", "rows": 90, "share": 0.9, "weight_share": 0.25,
-                           "weight_removed": 65.0}]}]}))
-    evs = [event("accept", user_id="u-mallory", suggestion_id=sid,
-                 occurred_at=now.isoformat()) for _ in range(2)]
-    with httpx.Client(base_url=served.url, timeout=30,
-                      headers={"Authorization": f"Bearer {ingest_token}"}) as ingest:
+        conn.execute(
+            rollouts.insert().values(
+                suggestion_id=sid,
+                user_id="u-mallory",
+                policy_version=1,
+                created_at=now,
+                context_token_ids=[1],
+                heal_text="",
+                token_ids=[2],
+                token_logprobs=[-0.1],
+                text="x",
+                shown=True,
+                gate_prob_show=0.5,
+                decision_logprob=-0.7,
+                logprob_total=-0.8,
+                temperature=0.7,
+                stop_reason="newline",
+                latency_ms=1.0,
+                api_key_id="other",
+            )
+        )
+        conn.execute(
+            trainer_state.insert().values(
+                name=TRAINER_STATE_NAME,
+                updated_at=now,
+                heartbeat_at=now,
+                info={
+                    "capped": [
+                        {
+                            "at": (now - timedelta(minutes=5)).isoformat(),
+                            "rollouts": 100,
+                            "max_share": 0.25,
+                            "keys": [],
+                            "users": [
+                                {
+                                    "id": "u-loud",
+                                    "rows": 90,
+                                    "share": 0.9,
+                                    "weight_share": 0.25,
+                                    "weight_removed": 65.0,
+                                }
+                            ],
+                        }
+                    ]
+                },
+            )
+        )
+    evs = [
+        event("accept", user_id="u-mallory", suggestion_id=sid, occurred_at=now.isoformat())
+        for _ in range(2)
+    ]
+    with httpx.Client(
+        base_url=served.url, timeout=30, headers={"Authorization": f"Bearer {ingest_token}"}
+    ) as ingest:
         r = ingest.post("/v1/events", json={"events": evs})
         assert r.status_code == 202 and len(r.json()["rejected"]) == 2, r.text
 

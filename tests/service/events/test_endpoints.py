@@ -83,14 +83,14 @@ def test_code_settled_is_stored_and_queued_with_its_text(
     r = post(client, [settled, emptied])
     assert r.json() == {"accepted": 2, "duplicates": 0, "rejected": []}
     with engine.connect() as conn:
-        row = conn.execute(
-            sa.select(events).where(events.c.event_id == settled["event_id"])
-        ).one()
+        row = conn.execute(sa.select(events).where(events.c.event_id == settled["event_id"])).one()
         queued = conn.execute(sa.select(outbox.c.topic, outbox.c.key, outbox.c.payload)).all()
     assert row.type == "code_settled" and row.suggestion_id == settled["suggestion_id"]
     assert row.payload["text"] == "total / count  # avg" and row.payload["after_seconds"] == 30
-    messages = {orjson.loads(q.payload)["event_id"]: (q.topic, q.key, orjson.loads(q.payload))
-                for q in queued}
+    messages = {
+        orjson.loads(q.payload)["event_id"]: (q.topic, q.key, orjson.loads(q.payload))
+        for q in queued
+    }
     topic, key, message = messages[settled["event_id"]]
     assert (topic, key) == (FEEDBACK, "u-1")
     assert message == {"schema_version": 1, **settled, "after_seconds": 30.0}
@@ -170,17 +170,29 @@ def test_size_limits(settings_factory: Any, service_factory: Any, key_factory: A
         assert "limit is 1024" in r.json()["rejected"][0]["error"]
 
         ok = gzip.compress(orjson.dumps({"events": [event(), event()]}))
-        r = c.post("/v1/events", content=ok,
-                   headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        r = c.post(
+            "/v1/events",
+            content=ok,
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
         assert r.status_code == 202 and r.json()["accepted"] == 2
         bomb = gzip.compress(b'{"events": [' + b" " * 60_000_000 + b"]}")
         assert len(bomb) < 65536
-        assert_error(c.post("/v1/events", content=bomb, headers={"Content-Encoding": "gzip"}),
-                     413, "too_large")
-        assert_error(c.post("/v1/events", content=b"garbage", headers={"Content-Encoding": "gzip"}),
-                     400, "bad_encoding")
-        assert_error(c.post("/v1/events", content=b"{}", headers={"Content-Encoding": "br"}),
-                     415, "unsupported_encoding")
+        assert_error(
+            c.post("/v1/events", content=bomb, headers={"Content-Encoding": "gzip"}),
+            413,
+            "too_large",
+        )
+        assert_error(
+            c.post("/v1/events", content=b"garbage", headers={"Content-Encoding": "gzip"}),
+            400,
+            "bad_encoding",
+        )
+        assert_error(
+            c.post("/v1/events", content=b"{}", headers={"Content-Encoding": "br"}),
+            415,
+            "unsupported_encoding",
+        )
 
 
 def test_auth_and_scopes(service: Any, key_factory: Any) -> None:
@@ -231,8 +243,9 @@ def test_rate_limit_answers_429_with_retry_after(
 
 
 def post_as(c: httpx.Client, token: str) -> httpx.Response:
-    return c.post("/v1/events", json={"events": [event()]},
-                  headers={"Authorization": f"Bearer {token}"})
+    return c.post(
+        "/v1/events", json={"events": [event()]}, headers={"Authorization": f"Bearer {token}"}
+    )
 
 
 def test_health_readiness_and_metrics(client: httpx.Client) -> None:
@@ -243,9 +256,12 @@ def test_health_readiness_and_metrics(client: httpx.Client) -> None:
     text = client.get("/metrics").text
     assert 'tabloop_ingest_events_total{outcome="accepted",type="reject"}' in text
     assert 'tabloop_ingest_events_total{outcome="rejected",type="unknown"}' in text
-    assert any(line.startswith("tabloop_http_request_duration_seconds_count{")
-               and 'route="/v1/events"' in line and 'status="202"' in line
-               for line in text.splitlines())
+    assert any(
+        line.startswith("tabloop_http_request_duration_seconds_count{")
+        and 'route="/v1/events"' in line
+        and 'status="202"' in line
+        for line in text.splitlines()
+    )
 
 
 def test_unknown_route_and_method(client: httpx.Client) -> None:
@@ -287,8 +303,9 @@ def test_concurrent_batches_sharing_events_store_each_once(
     (which would be a 503), every event stored and queued exactly once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    rounds = [[event(t, user_id=f"u-{i}") for i, t in enumerate(EVENT_TYPES * 4)]
-              for _ in range(10)]
+    rounds = [
+        [event(t, user_id=f"u-{i}") for i, t in enumerate(EVENT_TYPES * 4)] for _ in range(10)
+    ]
     with ThreadPoolExecutor(2) as pool:
         for batch in rounds:
             a, b = pool.map(lambda evs: post(client, evs), [batch, batch[::-1]])

@@ -19,13 +19,24 @@ from service.events.schemas import EVENT_TYPES, parse_event
 from service.tables import dead_letters, events
 from tests.factories import event
 
-FUZZ = settings(max_examples=300, derandomize=True, database=None, deadline=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=300,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 # Text with everything JSON can carry: lone surrogates, NUL, control characters.
 any_text = st.text(st.characters(exclude_categories=()), max_size=40)
-scalars = (st.none() | st.booleans() | st.integers() | st.integers(-(10**400), 10**400)
-           | st.floats() | any_text)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(-(10**400), 10**400)
+    | st.floats()
+    | any_text
+)
 json_values = st.recursive(
     scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),
@@ -37,9 +48,21 @@ extreme_times = st.builds(
     st.integers(-23 * 60 - 59, 23 * 60 + 59),
 )
 YEAR_ZERO = "0001-01-01T00:00:00+01:00"  # in year 0 once in UTC: was an OverflowError, a 500
-FIELDS = ("event_id", "type", "user_id", "occurred_at", "suggestion_id", "accepted_chars",
-          "after_seconds", "retained_fraction", "text", "from_model", "to_model", "reason",
-          "extra")
+FIELDS = (
+    "event_id",
+    "type",
+    "user_id",
+    "occurred_at",
+    "suggestion_id",
+    "accepted_chars",
+    "after_seconds",
+    "retained_fraction",
+    "text",
+    "from_model",
+    "to_model",
+    "reason",
+    "extra",
+)
 
 
 @st.composite
@@ -95,17 +118,22 @@ def test_batch_endpoint_any_body(service: Any, key_factory: Any, engine: sa.Engi
         st.binary(max_size=200)
         | json_values.map(lambda v: json.dumps(v).encode())
         | st.lists(json_values | mutated_events(), max_size=6).map(
-            lambda evs: json.dumps({"events": evs}).encode())
+            lambda evs: json.dumps({"events": evs}).encode()
+        )
     )
 
     def stored() -> tuple[int, int]:
         with engine.connect() as conn:
-            return (conn.execute(sa.select(sa.func.count()).select_from(events)).scalar_one(),
-                    conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one())
+            return (
+                conn.execute(sa.select(sa.func.count()).select_from(events)).scalar_one(),
+                conn.execute(sa.select(sa.func.count()).select_from(dead_letters)).scalar_one(),
+            )
 
-    with httpx.Client(base_url=service.url, timeout=30,
-                      headers={"Authorization": f"Bearer {token}",
-                               "Content-Type": "application/json"}) as c:
+    with httpx.Client(
+        base_url=service.url,
+        timeout=30,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    ) as c:
 
         @settings(FUZZ, max_examples=150)
         @given(body=bodies)

@@ -33,24 +33,42 @@ def test_each_type_valid(type_: str) -> None:
         ("accept", {"color": "red"}, "color: unknown field"),
         # accept
         ("accept", {"suggestion_id": None}, "suggestion_id: Field required"),
-        ("accept", {"accepted_chars": -1},
-         "accepted_chars: Input should be greater than or equal to 0"),
+        (
+            "accept",
+            {"accepted_chars": -1},
+            "accepted_chars: Input should be greater than or equal to 0",
+        ),
         ("accept", {"accepted_chars": "12"}, "accepted_chars: Input should be a valid integer"),
         ("accept", {"accepted_chars": 1.5}, "accepted_chars: Input should be a valid integer"),
         # reject
         ("reject", {"suggestion_id": "x"}, "suggestion_id: must be a UUID"),
         # code_retained
-        ("code_retained", {"retained_fraction": 1.01},
-         "retained_fraction: Input should be less than or equal to 1"),
-        ("code_retained", {"retained_fraction": -0.1},
-         "retained_fraction: Input should be greater than or equal to 0"),
-        ("code_retained", {"retained_fraction": True},
-         "retained_fraction: Input should be a valid number"),
+        (
+            "code_retained",
+            {"retained_fraction": 1.01},
+            "retained_fraction: Input should be less than or equal to 1",
+        ),
+        (
+            "code_retained",
+            {"retained_fraction": -0.1},
+            "retained_fraction: Input should be greater than or equal to 0",
+        ),
+        (
+            "code_retained",
+            {"retained_fraction": True},
+            "retained_fraction: Input should be a valid number",
+        ),
         ("code_retained", {"after_seconds": None}, "after_seconds: Field required"),
-        ("code_retained", {"after_seconds": -5},
-         "after_seconds: Input should be greater than or equal to 0"),
-        ("code_retained", {"after_seconds": 1e300},
-         "after_seconds: Input should be less than or equal to"),
+        (
+            "code_retained",
+            {"after_seconds": -5},
+            "after_seconds: Input should be greater than or equal to 0",
+        ),
+        (
+            "code_retained",
+            {"after_seconds": 1e300},
+            "after_seconds: Input should be less than or equal to",
+        ),
         # code_settled
         ("code_settled", {"text": "x" * 1001}, "text: String should have at most 1000"),
         ("code_settled", {"text": 42}, "text: Input should be a valid string"),
@@ -60,12 +78,21 @@ def test_each_type_valid(type_: str) -> None:
         ("code_settled", {"suggestion_id": None}, "suggestion_id: Field required"),
         ("code_settled", {"suggestion_id": "x"}, "suggestion_id: must be a UUID"),
         ("code_settled", {"after_seconds": None}, "after_seconds: Field required"),
-        ("code_settled", {"after_seconds": -1},
-         "after_seconds: Input should be greater than or equal to 0"),
-        ("code_settled", {"after_seconds": -0.5},
-         "after_seconds: Input should be greater than or equal to 0"),
-        ("code_settled", {"after_seconds": 1e300},
-         "after_seconds: Input should be less than or equal to"),
+        (
+            "code_settled",
+            {"after_seconds": -1},
+            "after_seconds: Input should be greater than or equal to 0",
+        ),
+        (
+            "code_settled",
+            {"after_seconds": -0.5},
+            "after_seconds: Input should be greater than or equal to 0",
+        ),
+        (
+            "code_settled",
+            {"after_seconds": 1e300},
+            "after_seconds: Input should be less than or equal to",
+        ),
         ("code_settled", {"after_seconds": "30"}, "after_seconds: Input should be a valid number"),
         ("code_settled", {"after_seconds": True}, "after_seconds: Input should be a valid number"),
         ("code_settled", {"retained_fraction": 0.5}, "retained_fraction: unknown field"),
@@ -90,8 +117,11 @@ def test_non_objects_are_rejected(raw: object) -> None:
 
 
 def test_normalizes_ids_and_times() -> None:
-    ev = event("accept", event_id="0B6F1C1E-8A4E-4C3B-9D8E-2F1A3B4C5D6E",
-               occurred_at="2026-11-29T13:00:00+01:00")
+    ev = event(
+        "accept",
+        event_id="0B6F1C1E-8A4E-4C3B-9D8E-2F1A3B4C5D6E",
+        occurred_at="2026-11-29T13:00:00+01:00",
+    )
     parsed = parse_event(ev)
     assert parsed["event_id"] == "0b6f1c1e-8a4e-4c3b-9d8e-2f1a3b4c5d6e"
     assert parsed["occurred_at"] == "2026-11-29T12:00:00Z"

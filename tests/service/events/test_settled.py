@@ -33,26 +33,65 @@ def engine(tmp_path: Path) -> Iterator[sa.Engine]:
 def rollout(engine: sa.Engine, user: str = "u-1", *, shown: bool = True) -> str:
     sid = str(uuid.uuid4())
     with engine.begin() as conn:
-        conn.execute(rollouts.insert().values(
-            suggestion_id=sid, user_id=user, policy_version=1, created_at=T0,
-            context_token_ids=[1], heal_text="", token_ids=[2] if shown else [],
-            token_logprobs=[-0.1] if shown else [], text="return x" if shown else "",
-            shown=shown, gate_prob_show=0.9 if shown else 0.1, decision_logprob=-0.1,
-            logprob_total=-0.2, temperature=0.7, top_p=0.95, stop_reason="eol", latency_ms=1.0))
+        conn.execute(
+            rollouts.insert().values(
+                suggestion_id=sid,
+                user_id=user,
+                policy_version=1,
+                created_at=T0,
+                context_token_ids=[1],
+                heal_text="",
+                token_ids=[2] if shown else [],
+                token_logprobs=[-0.1] if shown else [],
+                text="return x" if shown else "",
+                shown=shown,
+                gate_prob_show=0.9 if shown else 0.1,
+                decision_logprob=-0.1,
+                logprob_total=-0.2,
+                temperature=0.7,
+                top_p=0.95,
+                stop_reason="eol",
+                latency_ms=1.0,
+            )
+        )
     return sid
 
 
-def settle(engine: sa.Engine, sid: str, text: str, *, occurred: float, received: float,
-           user: str = "u-1", event_id: str | None = None) -> None:
+def settle(
+    engine: sa.Engine,
+    sid: str,
+    text: str,
+    *,
+    occurred: float,
+    received: float,
+    user: str = "u-1",
+    event_id: str | None = None,
+) -> None:
     """A stored code_settled report, `occurred` and `received` seconds after T0."""
     occurred_at = T0 + timedelta(seconds=occurred)
-    ev = parse_event(event("code_settled", user_id=user, suggestion_id=sid, text=text,
-                           after_seconds=occurred, occurred_at=occurred_at.isoformat(),
-                           event_id=event_id or str(uuid.uuid4())))
+    ev = parse_event(
+        event(
+            "code_settled",
+            user_id=user,
+            suggestion_id=sid,
+            text=text,
+            after_seconds=occurred,
+            occurred_at=occurred_at.isoformat(),
+            event_id=event_id or str(uuid.uuid4()),
+        )
+    )
     with engine.begin() as conn:
-        conn.execute(events.insert().values(
-            event_id=ev["event_id"], type="code_settled", user_id=user, suggestion_id=sid,
-            occurred_at=occurred_at, received_at=T0 + timedelta(seconds=received), payload=ev))
+        conn.execute(
+            events.insert().values(
+                event_id=ev["event_id"],
+                type="code_settled",
+                user_id=user,
+                suggestion_id=sid,
+                occurred_at=occurred_at,
+                received_at=T0 + timedelta(seconds=received),
+                payload=ev,
+            )
+        )
 
 
 def test_latest_report_per_suggestion(engine: sa.Engine) -> None:
@@ -91,12 +130,20 @@ def test_nothing_to_return(engine: sa.Engine, case: str) -> None:
     elif case == "only other event types":
         now = datetime.now(UTC)  # served just now: its feedback is not late
         with engine.begin() as conn:
-            conn.execute(rollouts.update().where(rollouts.c.suggestion_id == sid)
-                         .values(created_at=now))
+            conn.execute(
+                rollouts.update().where(rollouts.c.suggestion_id == sid).values(created_at=now)
+            )
         at = now.isoformat()
-        ok = ingest_events(engine, [event("accept", suggestion_id=sid, occurred_at=at),
-                                    event("code_retained", suggestion_id=sid, occurred_at=at)],
-                           api_key_id=None, max_event_bytes=16384, embedded=True)
+        ok = ingest_events(
+            engine,
+            [
+                event("accept", suggestion_id=sid, occurred_at=at),
+                event("code_retained", suggestion_id=sid, occurred_at=at),
+            ],
+            api_key_id=None,
+            max_event_bytes=16384,
+            embedded=True,
+        )
         assert ok.accepted == 2
     ids = [] if case == "no ids" else [sid]
     assert settled_texts(engine, suggestion_ids=ids) == {}
@@ -117,7 +164,12 @@ def test_ingested_reports_are_read_back(engine: sa.Engine) -> None:
     """Through the ingestion path, as the API stores them."""
     sid = rollout(engine)
     text = "    return {k: v for k, v in items}  # ünïcode ✓"
-    result = ingest_events(engine, [event("code_settled", suggestion_id=sid, text=text)],
-                           api_key_id=None, max_event_bytes=16384, embedded=True)
+    result = ingest_events(
+        engine,
+        [event("code_settled", suggestion_id=sid, text=text)],
+        api_key_id=None,
+        max_event_bytes=16384,
+        embedded=True,
+    )
     assert result.accepted == 1
     assert settled_texts(engine, suggestion_ids=[sid]) == {sid: text}

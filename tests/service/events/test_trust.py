@@ -42,8 +42,11 @@ def clients(served: Any, key_factory: Any) -> Any:
     made = []
     for scopes, name in ((("ingest",), "alice"), (("ingest",), "bob"), (("admin",), "ops")):
         token = key_factory(*scopes, name=name)
-        made.append(httpx.Client(base_url=served.url, timeout=30,
-                                 headers={"Authorization": f"Bearer {token}"}))
+        made.append(
+            httpx.Client(
+                base_url=served.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+            )
+        )
     yield tuple(made)
     for c in made:
         c.close()
@@ -91,11 +94,17 @@ class Db:
 
     def stored(self, *event_ids: str) -> set[str]:
         with self.engine.connect() as conn:
-            ids = set(conn.execute(
-                sa.select(events.c.event_id).where(events.c.event_id.in_(event_ids))
-            ).scalars())
-            queued = {orjson.loads(p)["event_id"] for p in conn.execute(
-                sa.select(outbox.c.payload).where(outbox.c.topic == FEEDBACK)).scalars()}
+            ids = set(
+                conn.execute(
+                    sa.select(events.c.event_id).where(events.c.event_id.in_(event_ids))
+                ).scalars()
+            )
+            queued = {
+                orjson.loads(p)["event_id"]
+                for p in conn.execute(
+                    sa.select(outbox.c.payload).where(outbox.c.topic == FEEDBACK)
+                ).scalars()
+            }
         assert ids == queued & set(event_ids), "an event is stored and queued, or neither"
         return ids
 
@@ -127,16 +136,18 @@ def test_the_rollout_records_the_key_that_asked(clients: Any, db: Db, served: An
     with db.engine.connect() as conn:
         row = conn.execute(sa.select(rollouts).where(rollouts.c.suggestion_id == sid)).one()
         keys = dict(conn.execute(sa.text("SELECT name, id FROM api_keys")).all())
-        message = next(orjson.loads(p) for p in conn.execute(
-            sa.select(outbox.c.payload).where(outbox.c.topic == ROLLOUTS)).scalars()
-            if orjson.loads(p)["suggestion_id"] == sid)
+        message = next(
+            orjson.loads(p)
+            for p in conn.execute(
+                sa.select(outbox.c.payload).where(outbox.c.topic == ROLLOUTS)
+            ).scalars()
+            if orjson.loads(p)["suggestion_id"] == sid
+        )
     assert row.api_key_id == keys["alice"]
     assert message["api_key_id"] == keys["alice"]  # the rollout message carries it too
 
 
-def test_feedback_about_a_suggestion_counts_only_through_its_key(
-    clients: Any, db: Db
-) -> None:
+def test_feedback_about_a_suggestion_counts_only_through_its_key(clients: Any, db: Db) -> None:
     """Every event type that names a suggestion, from another key: refused by index, dead-lettered
     with the reason, never stored, queued or joined. The same events from the owner count."""
     alice, bob, _ = clients
@@ -159,29 +170,33 @@ def test_feedback_about_a_suggestion_counts_only_through_its_key(
     assert db.stored(*[e["event_id"] for e in evs]) == {e["event_id"] for e in evs}
 
 
-def test_a_persons_events_count_only_through_a_key_that_served_them(
-    clients: Any, db: Db
-) -> None:
+def test_a_persons_events_count_only_through_a_key_that_served_them(clients: Any, db: Db) -> None:
     """model_switch and churn name a person, not a suggestion: refused through a key that never
     served the person while another did; taken through one that did, and about a person no key
     has served yet. A model_switch naming a suggestion is not a valid event for any key. An
     unknown suggestion id is stored (it can count for no reward)."""
     alice, bob, _ = clients
     sid = shown_suggestion(alice, user="u-1")
-    person = [event("model_switch", user_id="u-1", occurred_at=now_z()),
-              event("churn", user_id="u-1", occurred_at=now_z())]
+    person = [
+        event("model_switch", user_id="u-1", occurred_at=now_z()),
+        event("churn", user_id="u-1", occurred_at=now_z()),
+    ]
     before = refused("wrong_key")
     body = post(bob, person)
     assert body["accepted"] == 0 and [r["index"] for r in body["rejected"]] == [0, 1]
-    assert all(r["error"].startswith("refused (wrong_key): user_id u-1 was served only")
-               for r in body["rejected"])
+    assert all(
+        r["error"].startswith("refused (wrong_key): user_id u-1 was served only")
+        for r in body["rejected"]
+    )
     assert refused("wrong_key") - before == 2
     assert not db.stored(*[e["event_id"] for e in person])
     assert post(alice, person) == {"accepted": 2, "duplicates": 0, "rejected": []}
 
-    strangers = [event("model_switch", user_id="u-new", occurred_at=now_z()),
-                 event("churn", user_id="u-new", occurred_at=now_z()),
-                 feedback("accept", str(uuid.uuid4()), user="u-new")]
+    strangers = [
+        event("model_switch", user_id="u-new", occurred_at=now_z()),
+        event("churn", user_id="u-new", occurred_at=now_z()),
+        feedback("accept", str(uuid.uuid4()), user="u-new"),
+    ]
     assert post(bob, strangers) == {"accepted": 3, "duplicates": 0, "rejected": []}
     for c in (alice, bob):
         body = post(c, [event("model_switch", suggestion_id=sid, occurred_at=now_z())])
@@ -189,9 +204,7 @@ def test_a_persons_events_count_only_through_a_key_that_served_them(
         assert body["rejected"][0]["error"] == "suggestion_id: unknown field"
 
 
-def test_a_rollout_without_a_recorded_key_takes_feedback_from_any_key(
-    clients: Any, db: Db
-) -> None:
+def test_a_rollout_without_a_recorded_key_takes_feedback_from_any_key(clients: Any, db: Db) -> None:
     """Rows from before keys were recorded (api_key_id NULL): the other checks still apply."""
     alice, bob, _ = clients
     sid = shown_suggestion(alice)
@@ -208,8 +221,11 @@ def test_implausible_feedback_is_refused_with_its_reason(clients: Any, db: Db) -
     alice, _bob, _ = clients
     sid, old, silent = shown_suggestion(alice), shown_suggestion(alice), abstained_suggestion(alice)
     # served an hour ago: past twice the (prod) 10-minute horizon
-    db.execute(rollouts.update().where(rollouts.c.suggestion_id == old)
-               .values(created_at=datetime.now(UTC) - timedelta(hours=1)))
+    db.execute(
+        rollouts.update()
+        .where(rollouts.c.suggestion_id == old)
+        .values(created_at=datetime.now(UTC) - timedelta(hours=1))
+    )
     cases = [  # (event, reason or None: counts)
         (feedback("accept", sid, user="u-2"), "wrong_user"),
         (feedback("accept", sid, occurred_at=now_z(-60)), "before_served"),
@@ -237,13 +253,12 @@ def test_implausible_feedback_is_refused_with_its_reason(clients: Any, db: Db) -
     assert db.reward(sid).outcome == "rejected"  # the early accept and u-2's did not count
 
 
-def test_an_openai_completion_takes_native_feedback_only_from_its_key(
-    clients: Any, db: Db
-) -> None:
+def test_an_openai_completion_takes_native_feedback_only_from_its_key(clients: Any, db: Db) -> None:
     alice, bob, _ = clients
     for _ in range(10):
-        r = alice.post("/openai/v1/completions",
-                       json={"prompt": PREFIX, "max_tokens": 8, "user": "u-42"})
+        r = alice.post(
+            "/openai/v1/completions", json={"prompt": PREFIX, "max_tokens": 8, "user": "u-42"}
+        )
         assert r.status_code == 200, r.text
         if r.json()["choices"][0]["text"]:
             break

@@ -63,8 +63,12 @@ def test_sdk_completion_then_native_feedback_joins_the_rollout(served: Any, toke
     client = openai.OpenAI(base_url=served.url + "/openai/v1", api_key=token)
     for _ in range(5):  # this policy shows every suggestion, unless its first token ends the line
         completion = client.completions.create(
-            model="tabloop", prompt="def add(a, b):\n    return a", suffix="\n", max_tokens=16,
-            stop=["\n\n"], user="u-42",
+            model="tabloop",
+            prompt="def add(a, b):\n    return a",
+            suffix="\n",
+            max_tokens=16,
+            stop=["\n\n"],
+            user="u-42",
         )
         text = completion.choices[0].text  # "" when the policy abstains
         if text:
@@ -114,16 +118,19 @@ def test_the_person_is_user_or_else_the_key_name(sdk: openai.OpenAI, served: Any
 
 def test_a_client_that_reports_views_says_so(sdk: openai.OpenAI, served: Any) -> None:
     """tabloop's own `reports_views`, sent as an extra field (Continue: extraBodyProperties)."""
-    viewing = sdk.completions.create(model="tabloop", prompt=PREFIX,
-                                     extra_body={"reports_views": True})
+    viewing = sdk.completions.create(
+        model="tabloop", prompt=PREFIX, extra_body={"reports_views": True}
+    )
     plain = sdk.completions.create(model="tabloop", prompt=PREFIX)
     rows = rollout_rows(served)
     assert rows[viewing.id].reports_views is True and not rows[plain.id].reports_views
 
 
 def test_stop_cuts_the_text_shown_and_the_rollout_stored(sdk: openai.OpenAI, served: Any) -> None:
-    answers = [sdk.completions.create(model="tabloop", prompt=PREFIX, stop=COMMON, user=f"u{i}")
-               for i in range(8)]
+    answers = [
+        sdk.completions.create(model="tabloop", prompt=PREFIX, stop=COMMON, user=f"u{i}")
+        for i in range(8)
+    ]
     rows = rollout_rows(served)
     model, tokenizer, _ = load_checkpoint(served.settings.base_checkpoint)
     cut = 0
@@ -149,8 +156,15 @@ def test_stop_cuts_the_text_shown_and_the_rollout_stored(sdk: openai.OpenAI, ser
 def test_sampling_knobs_are_validated_then_the_policy_samples_its_own_way(
     sdk: openai.OpenAI, served: Any
 ) -> None:
-    a = sdk.completions.create(model="tabloop", prompt=PREFIX, temperature=0.01, top_p=0.1,
-                               presence_penalty=1.0, frequency_penalty=-1.0, seed=7)
+    a = sdk.completions.create(
+        model="tabloop",
+        prompt=PREFIX,
+        temperature=0.01,
+        top_p=0.1,
+        presence_penalty=1.0,
+        frequency_penalty=-1.0,
+        seed=7,
+    )
     row = rollout_rows(served)[a.id]
     assert row.temperature == served.settings.temperature and row.top_p == served.settings.top_p
 
@@ -165,8 +179,9 @@ def test_a_fill_in_the_middle_prompt_is_read_as_prefix_and_suffix(
 ) -> None:
     """What Continue sends by default: the policy reads the prefix, not the markers."""
     prefix = "def add(a, b):\n    return a"
-    a = sdk.completions.create(model="tabloop",
-                               prompt=f"<fim_prefix>{prefix}<fim_suffix>\n\nprint(1)<fim_middle>")
+    a = sdk.completions.create(
+        model="tabloop", prompt=f"<fim_prefix>{prefix}<fim_suffix>\n\nprint(1)<fim_middle>"
+    )
     row = rollout_rows(served)[a.id]
     _model, tokenizer, _ = load_checkpoint(served.settings.base_checkpoint)
     seen = [t for t in row.context_token_ids if t != tokenizer.eof_id]
@@ -174,8 +189,11 @@ def test_a_fill_in_the_middle_prompt_is_read_as_prefix_and_suffix(
 
 
 def test_streaming_answers_server_sent_events(sdk: openai.OpenAI, served: Any, token: str) -> None:
-    chunks = list(sdk.completions.create(model="tabloop", prompt=PREFIX, stream=True,
-                                         stream_options={"include_usage": True}))
+    chunks = list(
+        sdk.completions.create(
+            model="tabloop", prompt=PREFIX, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     ids = {c.id for c in chunks}
     assert len(ids) == 1
@@ -185,9 +203,12 @@ def test_streaming_answers_server_sent_events(sdk: openai.OpenAI, served: Any, t
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == len(row.token_ids)
 
-    raw = httpx.post(served.url + "/openai/v1/completions", timeout=30,
-                     json={"model": "tabloop", "prompt": PREFIX, "stream": True},
-                     headers={"Authorization": f"Bearer {token}"})
+    raw = httpx.post(
+        served.url + "/openai/v1/completions",
+        timeout=30,
+        json={"model": "tabloop", "prompt": PREFIX, "stream": True},
+        headers={"Authorization": f"Bearer {token}"},
+    )
     assert raw.status_code == 200 and raw.headers["content-type"].startswith("text/event-stream")
     frames = raw.text.split("\n\n")
     assert frames[-2:] == ["data: [DONE]", ""]
@@ -211,16 +232,36 @@ def test_what_continue_sends_for_autocomplete(served: Any, token: str) -> None:
     choices[0].text)."""
     prefix = "# Path: util.py\n# def helper(): ...\n\ndef add(a, b):\n    return a"
     body = {
-        "model": "tabloop", "max_tokens": 4096, "temperature": 0.01, "stream": True,
-        "stop": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>", "<|endoftext|>",
-                 "</fim_middle>", "</code>", "/src/", "#- coding: utf-8", "```"],
+        "model": "tabloop",
+        "max_tokens": 4096,
+        "temperature": 0.01,
+        "stream": True,
+        "stop": [
+            "<fim_prefix>",
+            "<fim_suffix>",
+            "<fim_middle>",
+            "<file_sep>",
+            "<|endoftext|>",
+            "</fim_middle>",
+            "</code>",
+            "/src/",
+            "#- coding: utf-8",
+            "```",
+        ],
         "prompt": f"<fim_prefix>{prefix}<fim_suffix>\n<fim_middle>",
     }
-    r = httpx.post(served.url + "/openai/v1/completions", json=body, timeout=30,
-                   headers={"Authorization": f"Bearer {token}"})
+    r = httpx.post(
+        served.url + "/openai/v1/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {token}"},
+    )
     assert r.status_code == 200, r.text
-    chunks = [orjson.loads(line.removeprefix("data:")) for line in r.text.split("\n")
-              if line.startswith("data:") and line != "data: [DONE]"]
+    chunks = [
+        orjson.loads(line.removeprefix("data:"))
+        for line in r.text.split("\n")
+        if line.startswith("data:") and line != "data: [DONE]"
+    ]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     row = rollout_rows(served)[chunks[0]["id"]]
     assert text == (row.text if row.shown else "") and row.user_id == "vscode-alice"
@@ -274,8 +315,12 @@ def test_n_other_than_1_is_a_bad_request(sdk: openai.OpenAI, served: Any) -> Non
 def test_bad_requests_get_a_400_naming_the_field(
     served: Any, token: str, body: dict[str, Any], param: str, needle: str
 ) -> None:
-    r = httpx.post(served.url + "/openai/v1/completions", json=body, timeout=30,
-                   headers={"Authorization": f"Bearer {token}"})
+    r = httpx.post(
+        served.url + "/openai/v1/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {token}"},
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -302,9 +347,12 @@ def test_bad_requests_get_a_400_naming_the_field(
 def test_a_body_that_is_no_request_gets_a_400(
     served: Any, token: str, content: bytes, param: str | None
 ) -> None:
-    r = httpx.post(served.url + "/openai/v1/completions", content=content, timeout=30,
-                   headers={"Authorization": f"Bearer {token}",
-                            "Content-Type": "application/json"})
+    r = httpx.post(
+        served.url + "/openai/v1/completions",
+        content=content,
+        timeout=30,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
@@ -313,8 +361,12 @@ def test_a_body_that_is_no_request_gets_a_400(
 
 def test_unknown_fields_are_ignored(served: Any, token: str) -> None:
     body = {"model": "tabloop", "prompt": PREFIX, "metadata": {"a": 1}, "service_tier": "auto"}
-    r = httpx.post(served.url + "/openai/v1/completions", json=body, timeout=30,
-                   headers={"Authorization": f"Bearer {token}"})
+    r = httpx.post(
+        served.url + "/openai/v1/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {token}"},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -322,19 +374,25 @@ def test_keys(served: Any, key_factory: Any) -> None:
     base = served.url + "/openai/v1"
     with pytest.raises(openai.AuthenticationError) as e:
         openai.OpenAI(base_url=base, api_key="tlk_nope_nope", max_retries=0).completions.create(
-            model="tabloop", prompt=PREFIX)
+            model="tabloop", prompt=PREFIX
+        )
     assert e.value.status_code == 401 and e.value.code == "unauthorized"
     assert e.value.type == "authentication_error"
     r = httpx.post(base + "/completions", json={"prompt": "x"}, timeout=30)
     assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
     with pytest.raises(openai.PermissionDeniedError) as p:
-        openai.OpenAI(base_url=base, api_key=key_factory("admin"), max_retries=0
-                      ).completions.create(model="tabloop", prompt=PREFIX)
+        openai.OpenAI(
+            base_url=base, api_key=key_factory("admin"), max_retries=0
+        ).completions.create(model="tabloop", prompt=PREFIX)
     assert p.value.status_code == 403 and "ingest" in p.value.message
 
 
 def test_no_policy_deployed_is_503_with_retry_after(service: Any, key_factory: Any) -> None:
-    r = httpx.post(service.url + "/openai/v1/completions", json={"prompt": "x"}, timeout=30,
-                   headers={"Authorization": f"Bearer {key_factory('ingest')}"})
+    r = httpx.post(
+        service.url + "/openai/v1/completions",
+        json={"prompt": "x"},
+        timeout=30,
+        headers={"Authorization": f"Bearer {key_factory('ingest')}"},
+    )
     assert r.status_code == 503 and "Retry-After" in r.headers
     assert r.json()["error"]["type"] == "service_unavailable_error"

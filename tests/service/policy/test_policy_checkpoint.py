@@ -150,8 +150,9 @@ def test_languages_and_fim_round_trip(
 
     fim_tok = train_tokenizer(small_code, vocab_size=400, fim=True)
     cfg = ModelConfig.from_dict({**tiny_model.config.to_dict(), "vocab_size": 400})
-    d = save_checkpoint(tmp_path / "fim", GPT(cfg), fim_tok, 0, None,
-                        languages=["rust", "typescript"])
+    d = save_checkpoint(
+        tmp_path / "fim", GPT(cfg), fim_tok, 0, None, languages=["rust", "typescript"]
+    )
     raw = json.loads((d / MANIFEST_FILE).read_text())
     assert raw["languages"] == ["rust", "typescript"]
     assert raw["fim"] is True and raw["fim_format"] == "psm"

@@ -30,8 +30,9 @@ def fim_tokenizer(small_code: list[str]) -> CodeTokenizer:
 @pytest.fixture
 def fim_model(fim_tokenizer: CodeTokenizer) -> GPT:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=fim_tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2,
-                      n_embd=32)
+    cfg = ModelConfig(
+        vocab_size=fim_tokenizer.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32
+    )
     return GPT(cfg).eval()
 
 
@@ -57,8 +58,17 @@ def test_a_left_to_right_checkpoint_ignores_the_suffix(
     assert prepare_context(tiny_tokenizer, PREFIX, 64, 16, suffix=SUFFIX) == plain
     for seed in range(4):
         a, b = (
-            complete(tiny_model, tiny_tokenizer, PREFIX, s, 12, 0.9, 0.9,
-                     torch.Generator().manual_seed(seed), stop_logprob=None)
+            complete(
+                tiny_model,
+                tiny_tokenizer,
+                PREFIX,
+                s,
+                12,
+                0.9,
+                0.9,
+                torch.Generator().manual_seed(seed),
+                stop_logprob=None,
+            )
             for s in ("", SUFFIX)
         )
         assert a == b
@@ -110,9 +120,19 @@ def test_fim_rollouts_rescore_exactly(
         text = rng.choice(small_code)
         cut = rng.randint(0, len(text) - 1)
         temp, top_p = SETTINGS[i % len(SETTINGS)]
-        comps.append(complete(fim_model, fim_tokenizer, text[:cut], text[cut:],
-                              rng.randint(1, 40), temp, top_p, gen,
-                              stop_logprob=None if i % 2 else -2.0))
+        comps.append(
+            complete(
+                fim_model,
+                fim_tokenizer,
+                text[:cut],
+                text[cut:],
+                rng.randint(1, 40),
+                temp,
+                top_p,
+                gen,
+                stop_logprob=None if i % 2 else -2.0,
+            )
+        )
     kept = [c for c in comps if c.token_ids]
     assert len(kept) > 12
     with torch.no_grad():

@@ -134,8 +134,17 @@ def test_fim_pretraining_makes_a_checkpoint_that_reads_the_suffix(tmp_path: Path
     pre, suf, mid = tok.fim_ids
     gen = torch.Generator().manual_seed(0)
     comps = [
-        complete(model, tok, "import os\nx = os.pa", "th.join('a')\nprint(x)\n", 8, 0.7, 0.95,
-                 gen, stop_logprob=None)
+        complete(
+            model,
+            tok,
+            "import os\nx = os.pa",
+            "th.join('a')\nprint(x)\n",
+            8,
+            0.7,
+            0.95,
+            gen,
+            stop_logprob=None,
+        )
         for _ in range(6)
     ]
     for c in comps:

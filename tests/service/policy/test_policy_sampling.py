@@ -216,8 +216,17 @@ def test_confidence_stop_keeps_the_part_the_model_is_sure_of(
 
     def run(stop: float | None) -> list[Completion]:
         return [
-            complete(tiny_model, tiny_tokenizer, p, "", 12, 1.0, None,
-                     torch.Generator().manual_seed(i), stop_logprob=stop)
+            complete(
+                tiny_model,
+                tiny_tokenizer,
+                p,
+                "",
+                12,
+                1.0,
+                None,
+                torch.Generator().manual_seed(i),
+                stop_logprob=stop,
+            )
             for i, p in enumerate(prompts)
         ]
 
@@ -251,8 +260,11 @@ def test_confidence_stop_keeps_the_part_the_model_is_sure_of(
 @pytest.mark.parametrize("stop_logprob", [None, -1.0], ids=["whole-line", "confidence-stop"])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_a_batch_samples_what_each_request_samples_alone(
-    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str],
-    stop_logprob: float | None, temperature: float,
+    tiny_model: GPT,
+    tiny_tokenizer: CodeTokenizer,
+    small_code: list[str],
+    stop_logprob: float | None,
+    temperature: float,
 ) -> None:
     """Rows of different context lengths (short prefixes, and long ones cut to the budget) and
     budgets, decoded together, each from its own generator: the same tokens, decisions and
@@ -265,23 +277,39 @@ def test_a_batch_samples_what_each_request_samples_alone(
         for i, prefix in enumerate(texts)
     ]
     alone = [
-        complete(tiny_model, tiny_tokenizer, p.prefix, p.suffix, p.max_new_tokens, temperature,
-                 0.9, torch.Generator().manual_seed(100 + i), stop_logprob=stop_logprob)
+        complete(
+            tiny_model,
+            tiny_tokenizer,
+            p.prefix,
+            p.suffix,
+            p.max_new_tokens,
+            temperature,
+            0.9,
+            torch.Generator().manual_seed(100 + i),
+            stop_logprob=stop_logprob,
+        )
         for i, p in enumerate(prompts)
     ]
-    together = complete_batch(tiny_model, tiny_tokenizer, prompts, temperature, 0.9,
-                              stop_logprob=stop_logprob)
+    together = complete_batch(
+        tiny_model, tiny_tokenizer, prompts, temperature, 0.9, stop_logprob=stop_logprob
+    )
     assert len({len(c.context_token_ids) for c in together}) > 5  # ragged for real
     assert len({len(c.token_ids) for c in together}) > 3
     for a, b in zip(alone, together, strict=True):
         assert (b.token_ids, b.text, b.shown, b.stop_reason) == (
-            a.token_ids, a.text, a.shown, a.stop_reason)
+            a.token_ids,
+            a.text,
+            a.shown,
+            a.stop_reason,
+        )
         assert b.context_token_ids == a.context_token_ids
-        torch.testing.assert_close(torch.tensor(b.token_logprobs), torch.tensor(a.token_logprobs),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(b.token_logprobs), torch.tensor(a.token_logprobs), atol=1e-4, rtol=0
+        )
         assert b.gate_prob_show == pytest.approx(a.gate_prob_show, abs=1e-4)
         assert b.logprob_total == pytest.approx(a.logprob_total, abs=1e-4)
     with torch.no_grad():
         scores = score_actions(tiny_model, tiny_tokenizer, together)
-    torch.testing.assert_close(scores.total, torch.tensor([c.logprob_total for c in together]),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        scores.total, torch.tensor([c.logprob_total for c in together]), atol=1e-4, rtol=0
+    )

@@ -23,18 +23,25 @@ from tests.service.registry.test_registry import upload
 
 
 @pytest.fixture
-def registry(settings_factory: Any, tiny_checkpoint_factory: Any, service_factory: Any,
-             key_factory: Any) -> Any:
+def registry(
+    settings_factory: Any, tiny_checkpoint_factory: Any, service_factory: Any, key_factory: Any
+) -> Any:
     """A service with the tiny policy live and a checkpoint cap below the tiny weights' size."""
     weights = (tiny_checkpoint_factory(0) / WEIGHTS_FILE).stat().st_size
-    settings = settings_factory(base_checkpoint=tiny_checkpoint_factory(0),
-                                policy_poll_interval_s=0.1, max_checkpoint_bytes=weights - 1)
+    settings = settings_factory(
+        base_checkpoint=tiny_checkpoint_factory(0),
+        policy_poll_interval_s=0.1,
+        max_checkpoint_bytes=weights - 1,
+    )
     engine = make_engine(settings)
     with engine.begin() as conn:
         bootstrap(conn, settings.base_checkpoint)
     svc = service_factory(settings)
-    client = httpx.Client(base_url=svc.url, timeout=30,
-                          headers={"Authorization": f"Bearer {key_factory('deploy', 'ingest')}"})
+    client = httpx.Client(
+        base_url=svc.url,
+        timeout=30,
+        headers={"Authorization": f"Bearer {key_factory('deploy', 'ingest')}"},
+    )
     yield svc, client, engine
     client.close()
     engine.dispose()
@@ -61,38 +68,54 @@ def tamper(engine: sa.Engine, version: int, weights: bytes, *, cover_tracks: boo
     and the stored manifest, so that the checkpoint is consistent with itself."""
     sha = hashlib.sha256(weights).hexdigest()
     with engine.begin() as conn:
-        where = (policy_artifacts.c.version == version)
+        where = policy_artifacts.c.version == version
         values: dict[str, Any] = {"data": weights}
         if cover_tracks:
             values["sha256"] = sha
-            manifest = json.loads(conn.execute(sa.select(policy_artifacts.c.data).where(
-                where, policy_artifacts.c.name == MANIFEST_FILE)).scalar_one())
+            manifest = json.loads(
+                conn.execute(
+                    sa.select(policy_artifacts.c.data).where(
+                        where, policy_artifacts.c.name == MANIFEST_FILE
+                    )
+                ).scalar_one()
+            )
             manifest["weights"]["sha256"] = sha
             text = json.dumps(manifest).encode()
-            conn.execute(policy_artifacts.update().where(
-                where, policy_artifacts.c.name == MANIFEST_FILE).values(
-                data=text, sha256=hashlib.sha256(text).hexdigest()))
-        conn.execute(policy_artifacts.update().where(
-            where, policy_artifacts.c.name == WEIGHTS_FILE).values(**values))
+            conn.execute(
+                policy_artifacts.update()
+                .where(where, policy_artifacts.c.name == MANIFEST_FILE)
+                .values(data=text, sha256=hashlib.sha256(text).hexdigest())
+            )
+        conn.execute(
+            policy_artifacts.update()
+            .where(where, policy_artifacts.c.name == WEIGHTS_FILE)
+            .values(**values)
+        )
 
 
 @pytest.mark.parametrize("cover_tracks", [False, True], ids=["weights-only", "consistent-rewrite"])
 def test_tampered_checkpoint_is_never_loaded(
-    settings_factory: Any, tiny_checkpoint_factory: Any, service_factory: Any, key_factory: Any,
-    caplog: pytest.LogCaptureFixture, cover_tracks: bool,
+    settings_factory: Any,
+    tiny_checkpoint_factory: Any,
+    service_factory: Any,
+    key_factory: Any,
+    caplog: pytest.LogCaptureFixture,
+    cover_tracks: bool,
 ) -> None:
     """v2 is registered through the API, then its weights in policy_artifacts are replaced by
     another (loadable) model's before any process has cached it. Deploying it must not put those
     weights in front of users: the service refuses to load v2 and keeps serving v1."""
-    settings = settings_factory(base_checkpoint=tiny_checkpoint_factory(0),
-                                policy_poll_interval_s=0.1)
+    settings = settings_factory(
+        base_checkpoint=tiny_checkpoint_factory(0), policy_poll_interval_s=0.1
+    )
     engine = make_engine(settings)
     with engine.begin() as conn:
         bootstrap(conn, settings.base_checkpoint)
     svc = service_factory(settings)
     token = key_factory("deploy", "ingest")
-    with httpx.Client(base_url=svc.url, timeout=30,
-                      headers={"Authorization": f"Bearer {token}"}) as c:
+    with httpx.Client(
+        base_url=svc.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+    ) as c:
         assert upload(c, tiny_checkpoint_factory(1)).status_code == 201
         evil: Path = tiny_checkpoint_factory(7) / WEIGHTS_FILE
         tamper(engine, 2, evil.read_bytes(), cover_tracks=cover_tracks)

@@ -39,16 +39,30 @@ def at(seconds: float) -> datetime:
 
 
 def ro(sid: str = "s1", t: float = 0, *, shown: bool = True, chars: int = 20, user: str = "u1"):
-    return RolloutInfo(suggestion_id=sid, user_id=user, created_at=at(t), shown=shown,
-                       text_chars=chars)
+    return RolloutInfo(
+        suggestion_id=sid, user_id=user, created_at=at(t), shown=shown, text_chars=chars
+    )
 
 
-def ev(type_: str, t: float, sid: str | None = "s1", *, user: str = "u1", eid: str | None = None,
-       **kw: Any) -> Feedback:
+def ev(
+    type_: str,
+    t: float,
+    sid: str | None = "s1",
+    *,
+    user: str = "u1",
+    eid: str | None = None,
+    **kw: Any,
+) -> Feedback:
     if type_ in ("model_switch", "churn"):
         sid = None
-    return Feedback(event_id=eid or f"e{next(_ids):05d}", type=type_, user_id=user,
-                    occurred_at=at(t), suggestion_id=sid, **kw)
+    return Feedback(
+        event_id=eid or f"e{next(_ids):05d}",
+        type=type_,
+        user_id=user,
+        occurred_at=at(t),
+        suggestion_id=sid,
+        **kw,
+    )
 
 
 def kept(after: float, fraction: float, t: float, sid: str = "s1", **kw: Any) -> Feedback:
@@ -63,70 +77,184 @@ PROVISIONAL = 0.75 * 0.5  # a whole 20-char accept with no retention report yet
 DECISION_CASES = [
     # (rollout, events, outcome, value)
     pytest.param(ro(shown=False, chars=0), [], "abstained", 0.0, id="abstained"),
-    pytest.param(ro(shown=False, chars=0), [ev("accept", 5)], "abstained", 0.0,
-                 id="abstained-decision-ignored"),
+    pytest.param(
+        ro(shown=False, chars=0),
+        [ev("accept", 5)],
+        "abstained",
+        0.0,
+        id="abstained-decision-ignored",
+    ),
     pytest.param(ro(), [], "ignored", -0.25, id="shown-no-events-ignored"),
     pytest.param(ro(), [ev("reject", 5)], "rejected", -0.25, id="reject"),
     pytest.param(ro(), [ev("reject", 30)], "rejected", -0.25, id="reject-exactly-at-window-edge"),
     pytest.param(ro(), [ev("reject", 31)], "ignored", -0.25, id="reject-one-second-after-window"),
-    pytest.param(ro(), [ev("accept", 30)], "accepted", PROVISIONAL,
-                 id="accept-exactly-at-window-edge"),
+    pytest.param(
+        ro(), [ev("accept", 30)], "accepted", PROVISIONAL, id="accept-exactly-at-window-edge"
+    ),
     pytest.param(ro(), [ev("accept", 31)], "ignored", -0.25, id="accept-one-second-after-window"),
-    pytest.param(ro(), [ev("accept", -CLOCK_SKEW_S)], "accepted", PROVISIONAL,
-                 id="accept-before-rollout-within-clock-skew"),
-    pytest.param(ro(), [ev("accept", -CLOCK_SKEW_S - 1)], "ignored", -0.25,
-                 id="accept-before-rollout-beyond-clock-skew"),
-    pytest.param(ro(), [ev("accept", 3), ev("reject", 4)], "accepted", PROVISIONAL,
-                 id="accept-then-reject-first-wins"),
-    pytest.param(ro(), [ev("accept", 4), ev("reject", 3)], "rejected", -0.25,
-                 id="reject-then-accept-first-wins"),
-    pytest.param(ro(), [ev("accept", 3), ev("reject", 3)], "rejected", -0.25,
-                 id="accept-and-reject-same-instant-reject-wins"),
-    pytest.param(ro(), [ev("reject", 40), ev("accept", 10)], "accepted", PROVISIONAL,
-                 id="reject-after-window-does-not-beat-accept"),
+    pytest.param(
+        ro(),
+        [ev("accept", -CLOCK_SKEW_S)],
+        "accepted",
+        PROVISIONAL,
+        id="accept-before-rollout-within-clock-skew",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", -CLOCK_SKEW_S - 1)],
+        "ignored",
+        -0.25,
+        id="accept-before-rollout-beyond-clock-skew",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 3), ev("reject", 4)],
+        "accepted",
+        PROVISIONAL,
+        id="accept-then-reject-first-wins",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 4), ev("reject", 3)],
+        "rejected",
+        -0.25,
+        id="reject-then-accept-first-wins",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 3), ev("reject", 3)],
+        "rejected",
+        -0.25,
+        id="accept-and-reject-same-instant-reject-wins",
+    ),
+    pytest.param(
+        ro(),
+        [ev("reject", 40), ev("accept", 10)],
+        "accepted",
+        PROVISIONAL,
+        id="reject-after-window-does-not-beat-accept",
+    ),
     pytest.param(ro(), [ev("accept", 5, "s2")], "ignored", -0.25, id="accept-other-suggestion"),
-    pytest.param(ro(), [ev("accept", 5, user="u2")], "ignored", -0.25,
-                 id="accept-same-suggestion-other-user"),
+    pytest.param(
+        ro(), [ev("accept", 5, user="u2")], "ignored", -0.25, id="accept-same-suggestion-other-user"
+    ),
     # size and share
-    pytest.param(ro(), [ev("accept", 5, accepted_chars=20)], "accepted", PROVISIONAL,
-                 id="accept-with-accepted-chars-whole"),
-    pytest.param(ro(), [ev("accept", 5, accepted_chars=5)], "accepted", 0.75 * 0.5 * 0.25 * 0.5,
-                 id="partial-accept-5-of-20"),
-    pytest.param(ro(), [ev("accept", 5, accepted_chars=50)], "accepted", PROVISIONAL,
-                 id="accepted-chars-more-than-text-clamped"),
-    pytest.param(ro(), [ev("accept", 5, accepted_chars=0)], "accepted", 0.0,
-                 id="accepted-chars-zero"),
-    pytest.param(ro(chars=80), [ev("accept", 5)], "accepted", 0.75 * math.sqrt(3) * 0.5,
-                 id="long-accept-size-capped-at-3-norm"),
-    pytest.param(ro(chars=5), [ev("accept", 5)], "accepted", 0.75 * 0.5 * 0.5,
-                 id="short-whole-accept"),
+    pytest.param(
+        ro(),
+        [ev("accept", 5, accepted_chars=20)],
+        "accepted",
+        PROVISIONAL,
+        id="accept-with-accepted-chars-whole",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 5, accepted_chars=5)],
+        "accepted",
+        0.75 * 0.5 * 0.25 * 0.5,
+        id="partial-accept-5-of-20",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 5, accepted_chars=50)],
+        "accepted",
+        PROVISIONAL,
+        id="accepted-chars-more-than-text-clamped",
+    ),
+    pytest.param(
+        ro(), [ev("accept", 5, accepted_chars=0)], "accepted", 0.0, id="accepted-chars-zero"
+    ),
+    pytest.param(
+        ro(chars=80),
+        [ev("accept", 5)],
+        "accepted",
+        0.75 * math.sqrt(3) * 0.5,
+        id="long-accept-size-capped-at-3-norm",
+    ),
+    pytest.param(
+        ro(chars=5), [ev("accept", 5)], "accepted", 0.75 * 0.5 * 0.5, id="short-whole-accept"
+    ),
     # retention
-    pytest.param(ro(), [ev("accept", 5), kept(30, 0.8, 35)], "accepted", 0.75 * 0.8,
-                 id="retention-one-report"),
-    pytest.param(ro(), [ev("accept", 5), kept(300, 0.4, 305), kept(30, 0.9, 35),
-                        kept(120, 0.6, 125)], "accepted", 0.75 * 0.4,
-                 id="retention-several-reports-last-counts"),
-    pytest.param(ro(), [ev("accept", 5), kept(120, 0.6, 125), kept(120, 0.2, 126)], "accepted",
-                 0.75 * 0.2, id="retention-same-check-twice-later-report-counts"),
-    pytest.param(ro(), [ev("accept", 5), kept(120, 0.6, 125), kept(700, 0.1, 590)], "accepted",
-                 0.75 * 0.6, id="retention-check-after-horizon-seconds-ignored"),
-    pytest.param(ro(), [ev("accept", 5), kept(120, 0.6, 125), kept(600, 0.1, 605)], "accepted",
-                 0.75 * 0.6, id="retention-report-occurred-after-horizon-ignored"),
-    pytest.param(ro(), [ev("accept", 0), kept(600, 0.3, 600)], "accepted", 0.75 * 0.3,
-                 id="retention-report-exactly-at-horizon-counts"),
-    pytest.param(ro(), [ev("accept", 5), kept(600, 0.1, 605)], "accepted", PROVISIONAL,
-                 id="retention-only-report-after-horizon-stays-provisional"),
-    pytest.param(ro(), [ev("accept", 5), kept(30, 0.0, 35)], "accepted", 0.0,
-                 id="retention-nothing-kept"),
-    pytest.param(ro(), [ev("accept", 5), kept(30, 0.5, 35, "s2")], "accepted", PROVISIONAL,
-                 id="retention-report-for-other-suggestion"),
-    pytest.param(ro(), [ev("reject", 5), kept(30, 1.0, 35)], "rejected", -0.25,
-                 id="retention-report-on-rejected-rollout"),
+    pytest.param(
+        ro(),
+        [ev("accept", 5), kept(30, 0.8, 35)],
+        "accepted",
+        0.75 * 0.8,
+        id="retention-one-report",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 5), kept(300, 0.4, 305), kept(30, 0.9, 35), kept(120, 0.6, 125)],
+        "accepted",
+        0.75 * 0.4,
+        id="retention-several-reports-last-counts",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 5), kept(120, 0.6, 125), kept(120, 0.2, 126)],
+        "accepted",
+        0.75 * 0.2,
+        id="retention-same-check-twice-later-report-counts",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 5), kept(120, 0.6, 125), kept(700, 0.1, 590)],
+        "accepted",
+        0.75 * 0.6,
+        id="retention-check-after-horizon-seconds-ignored",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 5), kept(120, 0.6, 125), kept(600, 0.1, 605)],
+        "accepted",
+        0.75 * 0.6,
+        id="retention-report-occurred-after-horizon-ignored",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 0), kept(600, 0.3, 600)],
+        "accepted",
+        0.75 * 0.3,
+        id="retention-report-exactly-at-horizon-counts",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 5), kept(600, 0.1, 605)],
+        "accepted",
+        PROVISIONAL,
+        id="retention-only-report-after-horizon-stays-provisional",
+    ),
+    pytest.param(
+        ro(), [ev("accept", 5), kept(30, 0.0, 35)], "accepted", 0.0, id="retention-nothing-kept"
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 5), kept(30, 0.5, 35, "s2")],
+        "accepted",
+        PROVISIONAL,
+        id="retention-report-for-other-suggestion",
+    ),
+    pytest.param(
+        ro(),
+        [ev("reject", 5), kept(30, 1.0, 35)],
+        "rejected",
+        -0.25,
+        id="retention-report-on-rejected-rollout",
+    ),
     # duplicates
-    pytest.param(ro(), [ev("accept", 5, eid="a"), ev("accept", 5, eid="a")], "accepted",
-                 PROVISIONAL, id="duplicate-accept-counted-once"),
-    pytest.param(ro(), [ev("accept", 5), kept(30, 0.8, 35, eid="k"), kept(30, 0.8, 35, eid="k")],
-                 "accepted", 0.75 * 0.8, id="duplicate-retention-report"),
+    pytest.param(
+        ro(),
+        [ev("accept", 5, eid="a"), ev("accept", 5, eid="a")],
+        "accepted",
+        PROVISIONAL,
+        id="duplicate-accept-counted-once",
+    ),
+    pytest.param(
+        ro(),
+        [ev("accept", 5), kept(30, 0.8, 35, eid="k"), kept(30, 0.8, 35, eid="k")],
+        "accepted",
+        0.75 * 0.8,
+        id="duplicate-retention-report",
+    ),
 ]
 
 
@@ -147,8 +275,15 @@ def test_components_of_an_accept() -> None:
     events = [ev("accept", 5, accepted_chars=5), kept(30, 0.8, 35)]
     reward = compute_reward(ro(), events, [ro()], DEFAULT)
     assert reward.components == pytest.approx(
-        {"decision": 0.75 * 0.5 * 0.25 * 0.8, "size_scale": 0.5, "share": 0.25,
-         "retention": 0.8, "provisional": 0.0, "switch": 0.0, "churn": 0.0}
+        {
+            "decision": 0.75 * 0.5 * 0.25 * 0.8,
+            "size_scale": 0.5,
+            "share": 0.25,
+            "retention": 0.8,
+            "provisional": 0.0,
+            "switch": 0.0,
+            "churn": 0.0,
+        }
     )
     provisional = compute_reward(ro(), events[:1], [ro()], DEFAULT).components
     assert provisional["retention"] == 0.5 and provisional["provisional"] == 1.0
@@ -199,33 +334,60 @@ USER = [R0, R100, A150, R200, R400]
 SWITCH_CASES = [
     # (rollout, user_rollouts, events, expected switch component)
     pytest.param(R200, [R200], [ev("model_switch", 250)], -0.5, id="one-shown-rollout"),
-    pytest.param(R200, USER, [ev("model_switch", 250)], -0.5 / 3,
-                 id="three-shown-abstained-excluded"),
+    pytest.param(
+        R200, USER, [ev("model_switch", 250)], -0.5 / 3, id="three-shown-abstained-excluded"
+    ),
     pytest.param(R0, USER, [ev("model_switch", 250)], -0.5 / 3, id="three-shown-oldest"),
     pytest.param(A150, USER, [ev("model_switch", 250)], 0.0, id="abstained-gets-no-switch-share"),
-    pytest.param(R0, USER, [ev("model_switch", 300)], -0.5 / 3,
-                 id="switch-exactly-at-window-edge"),
+    pytest.param(R0, USER, [ev("model_switch", 300)], -0.5 / 3, id="switch-exactly-at-window-edge"),
     pytest.param(R0, USER, [ev("model_switch", 301)], 0.0, id="switch-one-second-after-window"),
-    pytest.param(R100, USER, [ev("model_switch", 301)], -0.5 / 2,
-                 id="outside-window-leaves-the-others"),
+    pytest.param(
+        R100, USER, [ev("model_switch", 301)], -0.5 / 2, id="outside-window-leaves-the-others"
+    ),
     pytest.param(R400, USER, [ev("model_switch", 250)], 0.0, id="switch-before-rollout"),
-    pytest.param(R400, USER, [ev("model_switch", 400 - CLOCK_SKEW_S)], -0.5 / 3,
-                 id="switch-before-rollout-within-clock-skew"),
-    pytest.param(R200, USER, [ev("model_switch", 250, eid="m"), ev("model_switch", 250, eid="m")],
-                 -0.5 / 3, id="duplicate-switch-counted-once"),
-    pytest.param(R200, USER, [ev("model_switch", 250), ev("model_switch", 260)], -1.0 / 3,
-                 id="two-switches-add-up"),
+    pytest.param(
+        R400,
+        USER,
+        [ev("model_switch", 400 - CLOCK_SKEW_S)],
+        -0.5 / 3,
+        id="switch-before-rollout-within-clock-skew",
+    ),
+    pytest.param(
+        R200,
+        USER,
+        [ev("model_switch", 250, eid="m"), ev("model_switch", 250, eid="m")],
+        -0.5 / 3,
+        id="duplicate-switch-counted-once",
+    ),
+    pytest.param(
+        R200,
+        USER,
+        [ev("model_switch", 250), ev("model_switch", 260)],
+        -1.0 / 3,
+        id="two-switches-add-up",
+    ),
     pytest.param(R200, USER, [ev("model_switch", 250, user="u2")], 0.0, id="other-users-switch"),
-    pytest.param(R200, [R0, R100], [ev("model_switch", 250)], -0.5 / 3,
-                 id="rollout-missing-from-user-rollouts-still-counted"),
-    pytest.param(R200, [*USER, ro("x", 220, user="u2")], [ev("model_switch", 250)], -0.5 / 3,
-                 id="other-users-rollouts-not-counted"),
+    pytest.param(
+        R200,
+        [R0, R100],
+        [ev("model_switch", 250)],
+        -0.5 / 3,
+        id="rollout-missing-from-user-rollouts-still-counted",
+    ),
+    pytest.param(
+        R200,
+        [*USER, ro("x", 220, user="u2")],
+        [ev("model_switch", 250)],
+        -0.5 / 3,
+        id="other-users-rollouts-not-counted",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("rollout", "user_rollouts", "events", "expected"), SWITCH_CASES)
-def test_model_switch(rollout: RolloutInfo, user_rollouts: list[RolloutInfo],
-                      events: list[Feedback], expected: float) -> None:
+def test_model_switch(
+    rollout: RolloutInfo, user_rollouts: list[RolloutInfo], events: list[Feedback], expected: float
+) -> None:
     reward = compute_reward(rollout, events, user_rollouts, DEFAULT)
     assert reward.components["switch"] == pytest.approx(expected)
     assert reward.components["churn"] == 0.0
@@ -245,8 +407,12 @@ CHURN_CASES = [
     pytest.param(R0, [ev("churn", 601)], 0.0, id="churn-one-second-past-horizon"),
     pytest.param(R100, [ev("churn", 601)], -1.0 / 4, id="past-horizon-leaves-the-others"),
     pytest.param(R400, [ev("churn", 300)], 0.0, id="churn-before-rollout"),
-    pytest.param(R0, [ev("churn", 450, eid="c"), ev("churn", 450, eid="c")], -1.0 / 5,
-                 id="duplicate-churn-counted-once"),
+    pytest.param(
+        R0,
+        [ev("churn", 450, eid="c"), ev("churn", 450, eid="c")],
+        -1.0 / 5,
+        id="duplicate-churn-counted-once",
+    ),
     pytest.param(R0, [ev("churn", 450, user="u2")], 0.0, id="other-users-churn"),
 ]
 
@@ -307,40 +473,87 @@ def test_worked_example() -> None:
 FINALIZE_CASES = [
     # (spec, rollout, events, final at, seconds after T0)
     pytest.param(DEFAULT, ro(shown=False, chars=0), [], 0, id="abstained-immediately"),
-    pytest.param(DEFAULT, ro(shown=False, chars=0), [ev("churn", 10)], 0,
-                 id="abstained-immediately-churn-or-not"),
+    pytest.param(
+        DEFAULT,
+        ro(shown=False, chars=0),
+        [ev("churn", 10)],
+        0,
+        id="abstained-immediately-churn-or-not",
+    ),
     pytest.param(DEFAULT, ro(), [], 300, id="shown-nothing-yet-switch-window"),
     pytest.param(DEFAULT, ro(), [ev("reject", 5)], 300, id="rejected-switch-window"),
     pytest.param(DEFAULT, ro(), [ev("accept", 40)], 300, id="accept-after-window-ignored"),
     pytest.param(DEFAULT, ro(), [ev("accept", 5)], 600, id="accepted-no-report-horizon"),
-    pytest.param(DEFAULT, ro(), [ev("accept", 5), kept(30, 1, 35), kept(120, 1, 125)], 600,
-                 id="accepted-waiting-for-last-expected-check"),
-    pytest.param(DEFAULT, ro(), [ev("accept", 5), kept(30, 1, 35), kept(300, 0.5, 305)], 305,
-                 id="accepted-last-check-that-fits-arrived"),
-    pytest.param(DEFAULT, ro(), [ev("accept", 5), kept(300, 0.5, 298)], 300,
-                 id="accepted-last-check-never-before-switch-window"),
-    pytest.param(DEFAULT, ro(), [ev("accept", 0), kept(300, 0.5, 300)], 600,
-                 id="accepted-at-once-600s-check-fits-and-is-waited-for"),
-    pytest.param(DEFAULT, ro(), [ev("accept", 0), kept(300, 1, 300), kept(600, 0.5, 600)], 600,
-                 id="accepted-at-once-600s-check-arrived"),
-    pytest.param(DEFAULT, ro(), [ev("reject", 3), ev("accept", 5), kept(300, 1, 305)], 300,
-                 id="rejected-retention-irrelevant"),
-    pytest.param(RewardSpec(retention_checks_s=()), ro(), [ev("accept", 5)], 300,
-                 id="no-checks-configured-accept-final-at-switch-window"),
+    pytest.param(
+        DEFAULT,
+        ro(),
+        [ev("accept", 5), kept(30, 1, 35), kept(120, 1, 125)],
+        600,
+        id="accepted-waiting-for-last-expected-check",
+    ),
+    pytest.param(
+        DEFAULT,
+        ro(),
+        [ev("accept", 5), kept(30, 1, 35), kept(300, 0.5, 305)],
+        305,
+        id="accepted-last-check-that-fits-arrived",
+    ),
+    pytest.param(
+        DEFAULT,
+        ro(),
+        [ev("accept", 5), kept(300, 0.5, 298)],
+        300,
+        id="accepted-last-check-never-before-switch-window",
+    ),
+    pytest.param(
+        DEFAULT,
+        ro(),
+        [ev("accept", 0), kept(300, 0.5, 300)],
+        600,
+        id="accepted-at-once-600s-check-fits-and-is-waited-for",
+    ),
+    pytest.param(
+        DEFAULT,
+        ro(),
+        [ev("accept", 0), kept(300, 1, 300), kept(600, 0.5, 600)],
+        600,
+        id="accepted-at-once-600s-check-arrived",
+    ),
+    pytest.param(
+        DEFAULT,
+        ro(),
+        [ev("reject", 3), ev("accept", 5), kept(300, 1, 305)],
+        300,
+        id="rejected-retention-irrelevant",
+    ),
+    pytest.param(
+        RewardSpec(retention_checks_s=()),
+        ro(),
+        [ev("accept", 5)],
+        300,
+        id="no-checks-configured-accept-final-at-switch-window",
+    ),
     pytest.param(SIM, ro(), [ev("reject", 1)], 8, id="sim-rejected"),
     pytest.param(SIM, ro(), [ev("accept", 2)], 16, id="sim-accepted-no-report"),
-    pytest.param(SIM, ro(), [ev("accept", 4), kept(12, 0.5, 16)], 16,
-                 id="sim-accept-at-window-edge-last-check-fits"),
+    pytest.param(
+        SIM,
+        ro(),
+        [ev("accept", 4), kept(12, 0.5, 16)],
+        16,
+        id="sim-accept-at-window-edge-last-check-fits",
+    ),
     pytest.param(SIM, ro(), [ev("accept", 2), kept(12, 0.5, 14)], 14, id="sim-accepted-final"),
 ]
 
 
 @pytest.mark.parametrize(("spec", "rollout", "events", "seconds"), FINALIZE_CASES)
-def test_finalize_at(spec: RewardSpec, rollout: RolloutInfo, events: list[Feedback],
-                     seconds: float) -> None:
+def test_finalize_at(
+    spec: RewardSpec, rollout: RolloutInfo, events: list[Feedback], seconds: float
+) -> None:
     assert finalize_at(rollout, events, spec) == at(seconds)
     assert finalize_at(rollout, events, spec) <= rollout.created_at + timedelta(
-        seconds=spec.horizon_s)
+        seconds=spec.horizon_s
+    )
 
 
 ACCEPT = ev("accept", 5, eid="acc")
@@ -352,36 +565,67 @@ LATE_CASES = [
     pytest.param(ro(), ev("accept", 30), None, [], False, id="accept-exactly-at-window-edge"),
     pytest.param(ro(), ev("accept", 31), None, [], True, id="accept-after-window"),
     pytest.param(ro(), ev("accept", 10), 20, [], False, id="accept-received-soon"),
-    pytest.param(ro(), ev("accept", 10), 301, [], True,
-                 id="accept-received-after-ignored-rollout-was-final"),
+    pytest.param(
+        ro(), ev("accept", 10), 301, [], True, id="accept-received-after-ignored-rollout-was-final"
+    ),
     pytest.param(ro(), ACCEPT, 301, [ACCEPT], True, id="late-event-itself-in-arrived"),
     pytest.param(ro(), kept(400, 0.5, 405), None, [ACCEPT], False, id="report-awaited"),
-    pytest.param(ro(), kept(200, 0.5, 205), 400, [], True,
-                 id="report-after-rollout-final-as-ignored"),
+    pytest.param(
+        ro(), kept(200, 0.5, 205), 400, [], True, id="report-after-rollout-final-as-ignored"
+    ),
     pytest.param(ro(), kept(700, 0.5, 590), None, [ACCEPT], True, id="report-check-past-horizon"),
-    pytest.param(ro(), kept(600, 0.5, 601), None, [ACCEPT], True,
-                 id="report-occurred-past-horizon"),
-    pytest.param(ro(), kept(400, 0.5, 405), None, [ACCEPT, LAST_CHECK], True,
-                 id="report-after-last-expected-check"),
+    pytest.param(
+        ro(), kept(600, 0.5, 601), None, [ACCEPT], True, id="report-occurred-past-horizon"
+    ),
+    pytest.param(
+        ro(),
+        kept(400, 0.5, 405),
+        None,
+        [ACCEPT, LAST_CHECK],
+        True,
+        id="report-after-last-expected-check",
+    ),
     pytest.param(ro(), ev("reject", 6), 7, [ACCEPT], False, id="losing-reject-not-late"),
     pytest.param(ro(), ev("model_switch", 300), None, [], False, id="switch-at-window-edge"),
     pytest.param(ro(), ev("model_switch", 301), None, [], True, id="switch-after-window"),
     pytest.param(ro(), ev("churn", 250), None, [ev("reject", 5)], False, id="churn-before-final"),
-    pytest.param(ro(), ev("churn", 400), None, [ev("reject", 5)], True,
-                 id="churn-after-rejected-was-final"),
+    pytest.param(
+        ro(), ev("churn", 400), None, [ev("reject", 5)], True, id="churn-after-rejected-was-final"
+    ),
     pytest.param(ro(), ev("churn", 400), None, [ACCEPT], False, id="churn-while-retention-open"),
-    pytest.param(ro(), ev("churn", 400), None, [ACCEPT, LAST_CHECK], True,
-                 id="churn-after-accepted-was-final"),
-    pytest.param(ro(), ev("churn", 200), 400, [ACCEPT, LAST_CHECK], True,
-                 id="churn-received-after-final"),
-    pytest.param(ro(shown=False, chars=0), ev("churn", 0), None, [], False,
-                 id="abstained-churn-same-instant"),
-    pytest.param(ro(shown=False, chars=0), ev("churn", 10), None, [], True,
-                 id="abstained-churn-later"),
-    pytest.param(ro(shown=False, chars=0), ev("accept", 5), None, [], False,
-                 id="decision-on-abstained-never-counts-not-late"),
-    pytest.param(ro(shown=False, chars=0), ev("model_switch", 5), None, [], False,
-                 id="switch-on-abstained-never-counts-not-late"),
+    pytest.param(
+        ro(),
+        ev("churn", 400),
+        None,
+        [ACCEPT, LAST_CHECK],
+        True,
+        id="churn-after-accepted-was-final",
+    ),
+    pytest.param(
+        ro(), ev("churn", 200), 400, [ACCEPT, LAST_CHECK], True, id="churn-received-after-final"
+    ),
+    pytest.param(
+        ro(shown=False, chars=0), ev("churn", 0), None, [], False, id="abstained-churn-same-instant"
+    ),
+    pytest.param(
+        ro(shown=False, chars=0), ev("churn", 10), None, [], True, id="abstained-churn-later"
+    ),
+    pytest.param(
+        ro(shown=False, chars=0),
+        ev("accept", 5),
+        None,
+        [],
+        False,
+        id="decision-on-abstained-never-counts-not-late",
+    ),
+    pytest.param(
+        ro(shown=False, chars=0),
+        ev("model_switch", 5),
+        None,
+        [],
+        False,
+        id="switch-on-abstained-never-counts-not-late",
+    ),
     pytest.param(ro(), ev("accept", 500, "s2"), None, [], False, id="other-suggestion"),
     pytest.param(ro(), ev("churn", 900, user="u2"), None, [], False, id="other-user"),
     pytest.param(ro(t=100), ev("churn", 10), None, [], False, id="before-the-rollout"),
@@ -389,8 +633,13 @@ LATE_CASES = [
 
 
 @pytest.mark.parametrize(("rollout", "event", "received", "arrived", "late"), LATE_CASES)
-def test_is_late(rollout: RolloutInfo, event: Feedback, received: float | None,
-                 arrived: list[Feedback], late: bool) -> None:
+def test_is_late(
+    rollout: RolloutInfo,
+    event: Feedback,
+    received: float | None,
+    arrived: list[Feedback],
+    late: bool,
+) -> None:
     received_at = None if received is None else at(received)
     assert is_late(event, rollout, DEFAULT, received_at=received_at, arrived=arrived) is late
 
@@ -404,8 +653,11 @@ def test_settle_replays_the_join() -> None:
     reports = [kept(30, 1.0, 35), kept(120, 0.9, 125), kept(300, 0.6, 305)]
     churn = ev("churn", 320)
     pairs = [
-        (6, accept), (7, accept),  # duplicate delivery
-        (40, reports[0]), (130, reports[1]), (310, reports[2]),
+        (6, accept),
+        (7, accept),  # duplicate delivery
+        (40, reports[0]),
+        (130, reports[1]),
+        (310, reports[2]),
         (330, churn),  # after the last expected check: the reward was final at 305
         (20, ev("accept", 10, "other")),
     ]
@@ -445,14 +697,26 @@ SETTLED_CASES = [
     pytest.param(ro(), [], id="shown-ignored"),
     pytest.param(ro(), [ev("reject", 5)], id="rejected"),
     pytest.param(ro(), [ev("accept", 5)], id="accepted-provisional"),
-    pytest.param(ro(), [ev("accept", 5, accepted_chars=7), kept(30, 0.8, 35)],
-                 id="partial-accept-retained"),
+    pytest.param(
+        ro(), [ev("accept", 5, accepted_chars=7), kept(30, 0.8, 35)], id="partial-accept-retained"
+    ),
     pytest.param(ro(), [ev("accept", 5), kept(300, 0.5, 305)], id="accepted-final-early"),
-    pytest.param(ro(), [ev("accept", 5), ev("model_switch", 60), ev("churn", 200)],
-                 id="accepted-switched-churned"),
+    pytest.param(
+        ro(),
+        [ev("accept", 5), ev("model_switch", 60), ev("churn", 200)],
+        id="accepted-switched-churned",
+    ),
 ]
-SETTLED_REPORTS = [settled(1), settled(29), settled(31), settled(305), settled(900),
-                   settled(-10), settled(40, eid="dup"), settled(40, eid="dup")]
+SETTLED_REPORTS = [
+    settled(1),
+    settled(29),
+    settled(31),
+    settled(305),
+    settled(900),
+    settled(-10),
+    settled(40, eid="dup"),
+    settled(40, eid="dup"),
+]
 
 
 @pytest.mark.parametrize(("rollout", "events"), SETTLED_CASES)
@@ -462,22 +726,32 @@ def test_code_settled_changes_no_reward(rollout: RolloutInfo, events: list[Feedb
     noise = [*SETTLED_REPORTS, settled(10, "s2"), settled(10, user="u2")]
     for spec in (DEFAULT, SIM):
         assert compute_reward(rollout, [*events, *noise], [rollout], spec) == compute_reward(
-            rollout, events, [rollout], spec)
+            rollout, events, [rollout], spec
+        )
         assert finalize_at(rollout, [*noise, *events], spec) == finalize_at(rollout, events, spec)
-        assert not any(is_late(e, rollout, spec, received_at=at(10_000), arrived=events)
-                       for e in noise)
+        assert not any(
+            is_late(e, rollout, spec, received_at=at(10_000), arrived=events) for e in noise
+        )
     arrivals = [(e.occurred_at, e) for e in events] + [(at(10_000), e) for e in noise]
     assert settle(rollout, arrivals, DEFAULT) == settle(
-        rollout, [(e.occurred_at, e) for e in events], DEFAULT)
+        rollout, [(e.occurred_at, e) for e in events], DEFAULT
+    )
 
 
 # --- the spec ----------------------------------------------------------------------------------
 
 DESIGN_JSON = {
-    "accept_reward": 0.75, "reject_penalty": 0.25, "abstain_reward": 0.0,
-    "chars_norm": 20, "chars_exponent": 0.5,
-    "decision_window_s": 30, "retention_checks_s": [30, 120, 300, 600], "horizon_s": 600,
-    "provisional_accept_weight": 0.5, "switch_penalty": 0.5, "switch_window_s": 300,
+    "accept_reward": 0.75,
+    "reject_penalty": 0.25,
+    "abstain_reward": 0.0,
+    "chars_norm": 20,
+    "chars_exponent": 0.5,
+    "decision_window_s": 30,
+    "retention_checks_s": [30, 120, 300, 600],
+    "horizon_s": 600,
+    "provisional_accept_weight": 0.5,
+    "switch_penalty": 0.5,
+    "switch_window_s": 300,
     "churn_penalty": 1.0,
 }
 
@@ -487,8 +761,9 @@ def test_defaults_are_designs_json() -> None:
     assert RewardSpec.from_dict(DESIGN_JSON) == RewardSpec()
 
 
-@pytest.mark.parametrize("spec", [DEFAULT, SIM, RewardSpec(retention_checks_s=())],
-                         ids=["default", "sim", "no-checks"])
+@pytest.mark.parametrize(
+    "spec", [DEFAULT, SIM, RewardSpec(retention_checks_s=())], ids=["default", "sim", "no-checks"]
+)
 def test_round_trip_through_json(spec: RewardSpec) -> None:
     assert RewardSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     hash(spec)
@@ -503,36 +778,66 @@ def test_from_dict_missing_keys_take_defaults() -> None:
 @pytest.mark.parametrize(
     ("d", "message"),
     [
-        pytest.param({"decision_window_s": -1}, "decision_window_s must be > 0",
-                     id="negative-window"),
+        pytest.param(
+            {"decision_window_s": -1}, "decision_window_s must be > 0", id="negative-window"
+        ),
         pytest.param({"horizon_s": 0}, "horizon_s must be > 0", id="zero-horizon"),
-        pytest.param({"reject_penalty": -0.25}, "reject_penalty must be >= 0",
-                     id="negative-penalty"),
-        pytest.param({"accept_reward": 0.75, "colour": 1}, "unknown key(s) colour",
-                     id="unknown-key"),
-        pytest.param({"accept_reward": "0.75"}, "accept_reward must be a finite number",
-                     id="wrong-type-string"),
-        pytest.param({"switch_penalty": True}, "switch_penalty must be a finite number",
-                     id="wrong-type-bool"),
-        pytest.param({"churn_penalty": None}, "churn_penalty must be a finite number",
-                     id="wrong-type-null"),
+        pytest.param(
+            {"reject_penalty": -0.25}, "reject_penalty must be >= 0", id="negative-penalty"
+        ),
+        pytest.param(
+            {"accept_reward": 0.75, "colour": 1}, "unknown key(s) colour", id="unknown-key"
+        ),
+        pytest.param(
+            {"accept_reward": "0.75"},
+            "accept_reward must be a finite number",
+            id="wrong-type-string",
+        ),
+        pytest.param(
+            {"switch_penalty": True}, "switch_penalty must be a finite number", id="wrong-type-bool"
+        ),
+        pytest.param(
+            {"churn_penalty": None}, "churn_penalty must be a finite number", id="wrong-type-null"
+        ),
         pytest.param({"chars_norm": float("nan")}, "chars_norm must be a finite number", id="nan"),
-        pytest.param({"retention_checks_s": [30, 300, 120]}, "strictly increasing",
-                     id="retention-checks-not-increasing"),
-        pytest.param({"retention_checks_s": [30, 30]}, "strictly increasing",
-                     id="retention-checks-repeated"),
-        pytest.param({"retention_checks_s": 30}, "retention_checks_s must be a list",
-                     id="retention-checks-not-a-list"),
-        pytest.param({"retention_checks_s": [0, 30]}, "retention_checks_s must all be > 0",
-                     id="retention-check-zero"),
-        pytest.param({"retention_checks_s": [30, 900]}, "must all be <= horizon_s",
-                     id="retention-check-past-horizon"),
-        pytest.param({"switch_window_s": 900}, "switch_window_s (900) must be <= horizon_s",
-                     id="switch-window-past-horizon"),
-        pytest.param({"decision_window_s": 601}, "decision_window_s (601) must be <= horizon_s",
-                     id="decision-window-past-horizon"),
-        pytest.param({"provisional_accept_weight": 1.5}, "provisional_accept_weight must be <= 1",
-                     id="weight-above-one"),
+        pytest.param(
+            {"retention_checks_s": [30, 300, 120]},
+            "strictly increasing",
+            id="retention-checks-not-increasing",
+        ),
+        pytest.param(
+            {"retention_checks_s": [30, 30]}, "strictly increasing", id="retention-checks-repeated"
+        ),
+        pytest.param(
+            {"retention_checks_s": 30},
+            "retention_checks_s must be a list",
+            id="retention-checks-not-a-list",
+        ),
+        pytest.param(
+            {"retention_checks_s": [0, 30]},
+            "retention_checks_s must all be > 0",
+            id="retention-check-zero",
+        ),
+        pytest.param(
+            {"retention_checks_s": [30, 900]},
+            "must all be <= horizon_s",
+            id="retention-check-past-horizon",
+        ),
+        pytest.param(
+            {"switch_window_s": 900},
+            "switch_window_s (900) must be <= horizon_s",
+            id="switch-window-past-horizon",
+        ),
+        pytest.param(
+            {"decision_window_s": 601},
+            "decision_window_s (601) must be <= horizon_s",
+            id="decision-window-past-horizon",
+        ),
+        pytest.param(
+            {"provisional_accept_weight": 1.5},
+            "provisional_accept_weight must be <= 1",
+            id="weight-above-one",
+        ),
         pytest.param([1, 2], "must be a JSON object", id="not-an-object"),
     ],
 )
@@ -552,10 +857,19 @@ def test_sim_windows_smaller_same_rewards() -> None:
     for name in ("decision_window_s", "horizon_s", "switch_window_s"):
         assert getattr(SIM, name) < getattr(DEFAULT, name), name
     assert SIM.retention_checks_s[-1] < DEFAULT.retention_checks_s[0] + DEFAULT.horizon_s
-    assert all(s < d for s, d in zip(SIM.retention_checks_s, DEFAULT.retention_checks_s,
-                                     strict=False))
-    for name in ("accept_reward", "reject_penalty", "abstain_reward", "chars_norm",
-                 "chars_exponent", "provisional_accept_weight", "switch_penalty", "churn_penalty"):
+    assert all(
+        s < d for s, d in zip(SIM.retention_checks_s, DEFAULT.retention_checks_s, strict=False)
+    )
+    for name in (
+        "accept_reward",
+        "reject_penalty",
+        "abstain_reward",
+        "chars_norm",
+        "chars_exponent",
+        "provisional_accept_weight",
+        "switch_penalty",
+        "churn_penalty",
+    ):
         assert getattr(SIM, name) == getattr(DEFAULT, name), name
     # every check fits even for an accept at the end of the decision window
     assert SIM.decision_window_s + SIM.retention_checks_s[-1] <= SIM.horizon_s
@@ -592,25 +906,52 @@ def test_from_event_offset_zone() -> None:
 @pytest.mark.parametrize(
     ("type_", "override", "message"),
     [
-        pytest.param("accept", {"suggestion_id": None}, "suggestion_id is missing",
-                     id="accept-without-suggestion"),
-        pytest.param("accept", {"accepted_chars": "12"}, "accepted_chars must be an integer",
-                     id="accepted-chars-string"),
-        pytest.param("accept", {"accepted_chars": True}, "accepted_chars must be an integer",
-                     id="accepted-chars-bool"),
-        pytest.param("code_retained", {"retained_fraction": None}, "needs after_seconds",
-                     id="retained-without-fraction"),
-        pytest.param("code_retained", {"after_seconds": "30"}, "after_seconds must be a finite",
-                     id="after-seconds-string"),
-        pytest.param("churn", {"occurred_at": "yesterday"}, "occurred_at must be RFC 3339",
-                     id="bad-time"),
-        pytest.param("churn", {"occurred_at": "2026-11-29T12:00:00"}, "with a zone",
-                     id="naive-time"),
-        pytest.param("code_settled", {"suggestion_id": None}, "suggestion_id is missing",
-                     id="settled-without-suggestion"),
+        pytest.param(
+            "accept",
+            {"suggestion_id": None},
+            "suggestion_id is missing",
+            id="accept-without-suggestion",
+        ),
+        pytest.param(
+            "accept",
+            {"accepted_chars": "12"},
+            "accepted_chars must be an integer",
+            id="accepted-chars-string",
+        ),
+        pytest.param(
+            "accept",
+            {"accepted_chars": True},
+            "accepted_chars must be an integer",
+            id="accepted-chars-bool",
+        ),
+        pytest.param(
+            "code_retained",
+            {"retained_fraction": None},
+            "needs after_seconds",
+            id="retained-without-fraction",
+        ),
+        pytest.param(
+            "code_retained",
+            {"after_seconds": "30"},
+            "after_seconds must be a finite",
+            id="after-seconds-string",
+        ),
+        pytest.param(
+            "churn", {"occurred_at": "yesterday"}, "occurred_at must be RFC 3339", id="bad-time"
+        ),
+        pytest.param(
+            "churn", {"occurred_at": "2026-11-29T12:00:00"}, "with a zone", id="naive-time"
+        ),
+        pytest.param(
+            "code_settled",
+            {"suggestion_id": None},
+            "suggestion_id is missing",
+            id="settled-without-suggestion",
+        ),
         pytest.param("churn", {"type": "bounce"}, "type must be one of", id="unknown-type"),
-        pytest.param("churn", {"user_id": ""}, "user_id must be a non-empty string",
-                     id="empty-user"),
+        pytest.param(
+            "churn", {"user_id": ""}, "user_id must be a non-empty string", id="empty-user"
+        ),
         pytest.param("churn", {"event_id": None}, "event_id is missing", id="no-event-id"),
     ],
 )
@@ -632,5 +973,8 @@ def test_naive_times_refused() -> None:
 
 def test_reward_is_plain_data() -> None:
     reward = compute_reward(ro(), [], [ro()], DEFAULT)
-    assert reward == Reward(value=-0.25, components={**dict.fromkeys(COMPONENTS, 0.0),
-                                                     "decision": -0.25}, outcome="ignored")
+    assert reward == Reward(
+        value=-0.25,
+        components={**dict.fromkeys(COMPONENTS, 0.0), "decision": -0.25},
+        outcome="ignored",
+    )

@@ -27,11 +27,23 @@ def test_replay_recomputes_from_the_database(served: Any, key_factory: Any) -> N
     token = key_factory("ingest", "admin")
     with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {token}"}) as c:
         start = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
-        ids = [c.post("/v1/complete", json={"user_id": f"u{i}", "prefix": "x = "}).json()
-               for i in range(6)]
-        c.post("/v1/events", json={"events": [
-            event("reject", user_id="u0", suggestion_id=ids[0]["suggestion_id"],
-                  occurred_at=dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z"))]})
+        ids = [
+            c.post("/v1/complete", json={"user_id": f"u{i}", "prefix": "x = "}).json()
+            for i in range(6)
+        ]
+        c.post(
+            "/v1/events",
+            json={
+                "events": [
+                    event(
+                        "reject",
+                        user_id="u0",
+                        suggestion_id=ids[0]["suggestion_id"],
+                        occurred_at=dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z"),
+                    )
+                ]
+            },
+        )
         end = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
         body = {"from": start.isoformat(), "to": end.isoformat()}
         r = c.post("/admin/replay", json=body)

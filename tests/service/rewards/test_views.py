@@ -37,55 +37,93 @@ def at(seconds: float) -> datetime:
 
 
 def ro(*, views: bool = True, shown: bool = True, sid: str = "s1", t: float = 0) -> RolloutInfo:
-    return RolloutInfo(suggestion_id=sid, user_id="u1", created_at=at(t), shown=shown,
-                       text_chars=20 if shown else 0, reports_views=views)
+    return RolloutInfo(
+        suggestion_id=sid,
+        user_id="u1",
+        created_at=at(t),
+        shown=shown,
+        text_chars=20 if shown else 0,
+        reports_views=views,
+    )
 
 
 def ev(type_: str, t: float, *, sid: str | None = "s1", user: str = "u1", **kw: Any) -> Feedback:
     if type_ in ("model_switch", "churn"):
         sid = None
-    return Feedback(event_id=f"e{next(_ids):05d}", type=type_, user_id=user, occurred_at=at(t),
-                    suggestion_id=sid, **kw)
+    return Feedback(
+        event_id=f"e{next(_ids):05d}",
+        type=type_,
+        user_id=user,
+        occurred_at=at(t),
+        suggestion_id=sid,
+        **kw,
+    )
 
 
 CASES = [
     # (rollout, events, outcome, value)
     pytest.param(ro(), [], "unviewed", 0.0, id="reports-views-never-viewed"),
     pytest.param(ro(), [ev("view", 1)], "ignored", -0.25, id="viewed-then-nothing"),
-    pytest.param(ro(), [ev("view", 1), ev("accept", 3)], "accepted", PROVISIONAL,
-                 id="viewed-then-accepted"),
-    pytest.param(ro(), [ev("view", 1), ev("reject", 3)], "rejected", -0.25,
-                 id="viewed-then-rejected"),
-    pytest.param(ro(), [ev("accept", 3)], "accepted", PROVISIONAL,
-                 id="accept-without-view-still-an-accept"),
-    pytest.param(ro(), [ev("reject", 3)], "rejected", -0.25,
-                 id="reject-without-view-still-a-reject"),
+    pytest.param(
+        ro(), [ev("view", 1), ev("accept", 3)], "accepted", PROVISIONAL, id="viewed-then-accepted"
+    ),
+    pytest.param(
+        ro(), [ev("view", 1), ev("reject", 3)], "rejected", -0.25, id="viewed-then-rejected"
+    ),
+    pytest.param(
+        ro(), [ev("accept", 3)], "accepted", PROVISIONAL, id="accept-without-view-still-an-accept"
+    ),
+    pytest.param(
+        ro(), [ev("reject", 3)], "rejected", -0.25, id="reject-without-view-still-a-reject"
+    ),
     pytest.param(ro(), [ev("view", 30)], "ignored", -0.25, id="view-exactly-at-window-edge"),
     pytest.param(ro(), [ev("view", 31)], "unviewed", 0.0, id="view-after-decision-window"),
-    pytest.param(ro(), [ev("view", -CLOCK_SKEW_S)], "ignored", -0.25,
-                 id="view-before-rollout-within-clock-skew"),
-    pytest.param(ro(), [ev("view", -CLOCK_SKEW_S - 1)], "unviewed", 0.0,
-                 id="view-before-rollout-beyond-clock-skew"),
+    pytest.param(
+        ro(),
+        [ev("view", -CLOCK_SKEW_S)],
+        "ignored",
+        -0.25,
+        id="view-before-rollout-within-clock-skew",
+    ),
+    pytest.param(
+        ro(),
+        [ev("view", -CLOCK_SKEW_S - 1)],
+        "unviewed",
+        0.0,
+        id="view-before-rollout-beyond-clock-skew",
+    ),
     pytest.param(ro(), [ev("view", 1, user="u2")], "unviewed", 0.0, id="view-by-another-user"),
-    pytest.param(ro(), [ev("view", 1, sid="s2")], "unviewed", 0.0,
-                 id="view-of-another-suggestion"),
+    pytest.param(ro(), [ev("view", 1, sid="s2")], "unviewed", 0.0, id="view-of-another-suggestion"),
     pytest.param(ro(), [ev("view", 1), ev("view", 2)], "ignored", -0.25, id="viewed-twice"),
-    pytest.param(ro(), [ev("view", 31), ev("accept", 31)], "unviewed", 0.0,
-                 id="late-view-and-late-accept"),
+    pytest.param(
+        ro(), [ev("view", 31), ev("accept", 31)], "unviewed", 0.0, id="late-view-and-late-accept"
+    ),
     pytest.param(ro(shown=False), [], "abstained", 0.0, id="abstained-reports-views"),
-    pytest.param(ro(shown=False), [ev("view", 1)], "abstained", 0.0,
-                 id="abstained-view-means-nothing"),
+    pytest.param(
+        ro(shown=False), [ev("view", 1)], "abstained", 0.0, id="abstained-view-means-nothing"
+    ),
     pytest.param(ro(views=False), [], "ignored", -0.25, id="no-views-reported-silence-rejects"),
-    pytest.param(ro(views=False), [ev("view", 1)], "ignored", -0.25,
-                 id="no-views-reported-a-view-changes-nothing"),
-    pytest.param(ro(views=False), [ev("view", 1), ev("accept", 2)], "accepted", PROVISIONAL,
-                 id="no-views-reported-accept"),
+    pytest.param(
+        ro(views=False),
+        [ev("view", 1)],
+        "ignored",
+        -0.25,
+        id="no-views-reported-a-view-changes-nothing",
+    ),
+    pytest.param(
+        ro(views=False),
+        [ev("view", 1), ev("accept", 2)],
+        "accepted",
+        PROVISIONAL,
+        id="no-views-reported-accept",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("rollout", "events", "outcome", "value"), CASES)
-def test_reward_with_views(rollout: RolloutInfo, events: list[Feedback], outcome: str,
-                           value: float) -> None:
+def test_reward_with_views(
+    rollout: RolloutInfo, events: list[Feedback], outcome: str, value: float
+) -> None:
     reward = compute_reward(rollout, events, [rollout], DEFAULT)
     assert reward.outcome == outcome
     assert reward.value == pytest.approx(value)
@@ -97,8 +135,7 @@ def test_an_unviewed_rollout_still_takes_its_share_of_user_penalties() -> None:
     """A model_switch is spread over the shown rollouts, unviewed ones included (the reward
     knows no other rollout's views); the trainer does not train on an unviewed one at all."""
     mine, other = ro(), ro(sid="s2", views=False)
-    reward = compute_reward(mine, [ev("model_switch", 10)], [mine, other],
-                            DEFAULT)
+    reward = compute_reward(mine, [ev("model_switch", 10)], [mine, other], DEFAULT)
     assert reward.outcome == "unviewed"
     assert reward.components["decision"] == 0.0
     assert reward.value == pytest.approx(-0.5 / 2)
@@ -112,8 +149,9 @@ def test_an_unviewed_rollout_still_takes_its_share_of_user_penalties() -> None:
         pytest.param(ro(shown=False), [], 0, id="abstained-final-at-once"),
     ],
 )
-def test_finalize_at_with_views(rollout: RolloutInfo, events: list[Feedback],
-                                final_after_s: float) -> None:
+def test_finalize_at_with_views(
+    rollout: RolloutInfo, events: list[Feedback], final_after_s: float
+) -> None:
     assert finalize_at(rollout, events, DEFAULT) == at(final_after_s)
 
 
@@ -148,6 +186,12 @@ def test_settle_keeps_a_view_in_time_and_drops_a_late_one() -> None:
     ],
 )
 def test_rollout_info_reads_reports_views(source: dict[str, Any], expected: bool) -> None:
-    message = {"suggestion_id": "s1", "user_id": "u1", "created_at": "2026-11-29T12:00:00Z",
-               "shown": True, "text": "x)", **source}
+    message = {
+        "suggestion_id": "s1",
+        "user_id": "u1",
+        "created_at": "2026-11-29T12:00:00Z",
+        "shown": True,
+        "text": "x)",
+        **source,
+    }
     assert rollout_info(message).reports_views is expected

@@ -89,8 +89,15 @@ def snippet_checkpoint(
         model.gate.features.weight.zero_()
         model.gate.features.bias.fill_(20.0)  # p(show) ~ 1: every suggestion is shown
     out = tmp_path_factory.mktemp("snippet-ckpt")
-    return save_checkpoint(out, model, tiny_tokenizer, version=0, parent=None,
-                           summary={"fitted_to": "SNIPPET"}, overwrite=True)
+    return save_checkpoint(
+        out,
+        model,
+        tiny_tokenizer,
+        version=0,
+        parent=None,
+        summary={"fitted_to": "SNIPPET"},
+        overwrite=True,
+    )
 
 
 @pytest.fixture
@@ -103,8 +110,9 @@ def served_overrides(snippet_checkpoint: Path) -> dict[str, Any]:
 def tabby(served: Any, key_factory: Any) -> Iterator[httpx.Client]:
     """An HTTP client on the service's Tabby API, with an ingest key named "tabby-user"."""
     token = key_factory("ingest", name="tabby-user")
-    with httpx.Client(base_url=served.url + "/tabby",
-                      headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
+    with httpx.Client(
+        base_url=served.url + "/tabby", headers={"Authorization": f"Bearer {token}"}, timeout=30
+    ) as c:
         yield c
 
 
@@ -124,14 +132,18 @@ def agent_cli() -> Path:
 class Agent:
     """tabby-agent as a child process, with the files a failure message needs."""
 
-    def __init__(self, home: Path, endpoint: str, token: str, *args: str,
-                 extra_config: str = "") -> None:
+    def __init__(
+        self, home: Path, endpoint: str, token: str, *args: str, extra_config: str = ""
+    ) -> None:
         self.home = home
         config = home / ".tabby-client" / "agent" / "config.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
         # debug logs go to ~/.tabby-client/agent/logs/, for the failure messages
-        config.write_text(CONFIG_TOML.format(endpoint=endpoint, token=token)
-                          + '\n[logs]\nlevel = "debug"\n' + extra_config)
+        config.write_text(
+            CONFIG_TOML.format(endpoint=endpoint, token=token)
+            + '\n[logs]\nlevel = "debug"\n'
+            + extra_config
+        )
         guard = home / "guard.js"
         guard.write_text(GUARD_JS)
         self.stderr_path = home / "agent.stderr"
@@ -139,13 +151,19 @@ class Agent:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home)}
         self.proc = subprocess.Popen(
             ["node", "--require", str(guard), str(agent_cli()), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-            cwd=home, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            cwd=home,
+            env=env,
         )
 
     def outbound_attempts(self) -> list[str]:
-        return [line for line in self.stderr_path.read_text(errors="replace").splitlines()
-                if BLOCKED in line]
+        return [
+            line
+            for line in self.stderr_path.read_text(errors="replace").splitlines()
+            if BLOCKED in line
+        ]
 
     def diagnostics(self) -> str:
         """The agent's stderr and the end of its debug log."""
@@ -170,8 +188,7 @@ class JsonLinesAgent(Agent):
         self._answers: queue.Queue[list[Any]] = queue.Queue()
         self.events: list[Any] = []
         self._next_id = 1
-        self._reader = threading.Thread(target=self._read, name="tabby-agent-stdout",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, name="tabby-agent-stdout", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
@@ -189,8 +206,9 @@ class JsonLinesAgent(Agent):
     def call(self, func: str, *args: Any, timeout_s: float = 60) -> Any:
         request_id, self._next_id = self._next_id, self._next_id + 1
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps([request_id, {"func": func, "args": list(args)}])
-                               + "\n").encode())
+        self.proc.stdin.write(
+            (json.dumps([request_id, {"func": func, "args": list(args)}]) + "\n").encode()
+        )
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout_s
         while True:

@@ -50,8 +50,9 @@ def relay_if_full(settings: Settings) -> Iterator[None]:
         return
     ensure_topics(settings)  # before the test's consumer subscribes to them
     stop = threading.Event()
-    thread = threading.Thread(target=Relay(settings, make_engine(settings)).run, args=(stop,),
-                              name="relay", daemon=True)
+    thread = threading.Thread(
+        target=Relay(settings, make_engine(settings)).run, args=(stop,), name="relay", daemon=True
+    )
     thread.start()
     try:
         yield
@@ -61,13 +62,19 @@ def relay_if_full(settings: Settings) -> Iterator[None]:
         assert not thread.is_alive(), "the relay did not stop"
 
 
-def join_from_the_log(settings: Settings, engine: sa.Engine, suggestion_ids: set[str],
-                      event_ids: set[str], timeout_s: float = 90) -> Join:
+def join_from_the_log(
+    settings: Settings,
+    engine: sa.Engine,
+    suggestion_ids: set[str],
+    event_ids: set[str],
+    timeout_s: float = 90,
+) -> Join:
     """A reward join (sim reward windows) fed from the log, as the trainer reads it, until every
     one of these rollouts and events has come through."""
     join = Join(engine, RewardSpec.sim(), 1)
-    consumer = open_consumer(settings, engine, f"tabby-test-{uuid.uuid4().hex[:8]}",
-                             [ROLLOUTS, FEEDBACK])
+    consumer = open_consumer(
+        settings, engine, f"tabby-test-{uuid.uuid4().hex[:8]}", [ROLLOUTS, FEEDBACK]
+    )
     seen_rollouts: set[str] = set()
     seen_events: set[str] = set()
     deadline = time.monotonic() + timeout_s
@@ -103,10 +110,17 @@ def ready_agent(agent: JsonLinesAgent) -> None:
 def completion(agent: JsonLinesAgent, home: Path, prefix: str) -> dict[str, Any]:
     """provideCompletions as an editor asks it (manually: no debounce), the cursor at the end of
     the file being written (tabby-agent drops a suggestion that repeats what follows it)."""
-    answer = agent.call("provideCompletions", {
-        "filepath": str(home / "project" / "calc.py"), "workspace": str(home / "project"),
-        "language": "python", "text": prefix + "\n", "position": len(prefix), "manually": True,
-    })
+    answer = agent.call(
+        "provideCompletions",
+        {
+            "filepath": str(home / "project" / "calc.py"),
+            "workspace": str(home / "project"),
+            "language": "python",
+            "text": prefix + "\n",
+            "position": len(prefix),
+            "manually": True,
+        },
+    )
     assert isinstance(answer, dict) and answer.get("choices"), (
         f"no suggestion reached the editor: {answer}\n{agent.diagnostics()}"
     )
@@ -126,14 +140,22 @@ def test_tabby_agent_completions_and_events_become_rollouts_feedback_and_rewards
 
         first = completion(agent, agent_home, PREFIX_ADD)
         choice = first["choices"][0]
-        view = {"type": "view", "completion_id": first["id"], "choice_index": choice["index"],
-                "view_id": "view-1"}
+        view = {
+            "type": "view",
+            "completion_id": first["id"],
+            "choice_index": choice["index"],
+            "view_id": "view-1",
+        }
         assert agent.call("postEvent", view) is True, agent.diagnostics()
         assert agent.call("postEvent", {**view, "type": "select", "elapsed": 850}) is True
 
         second = completion(agent, agent_home, PREFIX_MUL)
-        dismiss = {"type": "dismiss", "completion_id": second["id"],
-                   "choice_index": second["choices"][0]["index"], "view_id": "view-2"}
+        dismiss = {
+            "type": "dismiss",
+            "completion_id": second["id"],
+            "choice_index": second["choices"][0]["index"],
+            "view_id": "view-2",
+        }
         assert agent.call("postEvent", dismiss) is True, agent.diagnostics()
         assert agent.outbound_attempts() == [], agent.diagnostics()
     finally:
@@ -150,14 +172,17 @@ def test_tabby_agent_completions_and_events_become_rollouts_feedback_and_rewards
         assert row.shown and row.reports_views and row.user_id == KEY_NAME
         assert row.language == "python" and row.file_path == "calc.py"
     kinds = {(e.suggestion_id, e.type): e for e in stored(engine, events)}
-    assert set(kinds) == {(accepted_id, "view"), (accepted_id, "accept"),
-                          (rejected_id, "reject")}
+    assert set(kinds) == {(accepted_id, "view"), (accepted_id, "accept"), (rejected_id, "reject")}
     assert all(e.user_id == KEY_NAME for e in kinds.values())
     assert "accepted_chars" not in kinds[(accepted_id, "accept")].payload  # a whole accept
 
     with relay_if_full(served.settings):
-        join = join_from_the_log(served.settings, engine, {accepted_id, rejected_id},
-                                 {e.event_id for e in kinds.values()})
+        join = join_from_the_log(
+            served.settings,
+            engine,
+            {accepted_id, rejected_id},
+            {e.event_id for e in kinds.values()},
+        )
     spec = join.spec
     # past the reward horizon of every rollout: all final
     assert join.finalize_due(now=utcnow() + timedelta(seconds=spec.horizon_s + 1)) == 2
@@ -182,16 +207,33 @@ def test_tabby_agent_lsp_mode_gets_completions_and_its_silence_is_no_reject(
     agent = LspAgent(agent_home, served.url + "/tabby", token)
     uri = (agent_home / "project" / "calc.py").as_uri()
     try:
-        init = agent.request("initialize", {"processId": None, "rootUri": None,
-                                            "capabilities": {}, "clientInfo": {"name": "tests"}})
+        init = agent.request(
+            "initialize",
+            {
+                "processId": None,
+                "rootUri": None,
+                "capabilities": {},
+                "clientInfo": {"name": "tests"},
+            },
+        )
         assert init["serverInfo"]["name"] == "tabby-agent", init
         agent.notify("initialized", {})
-        agent.notify("textDocument/didOpen", {"textDocument": {
-            "uri": uri, "languageId": "python", "version": 1,
-            "text": PREFIX_ADD + "\n"}})
+        agent.notify(
+            "textDocument/didOpen",
+            {
+                "textDocument": {
+                    "uri": uri,
+                    "languageId": "python",
+                    "version": 1,
+                    "text": PREFIX_ADD + "\n",
+                }
+            },
+        )
         line, character = PREFIX_ADD.count("\n"), len(PREFIX_ADD.rsplit("\n", 1)[1])
-        result = agent.request("textDocument/completion", {
-            "textDocument": {"uri": uri}, "position": {"line": line, "character": character}})
+        result = agent.request(
+            "textDocument/completion",
+            {"textDocument": {"uri": uri}, "position": {"line": line, "character": character}},
+        )
         assert agent.outbound_attempts() == [], agent.diagnostics()
     finally:
         agent.close()
@@ -219,8 +261,12 @@ def test_tabby_agent_sends_the_privacy_header_from_its_config(
     privacy mode: served, recorded without code (docs/PRIVACY.md)."""
     token = key_factory("ingest", name=KEY_NAME)
     engine = make_engine(served.settings)
-    agent = JsonLinesAgent(agent_home, served.url + "/tabby", token,
-                           extra_config='\n[server.requestHeaders]\n"X-Tabloop-No-Train" = "1"\n')
+    agent = JsonLinesAgent(
+        agent_home,
+        served.url + "/tabby",
+        token,
+        extra_config='\n[server.requestHeaders]\n"X-Tabloop-No-Train" = "1"\n',
+    )
     try:
         ready_agent(agent)
         answer = completion(agent, agent_home, PREFIX_ADD)

@@ -23,8 +23,10 @@ from tests.service.tabby.conftest import PREFIX_ADD, PREFIX_MUL
 
 
 def complete(c: httpx.Client, prefix: str = PREFIX_ADD, **body: Any) -> dict[str, Any]:
-    r = c.post("/v1/completions", json={"language": "python",
-                                        "segments": {"prefix": prefix, "suffix": "\n"}, **body})
+    r = c.post(
+        "/v1/completions",
+        json={"language": "python", "segments": {"prefix": prefix, "suffix": "\n"}, **body},
+    )
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
@@ -39,9 +41,11 @@ def rows(settings: Any, table: sa.Table, *where: Any) -> list[Any]:
 
 def post_event(c: httpx.Client, completion_id: str, type_: str, **fields: Any) -> httpx.Response:
     params = fields.pop("params", None)
-    return c.post("/v1/events", params=params,
-                  json={"type": type_, "completion_id": completion_id, "choice_index": 0,
-                        **fields})
+    return c.post(
+        "/v1/events",
+        params=params,
+        json={"type": type_, "completion_id": completion_id, "choice_index": 0, **fields},
+    )
 
 
 def test_health_and_server_setting_as_tabby_agent_reads_them(tabby: httpx.Client) -> None:
@@ -60,8 +64,13 @@ def test_health_and_server_setting_as_tabby_agent_reads_them(tabby: httpx.Client
 @pytest.mark.parametrize("mode", ["embedded"])
 def test_every_tabby_route_needs_an_ingest_key(served: Any, key_factory: Any) -> None:
     admin = key_factory("admin")
-    routes = [("GET", "/v1/health"), ("POST", "/v1/health"), ("GET", "/v1beta/server_setting"),
-              ("POST", "/v1/completions"), ("POST", "/v1/events")]
+    routes = [
+        ("GET", "/v1/health"),
+        ("POST", "/v1/health"),
+        ("GET", "/v1beta/server_setting"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/events"),
+    ]
     for method, path in routes:
         url = served.url + "/tabby" + path
         assert httpx.request(method, url).status_code == 401, path
@@ -70,12 +79,21 @@ def test_every_tabby_route_needs_an_ingest_key(served: Any, key_factory: Any) ->
 
 
 def test_a_completion_is_a_rollout_of_the_live_policy(tabby: httpx.Client, served: Any) -> None:
-    answer = complete(tabby, segments={"prefix": PREFIX_ADD, "suffix": "\n",
-                                       "filepath": "pkg/calc.py",
-                                       "git_url": "https://git.example/pkg.git",
-                                       "declarations": [{"filepath": "x.py", "body": "x = 1"}],
-                                       "clipboard": "y", "new_field": 1},
-                      temperature=0.3, seed=1, debug_options={"raw_prompt": "x"})
+    answer = complete(
+        tabby,
+        segments={
+            "prefix": PREFIX_ADD,
+            "suffix": "\n",
+            "filepath": "pkg/calc.py",
+            "git_url": "https://git.example/pkg.git",
+            "declarations": [{"filepath": "x.py", "body": "x = 1"}],
+            "clipboard": "y",
+            "new_field": 1,
+        },
+        temperature=0.3,
+        seed=1,
+        debug_options={"raw_prompt": "x"},
+    )
     assert set(answer) == {"id", "choices"} and answer["id"].startswith("cmpl-")
     suggestion_id = answer["id"].removeprefix("cmpl-")
     (choice,) = answer["choices"]  # the snippet policy always shows
@@ -84,14 +102,18 @@ def test_a_completion_is_a_rollout_of_the_live_policy(tabby: httpx.Client, serve
     assert row.suggestion_id == suggestion_id and row.shown and row.text == choice["text"]
     assert row.user_id == "tabby-user"  # no `user`: the key's name
     assert (row.language, row.file_path, row.workspace_id) == (
-        "python", "pkg/calc.py", "https://git.example/pkg.git")
+        "python",
+        "pkg/calc.py",
+        "https://git.example/pkg.git",
+    )
     assert row.reports_views is True and row.policy_version == 1
     (message,) = rows(served.settings, outbox, outbox.c.topic == ROLLOUTS)
     assert orjson.loads(message.payload)["suggestion_id"] == suggestion_id
 
     answer = complete(tabby, user="alice")
-    (row,) = rows(served.settings, rollouts,
-                  rollouts.c.suggestion_id == answer["id"].removeprefix("cmpl-"))
+    (row,) = rows(
+        served.settings, rollouts, rollouts.c.suggestion_id == answer["id"].removeprefix("cmpl-")
+    )
     assert row.user_id == "alice"
 
 
@@ -133,8 +155,11 @@ def test_a_huge_prefix_is_cut_to_its_end(tabby: httpx.Client, served: Any) -> No
 def test_view_select_dismiss_are_native_events(tabby: httpx.Client, served: Any) -> None:
     shown = complete(tabby)
     other = complete(tabby, prefix=PREFIX_MUL)
-    for completion_id, type_ in ((shown["id"], "view"), (shown["id"], "select"),
-                                 (other["id"], "dismiss")):
+    for completion_id, type_ in (
+        (shown["id"], "view"),
+        (shown["id"], "select"),
+        (other["id"], "dismiss"),
+    ):
         r = post_event(tabby, completion_id, type_, view_id="v-1", elapsed=120)
         assert r.status_code == 202, r.text
         assert r.json() == {"accepted": 1, "duplicates": 0, "rejected": []}
@@ -144,8 +169,9 @@ def test_view_select_dismiss_are_native_events(tabby: httpx.Client, served: Any)
     for e in got.values():
         assert e.user_id == "tabby-user" and e.payload["user_id"] == "tabby-user"
         assert "accepted_chars" not in e.payload  # a select is the whole suggestion
-    published = [orjson.loads(m.payload)
-                 for m in rows(served.settings, outbox, outbox.c.topic == FEEDBACK)]
+    published = [
+        orjson.loads(m.payload) for m in rows(served.settings, outbox, outbox.c.topic == FEEDBACK)
+    ]
     assert sorted(m["event_id"] for m in published) == sorted(e.event_id for e in got.values())
 
 
@@ -177,9 +203,15 @@ def test_select_kind_line_accepts_the_first_line(tabby: httpx.Client, served: An
     assert accept.payload["accepted_chars"] == len(row.text.split("\n")[0])
 
 
-@pytest.mark.parametrize("completion_id", [
-    "cmpl-" + str(uuid.uuid4()), str(uuid.uuid4()), "cmpl-not-a-uuid", "agent-1234",
-])
+@pytest.mark.parametrize(
+    "completion_id",
+    [
+        "cmpl-" + str(uuid.uuid4()),
+        str(uuid.uuid4()),
+        "cmpl-not-a-uuid",
+        "agent-1234",
+    ],
+)
 def test_an_event_about_no_completion_is_dead_lettered_with_a_2xx(
     tabby: httpx.Client, served: Any, completion_id: str
 ) -> None:
@@ -190,16 +222,19 @@ def test_an_event_about_no_completion_is_dead_lettered_with_a_2xx(
     assert rows(served.settings, events) == []
     (dead,) = rows(served.settings, dead_letters)
     assert dead.source == "tabby" and "no such completion" in dead.error
-    assert orjson.loads(dead.raw) == {"type": "select", "completion_id": completion_id,
-                                      "choice_index": 0, "select_kind": "line"}
+    assert orjson.loads(dead.raw) == {
+        "type": "select",
+        "completion_id": completion_id,
+        "choice_index": 0,
+        "select_kind": "line",
+    }
 
 
-def test_an_event_about_no_shown_choice_is_dead_lettered(
-    tabby: httpx.Client, served: Any
-) -> None:
+def test_an_event_about_no_shown_choice_is_dead_lettered(tabby: httpx.Client, served: Any) -> None:
     answer = complete(tabby)
-    r = tabby.post("/v1/events", json={"type": "view", "completion_id": answer["id"],
-                                       "choice_index": 1})
+    r = tabby.post(
+        "/v1/events", json={"type": "view", "completion_id": answer["id"], "choice_index": 1}
+    )
     assert r.status_code == 202 and "one choice" in r.json()["rejected"][0]["error"]
     engine = make_engine(served.settings)
     with engine.begin() as conn:  # as if the policy had abstained: "choices": []

@@ -20,14 +20,17 @@ from tests.service.tabby.conftest import PREFIX_ADD
 def bob(served: Any, key_factory: Any) -> Iterator[httpx.Client]:
     """Another ingest key on the same service (the Tabby API and the native one)."""
     token = key_factory("ingest", name="bob")
-    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {token}"},
-                      timeout=30) as c:
+    with httpx.Client(
+        base_url=served.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+    ) as c:
         yield c
 
 
 def tabby_complete(c: httpx.Client) -> str:
-    r = c.post("/v1/completions",
-               json={"language": "python", "segments": {"prefix": PREFIX_ADD, "suffix": "\n"}})
+    r = c.post(
+        "/v1/completions",
+        json={"language": "python", "segments": {"prefix": PREFIX_ADD, "suffix": "\n"}},
+    )
     assert r.status_code == 200 and r.json()["choices"], r.text
     return r.json()["id"]  # type: ignore[no-any-return]
 

@@ -16,6 +16,8 @@ def test_pause_and_resume(client: httpx.Client) -> None:
 
 def test_training_needs_admin(service: object, key_factory: object) -> None:
     token = key_factory("deploy")  # type: ignore[operator]
-    r = httpx.get(service.url + "/admin/training",  # type: ignore[attr-defined]
-                  headers={"Authorization": f"Bearer {token}"})
+    r = httpx.get(
+        service.url + "/admin/training",  # type: ignore[attr-defined]
+        headers={"Authorization": f"Bearer {token}"},
+    )
     assert r.status_code == 403

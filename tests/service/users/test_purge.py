@@ -27,17 +27,28 @@ def _make_data(c: httpx.Client, engine: sa.Engine, user: str) -> list[str]:
         assert r.status_code == 200, r.text
         sids.append(r.json()["suggestion_id"])
     # code_settled: taken for any rollout, shown or not (this policy mostly abstains)
-    batch = [event("code_settled", user_id=user, suggestion_id=s, occurred_at=utcnow().isoformat())
-             for s in sids]
+    batch = [
+        event("code_settled", user_id=user, suggestion_id=s, occurred_at=utcnow().isoformat())
+        for s in sids
+    ]
     batch += [event("churn", user_id=user), {"type": "teleport", "user_id": user}]
     r = c.post("/v1/events", json={"events": batch})
     assert r.status_code == 202 and r.json()["accepted"] == 3, r.text
     with engine.begin() as conn:
         for s in sids:
-            conn.execute(rewards.insert().values(
-                suggestion_id=s, user_id=user, policy_version=1, rollout_created_at=utcnow(),
-                value=-0.25, outcome="rejected", components={}, spec_version=1,
-                finalized_at=utcnow()))
+            conn.execute(
+                rewards.insert().values(
+                    suggestion_id=s,
+                    user_id=user,
+                    policy_version=1,
+                    rollout_created_at=utcnow(),
+                    value=-0.25,
+                    outcome="rejected",
+                    components={},
+                    spec_version=1,
+                    finalized_at=utcnow(),
+                )
+            )
     return sids
 
 
@@ -49,9 +60,9 @@ def _counts(engine: sa.Engine, user: str) -> dict[str, int]:
             ).scalar_one()
             for name, t in TABLES.items()
         }
-        payloads = conn.execute(
-            sa.select(outbox.c.payload).where(outbox.c.key == user)
-        ).scalars().all()
+        payloads = (
+            conn.execute(sa.select(outbox.c.payload).where(outbox.c.key == user)).scalars().all()
+        )
         out["outbox"] = sum(orjson.loads(p).get("type") != USER_PURGED for p in payloads)
         out["tombstones"] = len(payloads) - out["outbox"]
         raws = conn.execute(sa.select(dead_letters.c.raw)).scalars().all()
@@ -65,23 +76,41 @@ def test_purge_removes_one_user_only_and_sends_a_tombstone(
     engine = make_engine(served.settings)
     gone, kept = f"u-gone/{uuid.uuid4().hex[:8]}", f"u-kept-{uuid.uuid4().hex[:8]}"
     token = key_factory("ingest", "admin")
-    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {token}"},
-                      timeout=30) as c:
+    with httpx.Client(
+        base_url=served.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+    ) as c:
         _make_data(c, engine, gone)
         _make_data(c, engine, kept)
         before = _counts(engine, kept)
-        assert before == {"rollouts": 2, "events": 3, "rewards": 2, "outbox": 5,
-                          "dead_letters": 1, "tombstones": 0}
+        assert before == {
+            "rollouts": 2,
+            "events": 3,
+            "rewards": 2,
+            "outbox": 5,
+            "dead_letters": 1,
+            "tombstones": 0,
+        }
         assert _counts(engine, gone) == before
 
         r = c.delete(f"/admin/users/{gone}")
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["user_id"] == gone and body["purged_at"].endswith("Z")
-        assert body["removed"] == {"rollouts": 2, "events": 3, "rewards": 2, "outbox": 5,
-                                   "dead_letters": 1}
-        assert _counts(engine, gone) == {"rollouts": 0, "events": 0, "rewards": 0, "outbox": 0,
-                                         "dead_letters": 0, "tombstones": 2}
+        assert body["removed"] == {
+            "rollouts": 2,
+            "events": 3,
+            "rewards": 2,
+            "outbox": 5,
+            "dead_letters": 1,
+        }
+        assert _counts(engine, gone) == {
+            "rollouts": 0,
+            "events": 0,
+            "rewards": 0,
+            "outbox": 0,
+            "dead_letters": 0,
+            "tombstones": 2,
+        }
         assert _counts(engine, kept) == before
 
         again = c.delete(f"/admin/users/{gone}")  # idempotent: nothing left, still 200
@@ -91,20 +120,26 @@ def test_purge_removes_one_user_only_and_sends_a_tombstone(
         assert unknown.status_code == 200 and set(unknown.json()["removed"].values()) == {0}
 
         ingest_only = key_factory("ingest")
-        refused = c.delete(f"/admin/users/{kept}",
-                           headers={"Authorization": f"Bearer {ingest_only}"})
+        refused = c.delete(
+            f"/admin/users/{kept}", headers={"Authorization": f"Bearer {ingest_only}"}
+        )
         assert refused.status_code == 403
     assert _counts(engine, kept) == before
 
     with engine.connect() as conn:
         stones = conn.execute(
-            sa.select(outbox.c.topic, outbox.c.payload, outbox.c.published_at)
-            .where(outbox.c.key == gone)
+            sa.select(outbox.c.topic, outbox.c.payload, outbox.c.published_at).where(
+                outbox.c.key == gone
+            )
         ).all()
     assert sorted(s.topic for s in stones) == sorted([ROLLOUTS, FEEDBACK] * 2)
     first = orjson.loads(stones[0].payload)
-    assert first == {"schema_version": 1, "type": USER_PURGED, "user_id": gone,
-                     "purged_at": body["purged_at"]}
+    assert first == {
+        "schema_version": 1,
+        "type": USER_PURGED,
+        "user_id": gone,
+        "purged_at": body["purged_at"],
+    }
     if mode == "embedded":
         assert all(s.published_at is not None for s in stones)  # the table is the log
     else:
@@ -127,8 +162,10 @@ def _holding(engine: sa.Engine, marker: str) -> dict[str, int]:
     """Rows, per table, whose stored text holds `marker` anywhere."""
     with engine.connect() as conn:
         texts = {
-            "events": [orjson.dumps(p).decode()
-                       for p in conn.execute(sa.select(events.c.payload)).scalars()],
+            "events": [
+                orjson.dumps(p).decode()
+                for p in conn.execute(sa.select(events.c.payload)).scalars()
+            ],
             "outbox": list(conn.execute(sa.select(outbox.c.payload)).scalars()),
             "dead_letters": list(conn.execute(sa.select(dead_letters.c.raw)).scalars()),
         }
@@ -151,7 +188,12 @@ def test_purge_removes_settled_text_everywhere(client: httpx.Client, engine: sa.
 
     r = client.delete(f"/admin/users/{gone}")
     assert r.status_code == 200, r.text
-    assert r.json()["removed"] == {"rollouts": 0, "events": 1, "rewards": 0, "outbox": 1,
-                                   "dead_letters": 1}
+    assert r.json()["removed"] == {
+        "rollouts": 0,
+        "events": 1,
+        "rewards": 0,
+        "outbox": 1,
+        "dead_letters": 1,
+    }
     assert _holding(engine, f"settled-by-{gone}") == {"events": 0, "outbox": 0, "dead_letters": 0}
     assert _holding(engine, f"settled-by-{kept}") == {"events": 1, "outbox": 1, "dead_letters": 1}
