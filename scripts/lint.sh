@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Lint and type check: bash scripts/lint.sh   (scripts/test.sh runs it before pytest)
 # ruff check and ruff format --check (pyproject.toml [tool.ruff]) over the repository, mypy over
-# the packages and benchmarks. `.venv/bin/ruff format .` fixes what the format check finds.
+# the packages and benchmarks, and mypy --strict over the shared core (the policy, rewards,
+# tables, stream, corpus and caps: what the API and the trainer both build on).
+# `.venv/bin/ruff format .` fixes what the format check finds.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 echo "==> ruff check"
@@ -13,3 +15,6 @@ echo "==> ruff format --check"
 }
 echo "==> mypy"
 .venv/bin/mypy service trainer tabloop simulator benchmarks
+echo "==> mypy --strict (the shared core)"
+.venv/bin/mypy --strict --follow-imports=silent service/policy service/rewards/core.py \
+  service/tables.py service/stream trainer/corpus.py trainer/caps.py

@@ -40,7 +40,10 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
     def process_result_value(self, value: Any, dialect: sa.Dialect) -> datetime | None:
         if value is None:
             return None
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        when: datetime = (
+            value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        )
+        return when
 
 
 JSONType = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")

@@ -89,7 +89,6 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        causal = True
         if isinstance(cache, RaggedKVCache) and cache.pos > 0:
             assert T == 1, "a ragged cache decodes one token per row at a time"
             at = cache.write_index()
@@ -104,21 +103,26 @@ class CausalSelfAttention(nn.Module):
                 cache.v[layer, :B, :, :end],
                 attn_mask=keys[:, None, None, :],
             )
-            y = y.transpose(1, 2).contiguous().view(B, T, C)
-            return self.resid_dropout(self.c_proj(y))
-        if cache is not None:
-            # prefill (empty cache, causal over the prompt) or one new token attending to all
-            assert cache.pos == 0 or T == 1, "KV cache supports a prefill or one token at a time"
-            end = cache.pos + T
-            cache.k[layer, :B, :, cache.pos : end] = k
-            cache.v[layer, :B, :, cache.pos : end] = v
-            k, v = cache.k[layer, :B, :, :end], cache.v[layer, :B, :, :end]
-            causal = cache.pos == 0
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal and T > 1, dropout_p=self.dropout if self.training else 0.0
-        )
+        else:
+            causal = True
+            if cache is not None:
+                # prefill (empty cache, causal over the prompt) or one new token attending to all
+                assert cache.pos == 0 or T == 1, "KV cache: a prefill or one token at a time"
+                end = cache.pos + T
+                cache.k[layer, :B, :, cache.pos : end] = k
+                cache.v[layer, :B, :, cache.pos : end] = v
+                k, v = cache.k[layer, :B, :, :end], cache.v[layer, :B, :, :end]
+                causal = cache.pos == 0
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=causal and T > 1,
+                dropout_p=self.dropout if self.training else 0.0,
+            )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        out: torch.Tensor = self.resid_dropout(self.c_proj(y))
+        return out
 
 
 class MLP(nn.Module):
@@ -129,7 +133,8 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        out: torch.Tensor = self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        return out
 
 
 class Block(nn.Module):
@@ -144,7 +149,8 @@ class Block(nn.Module):
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer)
-        return x + self.mlp(self.ln_2(x))
+        out: torch.Tensor = x + self.mlp(self.ln_2(x))
+        return out
 
 
 class Gate(nn.Module):
@@ -156,7 +162,8 @@ class Gate(nn.Module):
         self.features = nn.Linear(len(GATE_FEATURES), 1)
 
     def forward(self, h: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return (self.hidden(h) + self.features(features)).squeeze(-1)
+        out: torch.Tensor = (self.hidden(h) + self.features(features)).squeeze(-1)
+        return out
 
 
 class GPT(nn.Module):
@@ -209,7 +216,8 @@ class GPT(nn.Module):
             cache.lengths += cache.advance.long()
         elif cache is not None:
             cache.pos += T
-        return self.ln_f(x)
+        out: torch.Tensor = self.ln_f(x)
+        return out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits from hidden states (output embedding tied to wte)."""
@@ -229,7 +237,8 @@ class GPT(nn.Module):
 
     def gate_logit(self, h_last: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """logit p(show) for a batch: h_last (B, C) and gate_features(...) (B, 4)."""
-        return self.gate(h_last, features)
+        out: torch.Tensor = self.gate(h_last, features)
+        return out
 
 
 def init_gate(gate: Gate, scale: float, threshold: float) -> None:
