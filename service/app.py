@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,7 +39,10 @@ from service.tabby import endpoints as tabby_endpoints
 from service.training import endpoints as training_endpoints
 from service.users import endpoints as user_endpoints
 
-VERSION = "0.1.0"
+try:  # the installed package's version (pyproject.toml), the one place it is written
+    VERSION = importlib.metadata.version("tabloop")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "0+unknown"
 
 
 class RequestMetrics:

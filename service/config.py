@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.policy.defaults import DEFAULT_STOP_LOGPROB, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+
 
 class Settings(BaseSettings):
     """Everything a tabloop process can be told.
@@ -72,11 +74,11 @@ class Settings(BaseSettings):
 
     # Serving: sampling temperature and nucleus (the logged log-probs are of exactly this
     # distribution), context caps in characters, and the largest max_new_tokens allowed.
-    temperature: float = Field(0.7, gt=0, le=2)
-    top_p: float | None = Field(0.95, gt=0, le=1)
+    temperature: float = Field(DEFAULT_TEMPERATURE, gt=0, le=2)
+    top_p: float | None = Field(DEFAULT_TOP_P, gt=0, le=1)
     # The confidence stop: a completion ends before the first token whose log-prob is below
     # this (so it shows the part the model is sure of); -inf samples to the end of the line.
-    stop_logprob: float = Field(-1.0, le=0)
+    stop_logprob: float = Field(DEFAULT_STOP_LOGPROB, le=0)
     max_prefix_chars: int = Field(4096, ge=16)
     max_suffix_chars: int = Field(1024, ge=0)
     max_new_tokens_limit: int = Field(64, ge=1, le=256)

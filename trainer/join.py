@@ -23,7 +23,17 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from service.rewards.core import Feedback, RewardSpec, RolloutInfo, finalize_at
+# What the join holds per rollout (SUGGESTION_EVENTS). code_settled is not among them: the reward
+# never reads it, so it neither moves a rollout's due time nor counts as late (docs/REWARD.md). A
+# view is: arriving after the reward is final, it would have turned an unviewed rollout into an
+# ignored one.
+from service.rewards.core import (
+    SUGGESTION_EVENTS,
+    Feedback,
+    RewardSpec,
+    RolloutInfo,
+    finalize_at,
+)
 from service.rewards.store import reward_from_db, rollout_info
 from service.stream.consumer import Record
 from service.stream.topics import FEEDBACK, ROLLOUTS, is_user_purged
@@ -31,11 +41,6 @@ from service.tables import rewards, rollouts, utcnow
 from trainer.metrics import BAD_RECORDS, LATE_EVENTS, PURGED_ROLLOUTS, REWARDS_FINALIZED
 
 log = logging.getLogger(__name__)
-
-# What the join holds per rollout. code_settled is not among them: the reward never reads it, so
-# it neither moves a rollout's due time nor counts as late (docs/REWARD.md). A view is: arriving
-# after the reward is final, it would have turned an unviewed rollout into an ignored one.
-SUGGESTION_EVENTS = ("view", "accept", "reject", "code_retained")
 
 
 @dataclass

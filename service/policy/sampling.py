@@ -36,15 +36,15 @@ import torch
 from torch.nn import functional as F
 
 from service.policy.context import MIN_PREFIX_TOKENS, context_overhead, prepare_context
+from service.policy.defaults import (
+    DEFAULT_MAX_CONTEXT_TOKENS,
+    DEFAULT_STOP_LOGPROB,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+)
 from service.policy.model import GPT, KVCache, RaggedKVCache, gate_features
 from service.policy.tokenizer import CodeTokenizer
 
-DEFAULT_TEMPERATURE = 0.7  # serving default; the gate is fitted for it
-DEFAULT_TOP_P = 0.95  # serving default nucleus
-DEFAULT_MAX_CONTEXT_TOKENS = 96  # prefix tokens seen when serving: same exact match as 160 here
-# the confidence stop: a completion ends before the first token (after the healed text) the model
-# gives a log-prob below this, so what is shown is the part it is sure of (docs/MODEL.md)
-DEFAULT_STOP_LOGPROB = -1.0
 # stop_reason of a request in a language the policy was not trained on: no model call, nothing
 # sampled, an abstention the policy did not choose (the trainer never trains on it)
 STOP_LANGUAGE = "language"
