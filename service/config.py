@@ -10,6 +10,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.policy.defaults import DEFAULT_STOP_LOGPROB, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
+# The default of trainer_max_share: above any one honest person's share of the simulation's
+# requests (at most a tenth of them), so it binds on outliers: two people sending ten times as
+# much as anyone else hold 15% of a batch each instead of 28% (docs/RELIABILITY.md).
+DEFAULT_MAX_SHARE = 0.15
+
 
 class Settings(BaseSettings):
     """Everything a tabloop process can be told.
@@ -98,7 +103,7 @@ class Settings(BaseSettings):
     trainer_canary_min_rollouts: int | None = Field(None, ge=1)
     # The most of a training batch's weight one person (user_id) or one API key may hold: rows
     # of anyone above it are weighted down to it (trainer/caps.py). 1: no cap.
-    trainer_max_share: float = Field(0.25, gt=0, le=1)
+    trainer_max_share: float = Field(DEFAULT_MAX_SHARE, gt=0, le=1)
     # Where `tabloop train` reaches the API, and its deploy-scoped key (tabloop up makes its own).
     trainer_api_url: str | None = None
     trainer_api_key: str | None = None

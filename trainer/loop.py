@@ -25,7 +25,7 @@ import sqlalchemy as sa
 import torch
 from kafka.errors import KafkaError
 
-from service.config import Settings
+from service.config import DEFAULT_MAX_SHARE, Settings
 from service.db import StandbyLock, blob_transaction
 from service.events.settled import CODE_SETTLED, settled_texts
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
@@ -113,7 +113,7 @@ class TrainerConfig:
     gate_fraction: float = 0.2  # share of a batch held back to estimate the candidate's reward
     staleness: int = 3  # train on rollouts of versions seen in the last N deployments
     # the most of a batch's weight one person or one API key may hold (trainer/caps.py)
-    max_share: float = 0.25
+    max_share: float = DEFAULT_MAX_SHARE
     canary_fraction: float = 0.1  # share of users the candidate gets first
     canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(2000, 3600.0, 500))
     gate: GateConfig = field(default_factory=GateConfig)
