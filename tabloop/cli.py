@@ -186,7 +186,7 @@ def _start_trainer(
     settings: Settings, url: str, token: str, stop: threading.Event
 ) -> threading.Thread:
     from service.db import make_engine
-    from trainer.deploy import ServiceClient
+    from trainer.client import ServiceClient
     from trainer.loop import Trainer
 
     def run() -> None:
@@ -300,7 +300,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from service.db import make_engine
-    from trainer.deploy import ServiceClient
+    from trainer.client import ServiceClient
     from trainer.loop import Trainer
 
     settings = _settings(args, "json")

@@ -50,16 +50,10 @@ from service.tables import (
     trainer_state,
     utcnow,
 )
+from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
 from trainer.caps import cap_weights, capped
-from trainer.deploy import (
-    ApiError,
-    ArmStats,
-    CanaryConfig,
-    ServiceClient,
-    arm_stats,
-    canary_verdict,
-)
-from trainer.gate import GateConfig, check, heldout_sample
+from trainer.client import ApiError, ServiceClient
+from trainer.deploy_check import CheckConfig, check, heldout_sample
 from trainer.join import Join
 from trainer.metrics import (
     BATCH_FILL,
@@ -116,7 +110,7 @@ class TrainerConfig:
     max_share: float = DEFAULT_MAX_SHARE
     canary_fraction: float = 0.1  # share of users the candidate gets first
     canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(2000, 3600.0, 500))
-    gate: GateConfig = field(default_factory=GateConfig)
+    deploy_check: CheckConfig = field(default_factory=CheckConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     heldout_rows: int = 24  # the gate's held-out code sample
     heldout_len: int = 128
@@ -399,7 +393,7 @@ class Trainer:
             gate_rows,
             torch.tensor([r.logprob_total for r in gate_rows]),
             torch.tensor([r.value for r in gate_rows]),
-            self.cfg.gate,
+            self.cfg.deploy_check,
             base=ref_model,
             weights=torch.tensor(self._weights(gate_rows)),
         )
@@ -419,7 +413,7 @@ class Trainer:
         self.state["last_gate"] = result.to_dict()
         GATE_RESULTS.labels(result="passed" if result.passed else "failed").inc()
         if not result.passed:
-            log.info("candidate from v%d failed the gate: %s", dep.live_version, result.reason)
+            log.info("candidate from v%d failed the deploy check: %s", dep.live_version, result.reason)
             self._remember("gate_failed", dep.live_version, result.reason)
             return
         with tempfile.TemporaryDirectory(prefix="tabloop-candidate-") as tmp:
@@ -539,7 +533,10 @@ class Trainer:
                 self.client.promote(dep.canary_version, reason=f"trainer: {why}")
             else:
                 self.client.rollback(reason=f"trainer: {why}")
-        except RuntimeError as e:  # an operator acted first (409): the next round sees it
+        except ApiError as e:
+            if e.status != 409:  # not an operator's move (the service is away): retried
+                raise
+            # an operator acted first: the next round sees what they did
             log.warning("canary %s of v%d not applied: %s", verdict, dep.canary_version, e)
             return
         log.info("canary v%d: %s (%s)", dep.canary_version, verdict, why)

@@ -546,7 +546,8 @@ def fit_gate_to_rewards(
     fades as the evidence grows. Fewer than `min_shown` verdicts: no fit.
 
     Unlike the policy-gradient steps it uses every verdict seen, not just this batch's, and is
-    not bounded by a clip: the deploy gate (trainer.gate) and the canary judge how far it moved.
+    not bounded by a clip: the deploy check (trainer.deploy_check) and the canary judge how far
+    it moved.
     With the language model frozen the replayed rollouts' inputs are exactly what the server
     computes. Returns the fit's figures; the gate is left unchanged when there is nothing to fit.
     """

@@ -38,7 +38,7 @@ from tests.service.codescan import (
     send_feedback,
     showing_checkpoint,
 )
-from trainer.deploy import ServiceClient
+from trainer.client import ServiceClient
 from trainer.join import Join
 from trainer.loop import Trainer, TrainerConfig
 

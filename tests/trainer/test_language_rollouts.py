@@ -19,7 +19,7 @@ from service.registry.store import bootstrap, current_deployment
 from service.rewards.core import RewardSpec
 from service.tables import rewards, utcnow
 from tests.service.conftest import make_settings
-from trainer.deploy import ServiceClient
+from trainer.client import ServiceClient
 from trainer.join import Join
 from trainer.loop import Trainer, TrainerConfig
 

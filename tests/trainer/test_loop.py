@@ -28,8 +28,9 @@ from service.registry.store import bootstrap
 from service.tables import deployments, policies, rewards, rollouts
 from tests.service.conftest import RunningService, make_settings
 from tests.support.procs import stop_process
-from trainer.deploy import CanaryConfig, ServiceClient
-from trainer.gate import GateConfig
+from trainer.canary import CanaryConfig
+from trainer.client import ServiceClient
+from trainer.deploy_check import CheckConfig
 from trainer.loop import Trainer, TrainerConfig, lineage_root
 from trainer.update import UpdateConfig
 
@@ -134,7 +135,7 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
         canary=CanaryConfig(
             min_rollouts=20, timeout_s=60, reward_tolerance=1.0, accept_tolerance=1.0
         ),
-        gate=GateConfig(
+        deploy_check=CheckConfig(
             max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
         ),
         poll_timeout_s=0.2,

@@ -18,7 +18,7 @@ from service.registry.store import bootstrap
 from service.tables import trainer_state
 from tests.service.conftest import make_settings
 from tests.support.postgres import PostgresServer
-from trainer.deploy import ServiceClient
+from trainer.client import ServiceClient
 from trainer.loop import Trainer
 
 pytestmark = pytest.mark.integration  # its own PostgreSQL

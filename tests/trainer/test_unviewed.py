@@ -22,7 +22,7 @@ from service.stream.consumer import Record
 from service.stream.topics import ROLLOUTS, encode
 from service.tables import deployments, rewards, rollouts, utcnow
 from tests.service.conftest import make_settings
-from trainer.deploy import ServiceClient
+from trainer.client import ServiceClient
 from trainer.join import Join
 from trainer.loop import Trainer
 

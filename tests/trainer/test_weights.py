@@ -1,4 +1,4 @@
-"""Row weights (trainer/caps.py) in the update, the settled-text term and the deploy gate: a
+"""Row weights (trainer/caps.py) in the update, the settled-text term and the deploy check: a
 capped person's rows count for their weight, no more."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from service.policy.model import GPT
 from service.policy.sampling import Completion, complete
 from service.policy.tokenizer import CodeTokenizer
-from trainer.gate import snis
+from trainer.deploy_check import snis
 from trainer.settled import settled_nll, settled_targets
 from trainer.update import Batch, UpdateConfig, advantages, pg_loss, weighted_advantages
 

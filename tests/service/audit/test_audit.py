@@ -20,7 +20,7 @@ from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FIL
 from service.tables import audit_log, deployments, utcnow
 from tests.service.auth.test_route_matrix import endpoints
 from tests.service.registry.test_registry import upload
-from trainer.deploy import ServiceClient
+from trainer.client import ServiceClient
 
 
 @dataclass
@@ -231,7 +231,7 @@ def test_the_bootstrap_is_recorded_as_done_by_the_service(served: Any) -> None:
 def test_the_trainers_deploys_are_recorded_with_its_key(
     served: Any, key_factory: Any, tiny_checkpoint_factory: Any
 ) -> None:
-    """The trainer acts over HTTP with its deploy-scoped key (trainer/deploy.py)."""
+    """The trainer acts over HTTP with its deploy-scoped key (trainer/client.py)."""
     token = key_factory("deploy", name="trainer")
     client = ServiceClient(served.url, token)
     mark = last_id(served)

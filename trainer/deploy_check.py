@@ -1,4 +1,5 @@
-"""The gate before deploy: no regression on held-out code, no drop in estimated reward.
+"""The deploy check, before a candidate is deployed: no regression on held-out code, no drop in
+estimated reward.
 
 Two checks on a candidate against the live policy:
 - held-out code likelihood (mean cross-entropy on a fixed sample of generic code) may not rise
@@ -29,7 +30,7 @@ from service.policy.tokenizer import CodeTokenizer
 
 
 @dataclass(frozen=True)
-class GateConfig:
+class CheckConfig:
     max_heldout_regression: float = 0.05  # nats/token the candidate may lose on held-out code
     max_heldout_regression_base: float = 0.15  # ... and in all, against the base policy
     max_reward_drop: float = 0.02  # estimated reward the candidate may lose against live
@@ -39,7 +40,7 @@ class GateConfig:
 
 
 @dataclass(frozen=True)
-class GateResult:
+class CheckResult:
     passed: bool
     reason: str
     heldout_loss_live: float
@@ -98,10 +99,10 @@ def check(
     actions: Sequence[Action],
     behaviour_logp: torch.Tensor,
     rewards: torch.Tensor,
-    cfg: GateConfig,
+    cfg: CheckConfig,
     base: GPT | None = None,
     weights: torch.Tensor | None = None,
-) -> GateResult:
+) -> CheckResult:
     """`weights`: the logged rollouts' weights (trainer/caps.py); None: all 1."""
     loss_live = heldout_loss(live, heldout)
     loss_cand = heldout_loss(candidate, heldout)
@@ -113,8 +114,8 @@ def check(
     # what the weights alone leave of the sample: len(actions) when they are all equal
     sample = float(v.sum() ** 2 / (v * v).sum()) if len(actions) else 0.0
 
-    def result(passed: bool, reason: str) -> GateResult:
-        return GateResult(
+    def result(passed: bool, reason: str) -> CheckResult:
+        return CheckResult(
             passed,
             reason,
             heldout_loss_live=loss_live,

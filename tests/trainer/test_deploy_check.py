@@ -15,8 +15,8 @@ from service.policy.checkpoint import load_checkpoint
 from service.policy.model import GPT
 from service.policy.sampling import Completion, complete
 from service.policy.tokenizer import CodeTokenizer
-from trainer.deploy import ArmStats, CanaryConfig, arm_stats, canary_verdict
-from trainer.gate import GateConfig, check, heldout_sample, snis
+from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
+from trainer.deploy_check import CheckConfig, check, heldout_sample, snis
 from trainer.update import Batch, UpdateConfig, make_optimizer, update
 
 CFG = CanaryConfig(
@@ -146,7 +146,7 @@ def test_snis_empty() -> None:
 
 
 # --- the whole check on a real (tiny) policy ---------------------------------------------
-GATE = GateConfig()
+GATE = CheckConfig()
 BASE = Path(__file__).resolve().parents[2] / "service" / "policy" / "base"
 PROMPT = "import json\n\n\ndef load(path):\n    with open(path) as f:\n        return json."
 
