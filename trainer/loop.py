@@ -413,7 +413,9 @@ class Trainer:
         self.state["last_gate"] = result.to_dict()
         GATE_RESULTS.labels(result="passed" if result.passed else "failed").inc()
         if not result.passed:
-            log.info("candidate from v%d failed the deploy check: %s", dep.live_version, result.reason)
+            log.info(
+                "candidate from v%d failed the deploy check: %s", dep.live_version, result.reason
+            )
             self._remember("gate_failed", dep.live_version, result.reason)
             return
         with tempfile.TemporaryDirectory(prefix="tabloop-candidate-") as tmp:
