@@ -86,6 +86,7 @@ def setup_logging(level: str, fmt: LogFormat, stream: IO[str] | None = None) -> 
     root.addHandler(handler)
     root.setLevel(level)
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # one line a plugin
 
 
 def request_id_from(value: str | None) -> str:

@@ -328,10 +328,22 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _with_engine(settings: Settings, fn: Callable[[sa.Connection], T]) -> T:
+    """Run `fn` in one transaction on the database; a database that was never migrated is a
+    clear message and exit status 2, not a traceback."""
+    from sqlalchemy import inspect
+
     from service.db import make_engine
 
     engine = make_engine(settings)
     try:
+        if not inspect(engine).has_table("alembic_version"):
+            where = engine.url.render_as_string(hide_password=True)
+            print(
+                f"tabloop: the database {where} has no tabloop tables yet: run `tabloop db "
+                "upgrade` first (`tabloop up` migrates by itself)",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
         with engine.begin() as conn:
             return fn(conn)
     finally:

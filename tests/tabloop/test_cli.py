@@ -64,6 +64,17 @@ def test_keys_create_prints_the_token_alone(tmp_path: Path) -> None:
     assert run(["keys", "revoke", "nosuchkey"], env).returncode == 1
 
 
+def test_keys_on_a_database_never_migrated_say_what_to_run(tmp_path: Path) -> None:
+    """A newcomer's first command on a fresh data directory: a clear message and status 2."""
+    env = env_for(tmp_path)
+    for args in (["keys", "create", "--scope", "ingest", "--name", "x"], ["keys", "list"]):
+        out = run(args, env)
+        assert out.returncode == 2, out.stderr
+        assert "tabloop db upgrade" in out.stderr and "Traceback" not in out.stderr
+        assert out.stdout == ""
+    assert "alembic.runtime.plugins" not in run(["db", "upgrade"], env).stderr
+
+
 def test_keys_create_no_train_makes_a_privacy_mode_key(tmp_path: Path) -> None:
     env = env_for(tmp_path)
     assert run(["db", "upgrade"], env).returncode == 0
