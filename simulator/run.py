@@ -152,6 +152,8 @@ async def fetch_spec(client: Client) -> tuple[dict[str, Any], str]:
         return RewardSpec.sim().to_dict(), "sim defaults (the key may not read /admin/reward-spec)"
     if status == 401:
         raise ApiError(401, "the API key was refused")
+    if status == 0:  # no answer, retries included
+        raise ApiError(0, f"no answer from {client.api} (is the service running there?)")
     raise ApiError(status, f"GET /admin/reward-spec answered {status}: {body}")
 
 
@@ -770,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(simulate(cfg, console))
     except ApiError as e:
-        print(f"tabloop simulate: the service refused: {e}", file=sys.stderr)
+        why = e.message if e.status == 0 else f"the service refused: {e}"
+        print(f"tabloop simulate: {why}", file=sys.stderr)
         return 1
     except CorpusError as e:
         print(f"tabloop simulate: {e}", file=sys.stderr)

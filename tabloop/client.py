@@ -58,6 +58,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
+        self.message = message
 
 
 def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float | None:
@@ -144,8 +145,9 @@ class Client:
         backoff_base_s: float = 0.2,
         backoff_cap_s: float = 10.0,
     ) -> None:
+        self.api = api.rstrip("/")
         self._http = httpx.AsyncClient(
-            base_url=api.rstrip("/"), timeout=timeout_s, headers={"Authorization": f"Bearer {key}"}
+            base_url=self.api, timeout=timeout_s, headers={"Authorization": f"Bearer {key}"}
         )
         self._rng = random.Random(None if seed is None else f"client:{seed}")
         self.max_attempts = max_attempts

@@ -454,3 +454,22 @@ def test_a_settled_event_says_what_stands_after_the_cursor(tmp_path: Path) -> No
     assert isinstance(event["after_seconds"], float) and event["after_seconds"] >= 0
     assert event["occurred_at"].endswith("Z")
     assert sim.settled_lines == {("mod.py", 2)} and sim.counters.settled == 1
+
+
+def test_a_service_that_never_answers_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """No service at the URL: after its retries the command says where it looked, not a
+    status of 0."""
+    import asyncio
+
+    from simulator.client import Client
+    from simulator.run import fetch_spec
+    from tabloop.client import ApiError
+
+    async def attempt() -> None:
+        async with Client("http://127.0.0.1:9/", "tlk_x_y", max_attempts=1) as client:
+            await fetch_spec(client)
+
+    with pytest.raises(ApiError) as err:
+        asyncio.run(attempt())
+    assert err.value.status == 0
+    assert err.value.message == "no answer from http://127.0.0.1:9 (is the service running there?)"
