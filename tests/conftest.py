@@ -100,8 +100,9 @@ INTEGRATION_FIXTURES = frozenset(
         "kafka_broker",  # Tansu
         "durable_kafka",  # Tansu + SeaweedFS
         # tests/service/conftest.py: the app served by uvicorn on a loopback port; `served` is
-        # also the name of the modules' own in simulator/test_run.py, tabloop/test_client.py and
-        # service/dashboard/test_dashboard_browser.py, which serve it too
+        # also the name of the modules' own in tests/simulator/test_run.py,
+        # tests/tabloop/test_client.py and tests/service/dashboard/test_dashboard_browser.py,
+        # which serve it too
         "service_factory",
         "service",
         "served",
