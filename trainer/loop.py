@@ -30,13 +30,11 @@ from service.db import StandbyLock, blob_transaction
 from service.events.settled import CODE_SETTLED, settled_texts
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
 from service.policy.model import GPT
-from service.policy.sampling import STOP_LANGUAGE
 from service.policy.tokenizer import CodeTokenizer
-from service.privacy import trainable
 from service.registry.store import Deployment, artifact_files, current_deployment, write_files
 from service.retention import code_cutoff, with_code
 from service.rewards.core import UNVIEWED
-from service.rewards.store import current_spec
+from service.rewards.store import current_spec, trainable_reward
 from service.stream.consumer import open_consumer
 from service.stream.topics import FEEDBACK, ROLLOUTS
 from service.tables import TRAINER_STATE_NAME as STATE_NAME
@@ -95,7 +93,7 @@ _ROLLOUT_ROWS = (
         rewards.c.value,
     )
     .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
-    .where(rollouts.c.stop_reason != STOP_LANGUAGE, rewards.c.outcome != UNVIEWED, trainable())
+    .where(trainable_reward())
 )
 
 

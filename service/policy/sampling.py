@@ -41,13 +41,11 @@ from service.policy.defaults import (
     DEFAULT_STOP_LOGPROB,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
+    STOP_LANGUAGE,
 )
 from service.policy.model import GPT, KVCache, RaggedKVCache, gate_features
 from service.policy.tokenizer import CodeTokenizer
 
-# stop_reason of a request in a language the policy was not trained on: no model call, nothing
-# sampled, an abstention the policy did not choose (the trainer never trains on it)
-STOP_LANGUAGE = "language"
 NEG_INF = float("-inf")
 
 

@@ -12,15 +12,27 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from service.policy.defaults import STOP_LANGUAGE
+from service.privacy import trainable
 from service.rewards.core import (
     UNREWARDED_EVENTS,
+    UNVIEWED,
     Feedback,
     Reward,
     RewardSpec,
     RolloutInfo,
     compute_reward,
 )
-from service.tables import events, reward_specs, rollouts, utcnow
+from service.tables import events, reward_specs, rewards, rollouts, utcnow
+
+
+def trainable_reward() -> sa.ColumnElement[bool]:
+    """SQL over `rewards` joined with `rollouts`: a reward the trainer may train on. Not a
+    request in a language the policy was not trained on (the policy had no choice), not a
+    suggestion nobody viewed (no evidence either way), not a rollout in privacy mode."""
+    return sa.and_(
+        rollouts.c.stop_reason != STOP_LANGUAGE, rewards.c.outcome != UNVIEWED, trainable()
+    )
 
 
 def default_spec(profile: str) -> RewardSpec:

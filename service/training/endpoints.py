@@ -10,8 +10,9 @@ from fastapi import APIRouter
 
 from service.audit.recorder import AuditEntry
 from service.deps import ADMIN, AdminKey, CtxDep, audited
+from service.rewards.store import trainable_reward
 from service.tables import TRAINER_STATE_NAME as STATE_NAME
-from service.tables import rewards, trainer_state, utcnow
+from service.tables import rewards, rollouts, trainer_state, utcnow
 
 router = APIRouter(prefix="/admin/training", tags=["admin: training"])
 
@@ -39,8 +40,10 @@ _STATUS: dict[int | str, dict[str, Any]] = {
 
 def _status(conn: sa.Connection) -> dict[str, Any]:
     row = conn.execute(sa.select(trainer_state).where(trainer_state.c.name == STATE_NAME)).first()
-    untrained = conn.execute(
-        sa.select(sa.func.count()).select_from(rewards).where(rewards.c.trained_at.is_(None))
+    untrained = conn.execute(  # rewards the trainer may still use (trainable_reward)
+        sa.select(sa.func.count())
+        .select_from(rewards.join(rollouts, rollouts.c.suggestion_id == rewards.c.suggestion_id))
+        .where(rewards.c.trained_at.is_(None), trainable_reward())
     ).scalar_one()
     finalized = conn.execute(sa.select(sa.func.count()).select_from(rewards)).scalar_one()
     late = conn.execute(

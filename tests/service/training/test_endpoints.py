@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
+from datetime import UTC, datetime
+
 import httpx
+import sqlalchemy as sa
+
+from service.tables import rewards, rollouts
 
 
 def test_pause_and_resume(client: httpx.Client) -> None:
@@ -21,3 +27,59 @@ def test_training_needs_admin(service: object, key_factory: object) -> None:
         headers={"Authorization": f"Bearer {token}"},
     )
     assert r.status_code == 403
+
+
+def test_untrained_counts_only_what_the_trainer_may_use(
+    client: httpx.Client, engine: sa.Engine
+) -> None:
+    """`rewards_untrained` leaves out the rewards the trainer never trains on: a suggestion
+    nobody viewed, a request in a language the policy was not trained on, privacy mode."""
+    now = datetime.now(UTC)
+    cases = {  # suggestion -> (stop_reason, outcome, no_train, trained)
+        "usable": ("newline", "accepted", False, False),
+        "trained": ("newline", "rejected", False, True),
+        "unviewed": ("newline", "unviewed", False, False),
+        "language": ("language", "abstained", False, False),
+        "private": ("newline", "rejected", True, False),
+    }
+    with engine.begin() as conn:
+        for name, (stop, outcome, no_train, trained) in cases.items():
+            sid = str(uuid.uuid5(uuid.NAMESPACE_URL, name))
+            conn.execute(
+                rollouts.insert().values(
+                    suggestion_id=sid,
+                    user_id="u-1",
+                    policy_version=1,
+                    created_at=now,
+                    context_token_ids=[1],
+                    heal_text="",
+                    token_ids=[2],
+                    token_logprobs=[-0.1],
+                    text="x",
+                    shown=outcome != "abstained",
+                    gate_prob_show=0.5,
+                    decision_logprob=-0.7,
+                    logprob_total=-0.8,
+                    temperature=0.7,
+                    stop_reason=stop,
+                    latency_ms=1.0,
+                    no_train=no_train,
+                )
+            )
+            conn.execute(
+                rewards.insert().values(
+                    suggestion_id=sid,
+                    user_id="u-1",
+                    policy_version=1,
+                    rollout_created_at=now,
+                    value=0.5,
+                    outcome=outcome,
+                    components={},
+                    spec_version=1,
+                    finalized_at=now,
+                    trained_at=now if trained else None,
+                )
+            )
+    status = client.get("/admin/training").json()
+    assert status["rewards_finalized"] == 5
+    assert status["rewards_untrained"] == 1
