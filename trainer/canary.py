@@ -21,6 +21,7 @@ class ArmStats:
     accepted: float
     mean_reward: float
     reward_var: float = 0.0  # variance of the per-rollout rewards
+    rows: int | None = None  # finalized rollouts counted, when `n` is an effective size
 
     @property
     def accept_rate(self) -> float:
@@ -57,7 +58,7 @@ def arm_stats(
     # an arm without capping gives back the plain counts exactly (no float drift)
     if all(abs(wi - 1.0) < 1e-9 for wi in w):
         return ArmStats(len(values), len(shown_w), int(round(accepted_w)), mean, var)
-    return ArmStats(_effective(w), shown, rate * shown, mean, var)
+    return ArmStats(_effective(w), shown, rate * shown, mean, var, rows=len(values))
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,9 @@ def canary_verdict(
                 f"{canary.shown:.0f}/{cfg.min_shown} shown"
             )
         return "rollback", (
-            f"only {canary.n:.0f} canary rollouts ({canary.shown:.0f} shown) in "
-            f"{cfg.timeout_s:.0f}s"
+            f"only {canary.n:.0f} canary rollouts ({canary.shown:.0f} shown"
+            + ("" if canary.rows is None else f"; effective, of {canary.rows} under the caps")
+            + f") in {cfg.timeout_s:.0f}s"
         )
     if canary.shown == 0:
         return "rollback", "the canary showed nothing (collapse)"

@@ -25,7 +25,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -317,13 +317,18 @@ def pretrain(cfg: PretrainConfig) -> Path:
     train_paths, heldout_paths = split_files(cfg)
     languages = languages_of_paths(train_paths)
     train_texts = [read_text(p) for p in train_paths]
+    init = cfg.init
+    if resuming and init is None:  # a run started with --init resumes from the same checkpoint
+        saved = json.loads((state_dir / "state.json").read_text()).get("config", {}).get("init")
+        init = None if saved is None else Path(saved)
+    cfg = replace(cfg, init=init)  # what the state and the summary record
     init_model, init_info = None, None
-    if cfg.init is not None:
-        init_model, tokenizer, init_info = from_checkpoint(cfg.init, fim=cfg.fim_rate > 0)
+    if init is not None:
+        init_model, tokenizer, init_info = from_checkpoint(init, fim=cfg.fim_rate > 0)
     if resuming:
         tokenizer = CodeTokenizer.from_json((state_dir / "tokenizer.json").read_text())
     elif init_model is not None:
-        log.info("continuing from %s (version %s)", cfg.init, init_info and init_info["version"])
+        log.info("continuing from %s (version %s)", init, init_info and init_info["version"])
     else:
         t0 = time.perf_counter()
         tokenizer = train_tokenizer(train_texts, cfg.vocab_size, fim=cfg.fim_rate > 0)
@@ -338,7 +343,8 @@ def pretrain(cfg: PretrainConfig) -> Path:
         len(heldout.tokens),
         ", ".join(languages) or "none named by an extension",
     )
-    block = cfg.model.block_size
+    arch = cfg.model if init_model is None else init_model.config  # --init: the checkpoint's
+    block = arch.block_size
     if len(train.tokens) <= block + 1:
         raise CorpusError(
             f"the training files hold {len(train.tokens)} tokens: fewer than one window of "
@@ -348,7 +354,6 @@ def pretrain(cfg: PretrainConfig) -> Path:
     if cfg.fim_rate > 0:
         fim = FimSource(tokenizer, train_texts, train.tokens, train.starts, cfg.fim_max_new_tokens)
 
-    arch = cfg.model if init_model is None else init_model.config
     mcfg = ModelConfig.from_dict(dict(arch.to_dict(), vocab_size=tokenizer.vocab_size))
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg)

@@ -9,7 +9,8 @@ the queue. Each request keeps its own random generator, and its logged log-proba
 those of its own sampling distribution (tested against single-request scoring to 1e-4).
 
 A batch that fails is sampled again one request at a time, so an error stays with the request
-that caused it.
+that caused it (a retried request draws on from where its generator stopped, so it may not
+sample what it would have alone; its logged log-probabilities are still its own).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Batcher:
         self.max_batch = max_batch
         self.wait_s = wait_ms / 1000
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._closed = False
         self._threads = [
             threading.Thread(target=self._run, name=f"inference-{i}", daemon=True)
             for i in range(threads)
@@ -65,14 +67,18 @@ class Batcher:
             t.start()
 
     async def sample(self, policy: LoadedPolicy, prompt: Prompt) -> tuple[Completion, float]:
-        """The completion and its latency in ms (waiting in the queue included)."""
+        """The completion and its model time in ms (the batch's; the wait before it is the
+        `tabloop_complete_queue_seconds` metric). RuntimeError once closed."""
+        if self._closed:
+            raise RuntimeError("inference is shut down")
         loop = asyncio.get_running_loop()
         job = _Job(policy, prompt, loop.create_future(), loop)
         self._jobs.put(job)
         return await job.future
 
     def close(self) -> None:
-        """Finish what is queued, then stop the threads."""
+        """Finish what is queued, then stop the threads; later requests are refused."""
+        self._closed = True
         for _ in self._threads:
             self._jobs.put(None)
         for t in self._threads:
@@ -152,4 +158,7 @@ def _resolve(job: _Job, completion: Completion | None, started: float) -> None:
         else:
             job.future.set_result((completion, model_s * 1000))
 
-    job.loop.call_soon_threadsafe(settle)
+    try:
+        job.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the request's event loop is gone (shutting down): nobody waits
+        log.debug("a completion finished after its event loop closed")

@@ -134,3 +134,11 @@ def test_close_finishes_what_is_queued(tiny_model: GPT, tiny_tokenizer: CodeToke
     results = asyncio.run(run())
     batcher.close()
     assert len(results) == 10 and all(ms >= 0 for _, ms in results)
+
+
+def test_a_closed_batcher_refuses(tiny_model: GPT, tiny_tokenizer: CodeTokenizer) -> None:
+    batcher = Batcher(SAMPLING, threads=1, max_batch=4, wait_ms=0)
+    batcher.close()
+    policy = LoadedPolicy(1, tiny_model, tiny_tokenizer)
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(batcher.sample(policy, Prompt("x = ", "", 4)))
