@@ -60,8 +60,12 @@ class ServiceClient:
             )
         )
 
-    def rollback(self, reason: str) -> dict[str, Any]:
-        return self._ok(self._http.post("/admin/rollback", json={"reason": reason}))
+    def rollback(self, reason: str, canary_version: int | None = None) -> dict[str, Any]:
+        """Roll back; with `canary_version`, only that canary (a 409 if it no longer is one)."""
+        body: dict[str, Any] = {"reason": reason}
+        if canary_version is not None:
+            body["canary_version"] = canary_version
+        return self._ok(self._http.post("/admin/rollback", json=body))
 
     def close(self) -> None:
         self._http.close()

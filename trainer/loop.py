@@ -532,7 +532,7 @@ class Trainer:
             if verdict == "promote":
                 self.client.promote(dep.canary_version, reason=f"trainer: {why}")
             else:
-                self.client.rollback(reason=f"trainer: {why}")
+                self.client.rollback(reason=f"trainer: {why}", canary_version=dep.canary_version)
         except ApiError as e:
             if e.status != 409:  # not an operator's move (the service is away): retried
                 raise

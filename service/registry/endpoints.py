@@ -92,6 +92,16 @@ class ReasonIn(BaseModel):
     reason: str | None = Field(None, max_length=2000)
 
 
+class RollbackIn(ReasonIn):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"reason": "accept rate fell", "canary_version": 7}]}
+    )
+
+    # roll back only if this version is still the canary (409 otherwise): a caller that judged
+    # a canary never rolls back the live version after someone else promoted or withdrew it
+    canary_version: int | None = Field(None, ge=1)
+
+
 def _policy_out(row: Any, with_manifest: bool = False) -> PolicyOut:
     return PolicyOut(
         version=row.version,
@@ -239,12 +249,16 @@ def promote_policy(
 def rollback(
     audit: Annotated[AuditEntry, audited("rollback", *DEPLOY)],
     ctx: CtxDep,
-    body: ReasonIn | None = None,
+    body: RollbackIn | None = None,
 ) -> DeploymentOut:
-    """Withdraw the canary if there is one; otherwise put the previous live version back."""
+    """Withdraw the canary if there is one; otherwise put the previous live version back. With
+    `canary_version`: withdraw that canary, or 409 if it is no longer the canary."""
     with ctx.engine.begin() as conn:
         d = store.rollback(
-            conn, reason=body.reason if body else None, api_key_id=audit.actor.key_id
+            conn,
+            reason=body.reason if body else None,
+            api_key_id=audit.actor.key_id,
+            canary_version=body.canary_version if body else None,
         )
         withdrawn = store.rolled_back_version(conn, d)
         audit.record(

@@ -258,13 +258,20 @@ def promote(
 
 
 def rollback(
-    conn: sa.Connection, *, reason: str | None = None, api_key_id: str | None = None
+    conn: sa.Connection,
+    *,
+    reason: str | None = None,
+    api_key_id: str | None = None,
+    canary_version: int | None = None,
 ) -> Deployment:
-    """With a canary out: withdraw it. Otherwise: put the previous live version back."""
+    """With a canary out: withdraw it. Otherwise: put the previous live version back. With
+    `canary_version`, only withdraw that canary (Conflict if it is not the canary now)."""
     _lock_timeline(conn)
     current = current_deployment(conn)
     if current is None:
         raise Conflict("nothing is deployed")
+    if canary_version is not None and current.canary_version != canary_version:
+        raise Conflict(f"version {canary_version} is not the canary now: nothing rolled back")
     if current.canary_version is not None:
         _set_status(conn, current.canary_version, "rolled_back")
         return _append(conn, "rollback", current.live_version, None, 0.0, reason, api_key_id)

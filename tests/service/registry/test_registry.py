@@ -111,6 +111,10 @@ def test_register_canary_promote_rollback(
     statuses = {p["version"]: p["status"] for p in deploy.get("/admin/policies").json()["policies"]}
     assert statuses == {1: "retired", 2: "live"}
 
+    # a judge of canary v2 that acts late: v2 is live now, so nothing is rolled back
+    late = deploy.post("/admin/rollback", json={"reason": "late verdict", "canary_version": 2})
+    assert late.status_code == 409 and "not the canary" in late.text
+    assert deploy.get("/admin/policies").json()["deployment"]["live_version"] == 2
     d = deploy.post("/admin/rollback", json={"reason": "accept rate fell"}).json()
     assert d["live_version"] == 1 and d["action"] == "rollback"
     wait_for_routing(served, d["id"])
