@@ -13,12 +13,16 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     StrictFloat,
     StrictInt,
     StrictStr,
     TypeAdapter,
     ValidationError,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import core_schema
 
 EVENT_TYPES = ("view", "accept", "reject", "code_retained", "code_settled", "model_switch", "churn")
 SCHEMA_VERSION = 1
@@ -63,8 +67,29 @@ def _no_nul(value: str) -> str:
 
 UUIDStr = Annotated[StrictStr, Field(max_length=64), AfterValidator(_canonical_uuid)]
 Timestamp = Annotated[StrictStr, AfterValidator(_rfc3339)]
-# Client text that is stored: PostgreSQL refuses NUL in text and JSONB, so it is refused here.
-NoNul = AfterValidator(_no_nul)
+
+
+NO_NUL_PATTERN = "^[^\\u0000]*$"  # the OpenAPI schema's word for "no NUL characters"
+
+
+class _NoNul:
+    """Client text that is stored: PostgreSQL refuses NUL in text and JSONB, so it is refused
+    here, and the OpenAPI schema says so (a pattern), so that schema-valid input is accepted."""
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(_no_nul, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        out = handler(schema)
+        out["pattern"] = NO_NUL_PATTERN
+        return out
+
+
+NoNul = _NoNul()
 UserId = Annotated[StrictStr, Field(min_length=1, max_length=256), NoNul]
 ModelName = Annotated[StrictStr, Field(min_length=1, max_length=200), NoNul]
 SETTLED_TEXT_MAX_CHARS = 1000

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from service.completions.schemas import _integral
-from service.events.schemas import NoNul
+from service.events.schemas import NO_NUL_PATTERN, NoNul
 
 MAX_STOP = 16  # OpenAI takes 4; Continue sends up to about 10 to servers other than OpenAI's
 
@@ -71,10 +71,10 @@ Prompt = Annotated[
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "string", "maxLength": 1_000_000},
+                {"type": "string", "maxLength": 1_000_000, "pattern": NO_NUL_PATTERN},
                 {
                     "type": "array",
-                    "items": {"type": "string", "maxLength": 1_000_000},
+                    "items": {"type": "string", "maxLength": 1_000_000, "pattern": NO_NUL_PATTERN},
                     "minItems": 1,
                     "maxItems": 1,
                 },
