@@ -376,7 +376,7 @@
       ["rewards not yet trained on", int(t.rewards_untrained)],
       ["late events", int(t.late_events)],
       ["last update", info.last_update ? ago(info.last_update.at) : "none yet"],
-      ["last gate", gate ? `${gate.passed ? "passed" : "failed"}: ${gate.reason}` : "none yet"],
+      ["last deploy check", gate ? `${gate.passed ? "passed" : "failed"}: ${gate.reason}` : "none yet"],
     ];
     $("trainer").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
     $("pause").hidden = t.paused;
