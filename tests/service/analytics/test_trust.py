@@ -11,7 +11,7 @@ import httpx
 import sqlalchemy as sa
 
 from service.tables import TRAINER_STATE_NAME, api_keys, rollouts, trainer_state
-from tests.factories import event
+from tests.factories import event, rollout_row
 
 
 def z(at: datetime) -> str:
@@ -23,23 +23,9 @@ def rollout(engine: sa.Engine, *, user: str, key: str | None, shown: bool) -> st
     with engine.begin() as conn:
         conn.execute(
             rollouts.insert().values(
-                suggestion_id=sid,
-                user_id=user,
-                policy_version=1,
-                created_at=datetime.now(UTC),
-                context_token_ids=[1],
-                heal_text="",
-                token_ids=[2],
-                token_logprobs=[-0.1],
-                text="x" if shown else "",
-                shown=shown,
-                gate_prob_show=0.5,
-                decision_logprob=-0.7,
-                logprob_total=-0.8,
-                temperature=0.7,
-                stop_reason="newline",
-                latency_ms=1.0,
-                api_key_id=key,
+                **rollout_row(
+                    sid, user_id=user, text="x" if shown else "", shown=shown, api_key_id=key
+                )
             )
         )
     return sid

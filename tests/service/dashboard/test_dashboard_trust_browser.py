@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from service.tables import TRAINER_STATE_NAME, rollouts, trainer_state
-from tests.factories import event
+from tests.factories import event, rollout_row
 from tests.service.dashboard.test_dashboard_browser import (  # noqa: F401 (fixtures)
     browser_page,
     mode,
@@ -37,23 +37,7 @@ def test_refused_and_capped_people_are_listed(
     with engine.begin() as conn:  # served to another key
         conn.execute(
             rollouts.insert().values(
-                suggestion_id=sid,
-                user_id="u-mallory",
-                policy_version=1,
-                created_at=now,
-                context_token_ids=[1],
-                heal_text="",
-                token_ids=[2],
-                token_logprobs=[-0.1],
-                text="x",
-                shown=True,
-                gate_prob_show=0.5,
-                decision_logprob=-0.7,
-                logprob_total=-0.8,
-                temperature=0.7,
-                stop_reason="newline",
-                latency_ms=1.0,
-                api_key_id="other",
+                **rollout_row(sid, user_id="u-mallory", created_at=now, api_key_id="other")
             )
         )
         conn.execute(

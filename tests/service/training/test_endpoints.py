@@ -9,6 +9,7 @@ import httpx
 import sqlalchemy as sa
 
 from service.tables import rewards, rollouts
+from tests.factories import rollout_row
 
 
 def test_pause_and_resume(client: httpx.Client) -> None:
@@ -47,23 +48,13 @@ def test_untrained_counts_only_what_the_trainer_may_use(
             sid = str(uuid.uuid5(uuid.NAMESPACE_URL, name))
             conn.execute(
                 rollouts.insert().values(
-                    suggestion_id=sid,
-                    user_id="u-1",
-                    policy_version=1,
-                    created_at=now,
-                    context_token_ids=[1],
-                    heal_text="",
-                    token_ids=[2],
-                    token_logprobs=[-0.1],
-                    text="x",
-                    shown=outcome != "abstained",
-                    gate_prob_show=0.5,
-                    decision_logprob=-0.7,
-                    logprob_total=-0.8,
-                    temperature=0.7,
-                    stop_reason=stop,
-                    latency_ms=1.0,
-                    no_train=no_train,
+                    **rollout_row(
+                        sid,
+                        created_at=now,
+                        shown=outcome != "abstained",
+                        stop_reason=stop,
+                        no_train=no_train,
+                    )
                 )
             )
             conn.execute(
