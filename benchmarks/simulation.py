@@ -71,6 +71,12 @@ def main() -> int:
     p.add_argument("--mode", choices=["embedded", "full"], default="embedded")
     p.add_argument("--minutes", type=float, default=15)
     p.add_argument("--users", type=int, default=16)
+    p.add_argument(
+        "--trainers",
+        type=int,
+        default=1,
+        help="full mode: `tabloop train` processes, one consumer group (one leads and trains)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--baseline", type=Path, help="an offline baseline JSON to reuse")
@@ -185,19 +191,22 @@ def main() -> int:
                     logs,
                 )
             )
-            procs.append(
-                Proc(
-                    "train",
-                    [sys.executable, "-m", "tabloop.cli", "train"],
-                    {
-                        **env,
-                        "TABLOOP_METRICS_PORT": str(free_port()),
-                        "TABLOOP_TRAINER_API_KEY": trainer_key,
-                        "TABLOOP_TRAINER_API_URL": f"http://127.0.0.1:{port}",
-                    },
-                    logs,
+            for i in range(args.trainers):  # one consumer group; the first to lock leads
+                procs.append(
+                    Proc(
+                        "train" if i == 0 else f"train-{i + 1}",
+                        [sys.executable, "-m", "tabloop.cli", "train"],
+                        {
+                            **env,
+                            "TABLOOP_METRICS_PORT": str(free_port()),
+                            "TABLOOP_TRAINER_API_KEY": trainer_key,
+                            "TABLOOP_TRAINER_API_URL": f"http://127.0.0.1:{port}",
+                            # each its own checkpoint cache
+                            "TABLOOP_DATA_DIR": str(work / ("data" if i == 0 else f"data-{i + 1}")),
+                        },
+                        logs,
+                    )
                 )
-            )
         wait_ready(port, "/readyz", procs[0])
         print(
             f"{args.mode}: service on :{port}, logs in {logs}; simulating "

@@ -145,6 +145,28 @@ class StandbyLock:
             stop.wait(self.poll_s)
         return False
 
+    def try_acquire(self) -> bool:
+        """One attempt, without waiting: True if this process holds the lock now (it checks a
+        lock already held, raising if its connection died), False if another one does."""
+        if self.engine.dialect.name != "postgresql":
+            return True
+        if self._held:
+            self.check()
+            return True
+        try:
+            if self._conn is None:
+                self._conn = self.engine.connect()
+            self._held = bool(
+                self._conn.execute(
+                    sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}
+                ).scalar()
+            )
+            self._conn.commit()
+        except sa.exc.SQLAlchemyError:
+            self.release()
+            raise
+        return self._held
+
     def check(self) -> None:
         """Raise (an SQLAlchemyError) unless the lock is still held: a holder that lost its
         connection must stop acting, since a standby may already have taken over."""

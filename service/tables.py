@@ -123,6 +123,7 @@ outbox = sa.Table(
 )
 
 TRAINER_STATE_NAME = "trainer"  # the trainer's own row (heartbeat, paused flag, state)
+TRAINER_MEMBER_PREFIX = "member:"  # + host:pid: a join member's row (full mode, Kafka)
 
 trainer_state = sa.Table(
     "trainer_state",

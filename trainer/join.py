@@ -7,6 +7,12 @@ arrived out of order is missed — and writes it once (`rewards` keyed by sugges
 Pending state is rebuilt from the database after a restart, so consumer offsets can be
 committed as soon as a poll is processed.
 
+With Kafka, trainer processes form one consumer group and each joins the people whose
+partitions it holds (both topics are keyed by user id): on a rebalance a member drops what it
+held of the partitions taken from it (`drop`) and rebuilds the pending rollouts of those it is
+given from the database (`recover`). The `rewards` primary key makes a reward final once, even
+if a member evicted mid-round still finalizes a rollout that its successor also holds.
+
 A `user_purged` tombstone (DELETE /admin/users/{id}) drops everything held of that user, and
 no reward is written for a rollout whose row is gone: the purge may commit before its tombstone
 is read, so `finalize_due` checks, and the tombstone removes a reward that slipped in between.
@@ -15,7 +21,7 @@ is read, so `finalize_due` checks, and the tombstone removes a reward that slipp
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -54,6 +60,7 @@ class Pending:
 @dataclass
 class JoinStats:
     finalized: int = 0
+    finalized_elsewhere: int = 0  # due here, but another member wrote the reward first
     late_events: int = 0
     orphan_events: int = 0  # feedback about a suggestion never seen (yet)
     purged: int = 0  # pending rollouts dropped because their user was purged
@@ -76,8 +83,9 @@ class Join:
 
     # -- input ---------------------------------------------------------------------------
 
-    def recover(self) -> int:
-        """After a (re)start: every rollout without a reward is pending again."""
+    def recover(self, owned: Callable[[str], bool] | None = None) -> int:
+        """After a (re)start or a rebalance: every rollout without a reward is pending again,
+        or with `owned`, those of the people `owned(user_id)` says this member joins."""
         with self.engine.connect() as conn:
             rows = conn.execute(
                 sa.select(
@@ -93,9 +101,23 @@ class Join:
                 .outerjoin(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
                 .where(rewards.c.suggestion_id.is_(None))
             ).all()
+        if owned is not None:
+            rows = [r for r in rows if owned(r.user_id)]
         for r in rows:
             self._add(rollout_info(r), r.policy_version)
         return len(rows)
+
+    def drop(self, owned: Callable[[str], bool]) -> int:
+        """Forget the pending rollouts and early feedback of the people `owned(user_id)` names
+        (their partitions went to another member, which rebuilds them from the database);
+        returns the pending rollouts dropped."""
+        gone = [sid for sid, p in self.pending.items() if owned(p.rollout.user_id)]
+        for sid in gone:
+            del self.pending[sid]
+        for sid, fbs in list(self.early.items()):
+            if all(owned(f.user_id) for f in fbs):
+                del self.early[sid]
+        return len(gone)
 
     def add(self, records: Iterable[Record]) -> None:
         for rec in records:
@@ -169,6 +191,7 @@ class Join:
         now = now or utcnow()
         due = [p for p in self.pending.values() if p.due is not None and p.due <= now][:limit]
         rows: list[dict[str, Any]] = []
+        written: set[str] = set()
         if due:
             with self.engine.begin() as conn:
                 # a rollout purged before its tombstone reached us gets no reward
@@ -185,17 +208,23 @@ class Join:
                 ]
                 insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
                 if rows:
-                    conn.execute(
-                        insert(rewards).on_conflict_do_nothing(index_elements=["suggestion_id"]),
-                        rows,
+                    written = set(
+                        conn.execute(
+                            insert(rewards)
+                            .on_conflict_do_nothing(index_elements=["suggestion_id"])
+                            .returning(rewards.c.suggestion_id),
+                            rows,
+                        ).scalars()
                     )
             for p in due:
                 del self.pending[p.rollout.suggestion_id]
             for row in rows:
-                REWARDS_FINALIZED.labels(outcome=row["outcome"]).inc()
-            self.stats.finalized += len(rows)
+                if row["suggestion_id"] in written:
+                    REWARDS_FINALIZED.labels(outcome=row["outcome"]).inc()
+            self.stats.finalized += len(written)
+            self.stats.finalized_elsewhere += len(rows) - len(written)
         self._settle_early(now)
-        return len(rows)
+        return len(written)
 
     def _reward_row(self, conn: sa.Connection, p: Pending, now: datetime) -> dict[str, Any]:
         r = p.rollout

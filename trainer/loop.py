@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import socket
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -35,8 +37,9 @@ from service.registry.store import Deployment, artifact_files, current_deploymen
 from service.retention import code_cutoff, with_code
 from service.rewards.core import UNVIEWED
 from service.rewards.store import current_spec, trainable_reward
-from service.stream.consumer import open_consumer
+from service.stream.consumer import KafkaLogConsumer, LogConsumer, open_consumer, partition_of
 from service.stream.topics import FEEDBACK, ROLLOUTS
+from service.tables import TRAINER_MEMBER_PREFIX as MEMBER_PREFIX
 from service.tables import TRAINER_STATE_NAME as STATE_NAME
 from service.tables import (
     deployments,
@@ -154,6 +157,7 @@ class TrainerConfig:
     @classmethod
     def for_settings(cls, settings: Settings) -> TrainerConfig:
         cfg = cls.for_profile(settings.profile)
+        cfg.group = settings.trainer_group
         if settings.trainer_batch_size:
             cfg.batch_size = settings.trainer_batch_size
         if settings.trainer_canary_min_rollouts:
@@ -191,6 +195,10 @@ class Trainer:
         self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
         self._optimizer_state: dict[str, Any] | None = None  # Adam's moments, kept across updates
         self.lock = StandbyLock(engine, TRAINER_LOCK_ID, "trainer")
+        self._leading = False
+        self._following = False  # said that another member leads
+        self.partitions: set[int] = set()  # the rollout partitions this member joins (Kafka)
+        self.member = f"{socket.gethostname()}:{os.getpid()}"
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -219,18 +227,25 @@ class Trainer:
         self.lock.release()
 
     def _run(self, stop: threading.Event) -> None:
-        if not self.lock.acquire(stop):  # PostgreSQL: one active trainer, others stand by
+        partitioned = not self.settings.embedded
+        if not partitioned and not self.lock.acquire(stop):  # the outbox: one process joins
             return
         spec_version, spec = current_spec(self.engine, self.settings.profile)
         join = Join(self.engine, spec, spec_version)
         self.horizon = timedelta(seconds=spec.horizon_s)
-        recovered = join.recover()
-        log.info(
-            "trainer starting: %d rollouts pending from before, reward spec v%d",
-            recovered,
-            spec_version,
-        )
-        consumer = open_consumer(self.settings, self.engine, self.cfg.group, [ROLLOUTS, FEEDBACK])
+        if partitioned:  # each member joins the people of its partitions (Join.recover on them)
+            consumer = self._open_member(join)
+            log.info("trainer starting as a member of consumer group %s", self.cfg.group)
+        else:
+            recovered = join.recover()
+            log.info(
+                "trainer starting: %d rollouts pending from before, reward spec v%d",
+                recovered,
+                spec_version,
+            )
+            consumer = open_consumer(
+                self.settings, self.engine, self.cfg.group, [ROLLOUTS, FEEDBACK]
+            )
         try:
             while not stop.is_set():
                 records = consumer.poll(max_records=5000, timeout_s=self.cfg.poll_timeout_s)
@@ -239,7 +254,7 @@ class Trainer:
                 consumer.commit(records)
                 if self._heartbeat(join):
                     self._follow_spec(join)
-                if self.paused:
+                if self.paused or not self.leading:
                     continue
                 with self.engine.connect() as conn:
                     dep = current_deployment(conn)
@@ -253,7 +268,48 @@ class Trainer:
             consumer.close()
         self.state["state"] = "stopped"
         self._heartbeat(join, force=True)
+        self._leave()
         log.info("trainer stopped")
+
+    def _open_member(self, join: Join) -> LogConsumer:
+        """Join the consumer group: partitions taken from this member are dropped from its
+        join, and the pending rollouts of those it is given are read back from the database."""
+        consumer: KafkaLogConsumer | None = None
+        self.partitions = set()
+
+        def owner(tps: set[tuple[str, int]]) -> Callable[[str], bool]:
+            assert consumer is not None
+            parts = {p for t, p in tps if t == ROLLOUTS}
+            n = consumer.partitions(ROLLOUTS)
+            return lambda user_id: partition_of(user_id, n) in parts
+
+        def revoked(tps: set[tuple[str, int]]) -> None:
+            dropped = join.drop(owner(tps)) if tps else 0
+            self.partitions -= {p for t, p in tps if t == ROLLOUTS}
+            log.info("partitions revoked: %d pending rollouts handed over", dropped)
+
+        def assigned(tps: set[tuple[str, int]]) -> None:
+            recovered = join.recover(owner(tps)) if tps else 0
+            self.partitions |= {p for t, p in tps if t == ROLLOUTS}
+            log.info(
+                "partitions %s assigned: %d rollouts pending from the database",
+                sorted(self.partitions),
+                recovered,
+            )
+
+        consumer = KafkaLogConsumer(
+            self.settings, self.cfg.group, [ROLLOUTS, FEEDBACK], revoked, assigned
+        )
+        return consumer
+
+    @property
+    def leading(self) -> bool:
+        """Whether this process trains, judges canaries and deploys: the one holding the
+        trainer lock (always, on SQLite). Other members only join; one of them takes over
+        within a heartbeat when the leader's database connection goes."""
+        if self.settings.embedded:
+            return True
+        return self._leading
 
     # -- training --------------------------------------------------------------------------
     def _code_kept(self) -> list[Any]:
@@ -618,41 +674,81 @@ class Trainer:
         log.info("reward spec v%d in use from now on (was v%d)", version, old)
 
     def _heartbeat(self, join: Join, force: bool = False) -> bool:
-        """Write the state row at most every heartbeat_s; True when it did."""
+        """At most every heartbeat_s: settle who leads, write this member's row and, when
+        leading, the trainer's state row; True when it did."""
         if not force and time.monotonic() - self._last_heartbeat < self.cfg.heartbeat_s:
             return False
         self._last_heartbeat = time.monotonic()
         if not force:
-            self.lock.check()  # lost with its connection: a standby may be active; restart
+            if self.settings.embedded:
+                self.lock.check()  # lost with its connection: a standby may be active; restart
+            else:
+                self._lead()
         oldest = min((p.rollout.created_at for p in join.pending.values()), default=None)
-        self.state.update(
+        joined = dict(
             pending=len(join.pending),
             finalized=join.stats.finalized,
+            finalized_elsewhere=join.stats.finalized_elsewhere,
             late_events=join.stats.late_events,
             bad_records=join.stats.bad_records,
             join_lag_s=(utcnow() - oldest).total_seconds() if oldest else 0.0,
         )
+        self.state.update(joined)
         PENDING.set(len(join.pending))
-        JOIN_LAG.set(self.state["join_lag_s"])
+        JOIN_LAG.set(joined["join_lag_s"])
         BATCH_FILL.set(self.state.get("batch_fill", 0))
         now = utcnow()
         with self.engine.begin() as conn:
+            if not self.settings.embedded:
+                member = {**joined, "partitions": sorted(self.partitions), "leader": self.leading}
+                _upsert_state(conn, MEMBER_PREFIX + self.member, heartbeat_at=now, info=member)
+            if not self.leading:
+                return True
             row = conn.execute(
                 sa.select(trainer_state.c.paused).where(trainer_state.c.name == STATE_NAME)
             ).first()
-            if row is None:
+            self.paused = bool(row and row.paused)
+            if self.paused:
+                self.state["state"] = "paused"
+            _upsert_state(conn, STATE_NAME, heartbeat_at=now, info=self.state)
+        return True
+
+    def _lead(self) -> None:
+        """Take the trainer lock if it is free (one attempt); a leader whose lock connection
+        died raises (SQLAlchemyError) and restarts its round, as a standby would take over."""
+        was = self._leading
+        try:
+            self._leading = self.lock.try_acquire()
+        except sa.exc.SQLAlchemyError:
+            self._leading = False
+            raise
+        if self._leading and not was:
+            log.info("this member (%s) now leads: it trains and deploys", self.member)
+            self.state["state"] = "collecting"
+        elif not self._leading and not self._following:
+            log.info("another trainer leads; this member (%s) joins its partitions", self.member)
+        self._following = not self._leading
+
+    def _leave(self) -> None:
+        """A clean stop: this member's row goes (a killed member's row goes stale instead)."""
+        if self.settings.embedded:
+            return
+        try:
+            with self.engine.begin() as conn:
                 conn.execute(
-                    trainer_state.insert().values(
-                        name=STATE_NAME, heartbeat_at=now, info=self.state, updated_at=now
+                    trainer_state.delete().where(
+                        trainer_state.c.name == MEMBER_PREFIX + self.member
                     )
                 )
-            else:
-                self.paused = bool(row.paused)
-                if self.paused:
-                    self.state["state"] = "paused"
-                conn.execute(
-                    trainer_state.update()
-                    .where(trainer_state.c.name == STATE_NAME)
-                    .values(heartbeat_at=now, info=self.state, updated_at=now)
-                )
-        return True
+        except sa.exc.SQLAlchemyError as e:
+            log.warning("could not remove this member's row: %s", str(e).split("\n")[0])
+
+
+def _upsert_state(conn: sa.Connection, name: str, **values: Any) -> None:
+    """Write a trainer_state row's heartbeat and info (the paused flag is the operator's)."""
+    now = utcnow()
+    updated = conn.execute(
+        trainer_state.update().where(trainer_state.c.name == name).values(**values, updated_at=now)
+    )
+    if updated.rowcount == 0:
+        conn.execute(trainer_state.insert().values(name=name, **values, updated_at=now))

@@ -7,7 +7,7 @@ durable, so a crash replays from the last commit and nothing is skipped.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -101,13 +101,40 @@ def _decode(value: bytes | None) -> dict[str, Any]:
     return decoded if isinstance(decoded, dict) else {}
 
 
+# A group member's partitions changed: called from inside `poll` with the partitions, as
+# (topic, partition) pairs, revoked from it (before the group reassigns them) or assigned to it
+# (before their records are fetched).
+Rebalanced = Callable[[set[tuple[str, int]]], None]
+
+
+def partition_of(key: str, partitions: int) -> int:
+    """The partition a keyed record goes to: the producer's default partitioner (murmur2 of the
+    key, as Kafka's Java client and kafka-python both compute it)."""
+    from kafka.partitioner.default import murmur2
+
+    hashed: int = murmur2(key.encode())
+    return (hashed & 0x7FFFFFFF) % partitions
+
+
 class KafkaLogConsumer:
-    """A consumer-group member with manual commits (auto-commit off)."""
+    """A consumer-group member with manual commits (auto-commit off).
+
+    Partitions are assigned by range per topic, so topics with as many partitions (rollouts and
+    feedback, both keyed by user id) give each member the same partition numbers of each: all of
+    one person's records reach one member. `on_revoked` and `on_assigned` let the reader drop
+    and rebuild what it holds of the partitions that moved."""
 
     def __init__(
-        self, settings: Settings, group: str, topics: Sequence[str], **overrides: Any
+        self,
+        settings: Settings,
+        group: str,
+        topics: Sequence[str],
+        on_revoked: Rebalanced | None = None,
+        on_assigned: Rebalanced | None = None,
+        **overrides: Any,
     ) -> None:
-        from kafka import KafkaConsumer
+        from kafka import ConsumerRebalanceListener, KafkaConsumer
+        from kafka.coordinator.assignors.range import RangePartitionAssignor
 
         config: dict[str, Any] = dict(
             bootstrap_servers=settings.kafka_bootstrap_servers,
@@ -118,9 +145,26 @@ class KafkaLogConsumer:
             session_timeout_ms=settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=settings.kafka_heartbeat_interval_ms,
             max_poll_records=5000,
+            partition_assignment_strategy=[RangePartitionAssignor],
         )
         config.update(overrides)
-        self._consumer = KafkaConsumer(*topics, **config)
+        self._consumer = KafkaConsumer(**config)
+
+        class Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+            def on_partitions_revoked(self, revoked: Any) -> None:
+                if on_revoked is not None:
+                    on_revoked({(tp.topic, tp.partition) for tp in revoked})
+
+            def on_partitions_assigned(self, assigned: Any) -> None:
+                if on_assigned is not None:
+                    on_assigned({(tp.topic, tp.partition) for tp in assigned})
+
+        self._consumer.subscribe(list(topics), listener=Listener())
+
+    def partitions(self, topic: str) -> int:
+        """How many partitions `topic` has (0 if the broker does not know it yet)."""
+        partitions: set[int] | None = self._consumer.partitions_for_topic(topic)
+        return len(partitions or ())
 
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
         batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
@@ -152,8 +196,15 @@ class KafkaLogConsumer:
 
 
 def open_consumer(
-    settings: Settings, engine: sa.Engine, group: str, topics: Sequence[str]
+    settings: Settings,
+    engine: sa.Engine,
+    group: str,
+    topics: Sequence[str],
+    on_revoked: Rebalanced | None = None,
+    on_assigned: Rebalanced | None = None,
 ) -> LogConsumer:
+    """The group's reader of `topics`. The outbox is one partition read by one process, so it
+    never rebalances; the callbacks are for Kafka (KafkaLogConsumer)."""
     if settings.embedded:
         return OutboxLogConsumer(engine, group, topics)
-    return KafkaLogConsumer(settings, group, topics)
+    return KafkaLogConsumer(settings, group, topics, on_revoked, on_assigned)

@@ -11,9 +11,11 @@ from fastapi import APIRouter
 from service.audit.recorder import AuditEntry
 from service.deps import ADMIN, AdminKey, CtxDep, audited
 from service.rewards.store import trainable_reward
+from service.tables import TRAINER_MEMBER_PREFIX as MEMBER_PREFIX
 from service.tables import TRAINER_STATE_NAME as STATE_NAME
 from service.tables import rewards, rollouts, trainer_state, utcnow
 
+_ALIVE = timedelta(seconds=15)  # a heartbeat older than this: the process is gone
 router = APIRouter(prefix="/admin/training", tags=["admin: training"])
 
 _STATUS_EXAMPLE = {
@@ -32,6 +34,16 @@ _STATUS_EXAMPLE = {
         "bad_records": 0,
         "history": [],
     },
+    "members": [
+        {
+            "member": "trainer-0:4121",
+            "heartbeat_at": "2026-11-29T12:00:00Z",
+            "leader": True,
+            "partitions": [0, 1, 2],
+            "pending": 301,
+            "finalized": 24102,
+        }
+    ],
 }
 _STATUS: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/json": {"example": _STATUS_EXAMPLE}}}
@@ -49,7 +61,7 @@ def _status(conn: sa.Connection) -> dict[str, Any]:
     late = conn.execute(
         sa.select(sa.func.coalesce(sa.func.sum(rewards.c.late_events), 0))
     ).scalar_one()
-    alive = bool(row and row.heartbeat_at and utcnow() - row.heartbeat_at < timedelta(seconds=15))
+    alive = bool(row and row.heartbeat_at and utcnow() - row.heartbeat_at < _ALIVE)
     return {
         "paused": bool(row.paused) if row else False,
         "alive": alive,
@@ -58,7 +70,30 @@ def _status(conn: sa.Connection) -> dict[str, Any]:
         "rewards_untrained": untrained,
         "late_events": int(late),
         "trainer": (row.info or {}) if row else {},
+        "members": _members(conn),
     }
+
+
+def _members(conn: sa.Connection) -> list[dict[str, Any]]:
+    """The join's live consumer-group members (full mode; each writes its row every second),
+    by name: which partitions each joins, its pending rollouts and the rewards it wrote."""
+    rows = conn.execute(
+        sa.select(trainer_state.c.name, trainer_state.c.heartbeat_at, trainer_state.c.info)
+        .where(
+            trainer_state.c.name.startswith(MEMBER_PREFIX),
+            trainer_state.c.heartbeat_at >= utcnow() - _ALIVE,
+        )
+        .order_by(trainer_state.c.name)
+    ).all()
+    keys = ("leader", "partitions", "pending", "finalized")
+    return [
+        {
+            "member": r.name.removeprefix(MEMBER_PREFIX),
+            "heartbeat_at": r.heartbeat_at,
+            **{k: (r.info or {}).get(k) for k in keys},
+        }
+        for r in rows
+    ]
 
 
 @router.get("", responses=_STATUS)

@@ -232,9 +232,10 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
 def test_kill_9_loses_no_reward_and_trains_nothing_twice(
     tmp_path: Path, pg_url: str, durable_kafka: Any
 ) -> None:
-    """`tabloop train` SIGKILLed mid-stream, with a second one standing by on the lock: the
-    standby takes over from what is durable, every rollout ends with exactly one reward, and
-    each candidate's batch is the rewards stamped with its version."""
+    """`tabloop train` SIGKILLed mid-stream, with a second member in its consumer group: the
+    second one takes over its partitions and the lead (training) from what is durable, every
+    rollout ends with exactly one reward, and each candidate's batch is the rewards stamped
+    with its version."""
     from service.relay import Relay
 
     settings = make_settings(
@@ -272,31 +273,31 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
     )
     train = [str(Path(sys.executable).parent / "tabloop"), "train"]
     proc = subprocess.Popen(train, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    standby: subprocess.Popen[bytes] | None = None
+    second: subprocess.Popen[bytes] | None = None
     try:
         sent = drive(svc.url, ingest, 100, seed=3)
         wait_for(lambda: count(engine, rewards) >= 10, 120, "the first rewards")
-        # the first trainer is active now; a second one (another machine) waits on the lock
-        standby_log = tmp_path / "standby.log"
-        with standby_log.open("wb") as err:
-            standby = subprocess.Popen(
+        # the first trainer leads now; a second one (another machine) joins the group
+        second_log = tmp_path / "second.log"
+        with second_log.open("wb") as err:
+            second = subprocess.Popen(
                 train,
-                env={**env, "TABLOOP_DATA_DIR": str(tmp_path / "standby-data")},
+                env={**env, "TABLOOP_DATA_DIR": str(tmp_path / "second-data")},
                 stdout=subprocess.DEVNULL,
                 stderr=err,
             )
-        wait_for(lambda: b"standing by" in standby_log.read_bytes(), 60, "the standby")
+        wait_for(lambda: b"another trainer leads" in second_log.read_bytes(), 60, "a member")
         proc.send_signal(signal.SIGKILL)  # mid-stream: some rewards final, many pending
         proc.wait(timeout=30)
         killed_at = count(engine, rewards)
         sent += drive(svc.url, ingest, 60, seed=4)
         wait_for(lambda: count(engine, rewards) == len(sent), 120, "every rollout's reward")
         assert killed_at < len(sent)
-        assert b"now the active one" in standby_log.read_bytes()
+        assert b"now leads" in second_log.read_bytes()
     finally:
         stop_process(proc)
-        if standby is not None:
-            stop_process(standby)
+        if second is not None:
+            stop_process(second)
         stop.set()
         relay.join(timeout=30)
         svc.stop()

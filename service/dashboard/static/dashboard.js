@@ -365,11 +365,15 @@
   function renderTrainer(t) {
     const info = t.trainer || {};
     const gate = info.last_gate;
+    // full mode: the join's consumer-group members, each with its partitions' pending rollouts
+    const members = t.members || [];
+    const pending = members.length ? members.reduce((n, m) => n + (m.pending || 0), 0)
+                                   : info.pending;
     const facts = [
       ["state", t.paused ? "paused" : (info.state || "–")],
       ["heartbeat", t.alive ? ago(t.heartbeat_at) : `offline (last ${ago(t.heartbeat_at)})`],
       ["join lag", seconds(info.join_lag_s)],
-      ["pending rollouts", int(info.pending)],
+      ["pending rollouts", int(pending)],
       ["batch fill", info.batch_size ? `${int(info.batch_fill)} / ${int(info.batch_size)}`
                                      : int(info.batch_fill)],
       ["rewards finalized", int(t.rewards_finalized)],
@@ -378,6 +382,11 @@
       ["last update", info.last_update ? ago(info.last_update.at) : "none yet"],
       ["last deploy check", gate ? `${gate.passed ? "passed" : "failed"}: ${gate.reason}` : "none yet"],
     ];
+    if (members.length) {
+      facts.push(["join members", members.map((m) => `${m.member}${m.leader ? " (leads)" : ""}: `
+        + `partitions ${(m.partitions || []).join(",") || "none"}, ${int(m.pending)} pending`)
+        .join("; ")]);
+    }
     $("trainer").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
     $("pause").hidden = t.paused;
     $("resume").hidden = !t.paused;
