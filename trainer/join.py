@@ -2,7 +2,7 @@
 
 Rollouts and events arrive on the log in any order (feedback can come before its rollout).
 The join keeps each rollout pending until its reward is final (service.rewards.core.finalize_at),
-then computes the reward from the database — the source of truth for events, so nothing that
+then computes the rewards from the database — the source of truth for events, so nothing that
 arrived out of order is missed — and writes it once (`rewards` keyed by suggestion id).
 Pending state is rebuilt from the database after a restart, so consumer offsets can be
 committed as soon as a poll is processed.
@@ -36,11 +36,12 @@ from sqlalchemy.dialects import postgresql, sqlite
 from service.rewards.core import (
     SUGGESTION_EVENTS,
     Feedback,
+    Reward,
     RewardSpec,
     RolloutInfo,
     finalize_at,
 )
-from service.rewards.store import reward_from_db, rollout_info
+from service.rewards.store import BATCH, rewards_from_db, rollout_info
 from service.stream.consumer import Record
 from service.stream.topics import FEEDBACK, ROLLOUTS, is_user_purged
 from service.tables import rewards, rollouts, utcnow
@@ -201,10 +202,15 @@ class Join:
                         sa.select(rollouts.c.suggestion_id).where(rollouts.c.suggestion_id.in_(ids))
                     ).scalars()
                 )
+                kept = [p for p in due if p.rollout.suggestion_id in present]
                 rows = [
-                    self._reward_row(conn, p, now)
-                    for p in due
-                    if p.rollout.suggestion_id in present
+                    self._reward_row(p, reward, now)
+                    for i in range(0, len(kept), BATCH)
+                    for p, reward in zip(
+                        kept[i : i + BATCH],
+                        rewards_from_db(conn, [p.rollout for p in kept[i : i + BATCH]], self.spec),
+                        strict=True,
+                    )
                 ]
                 insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
                 if rows:
@@ -226,9 +232,8 @@ class Join:
         self._settle_early(now)
         return len(written)
 
-    def _reward_row(self, conn: sa.Connection, p: Pending, now: datetime) -> dict[str, Any]:
+    def _reward_row(self, p: Pending, reward: Reward, now: datetime) -> dict[str, Any]:
         r = p.rollout
-        reward = reward_from_db(conn, r, self.spec)
         return {
             "suggestion_id": r.suggestion_id,
             "user_id": r.user_id,

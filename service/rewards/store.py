@@ -1,12 +1,13 @@
 """Reward specs by version, and rewards computed from what the database holds.
 
-The streaming join (trainer) and the replay (admin API) both call `reward_from_db`, so the same
+The streaming join (trainer) and the replay (admin API) both call `rewards_from_db`, so the same
 function of (rollout, events, spec) serves both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -106,45 +107,74 @@ ROLLOUT_COLUMNS = (
 )
 
 
+BATCH = 1000  # rollouts per rewards_from_db call (bounds the IN lists)
+
+
 def reward_from_db(conn: sa.Connection, rollout: RolloutInfo, spec: RewardSpec) -> Reward:
     """The reward of one rollout from the events stored about it and its user."""
+    return rewards_from_db(conn, [rollout], spec)[0]
+
+
+def rewards_from_db(
+    conn: sa.Connection, batch: Sequence[RolloutInfo], spec: RewardSpec
+) -> list[Reward]:
+    """The rewards of `batch`, in order, from the events stored about each rollout and its
+    user: three queries for the whole batch (the rollouts' own events; their users' switch and
+    churn events; with those, the users' rollouts that share the penalties) instead of two or
+    three per rollout."""
+    if not batch:
+        return []
     horizon = timedelta(seconds=spec.horizon_s)
-    own = (
-        conn.execute(
-            sa.select(events.c.payload).where(
-                events.c.suggestion_id == rollout.suggestion_id,
-                # the reward never reads them (compute_reward would skip them): code text stays
-                # in the table
-                events.c.type.not_in(UNREWARDED_EVENTS),
-            )
+    own: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for sid, payload in conn.execute(
+        sa.select(events.c.suggestion_id, events.c.payload).where(
+            events.c.suggestion_id.in_({r.suggestion_id for r in batch}),
+            # the reward never reads them (compute_reward would skip them): code text stays
+            # in the table
+            events.c.type.not_in(UNREWARDED_EVENTS),
         )
-        .scalars()
-        .all()
-    )
-    user_level = (
-        conn.execute(
-            sa.select(events.c.payload).where(
-                events.c.user_id == rollout.user_id,
-                events.c.type.in_(("model_switch", "churn")),
-                events.c.occurred_at >= rollout.created_at,
-                events.c.occurred_at <= rollout.created_at + horizon,
-            )
+    ):
+        own[sid].append(payload)
+    first = min(r.created_at for r in batch)
+    last = max(r.created_at for r in batch)
+    users = {r.user_id for r in batch}
+    penalties: dict[str, list[tuple[datetime, dict[str, Any]]]] = defaultdict(list)
+    for user_id, occurred_at, payload in conn.execute(
+        sa.select(events.c.user_id, events.c.occurred_at, events.c.payload).where(
+            events.c.user_id.in_(users),
+            events.c.type.in_(("model_switch", "churn")),
+            events.c.occurred_at >= first,
+            events.c.occurred_at <= last + horizon,
         )
-        .scalars()
-        .all()
-    )
-    feedback = [Feedback.from_event(e) for e in (*own, *user_level)]
-    neighbours = [rollout]
-    if user_level:  # the user's rollouts that share switch and churn penalties with this one
-        rows = conn.execute(
+    ):
+        penalties[user_id].append((occurred_at, payload))
+    shared: dict[str, list[RolloutInfo]] = defaultdict(list)
+    if penalties:  # the users' rollouts that share switch and churn penalties
+        for row in conn.execute(
             sa.select(*ROLLOUT_COLUMNS).where(
-                rollouts.c.user_id == rollout.user_id,
-                rollouts.c.created_at >= rollout.created_at - horizon,
-                rollouts.c.created_at <= rollout.created_at + 2 * horizon,
+                rollouts.c.user_id.in_(set(penalties)),
+                rollouts.c.created_at >= first - horizon,
+                rollouts.c.created_at <= last + 2 * horizon,
             )
-        ).all()
-        neighbours = [rollout_info(r) for r in rows]
-    return compute_reward(rollout, feedback, neighbours, spec)
+        ):
+            shared[row.user_id].append(rollout_info(row))
+    out = []
+    for r in batch:
+        user_level = [
+            e
+            for at, e in penalties.get(r.user_id, ())
+            if r.created_at <= at <= r.created_at + horizon
+        ]
+        feedback = [Feedback.from_event(e) for e in (*own.get(r.suggestion_id, ()), *user_level)]
+        neighbours = [r]
+        if user_level:
+            neighbours = [
+                n
+                for n in shared[r.user_id]
+                if r.created_at - horizon <= n.created_at <= r.created_at + 2 * horizon
+            ]
+        out.append(compute_reward(r, feedback, neighbours, spec))
+    return out
 
 
 def replay(
@@ -164,8 +194,12 @@ def replay(
     outcomes: dict[str, int] = {}
     total = changed = 0.0
     stored_n = 0
-    for r in rows:
-        reward = reward_from_db(conn, rollout_info(r), spec)
+    computed = [
+        reward
+        for i in range(0, len(rows), BATCH)
+        for reward in rewards_from_db(conn, [rollout_info(r) for r in rows[i : i + BATCH]], spec)
+    ]
+    for r, reward in zip(rows, computed, strict=True):
         outcomes[reward.outcome] = outcomes.get(reward.outcome, 0) + 1
         total += reward.value
         if r.stored is not None:

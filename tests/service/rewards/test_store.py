@@ -1,0 +1,95 @@
+"""Rewards computed from the database for a batch of rollouts (the join finalizes hundreds at a
+time) are each the reward of that rollout alone: batching never mixes one person's events, or
+one rollout's window, into another's."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+
+import sqlalchemy as sa
+
+from service.events.service import ingest_events
+from service.rewards.core import (
+    UNREWARDED_EVENTS,
+    Feedback,
+    Reward,
+    RewardSpec,
+    RolloutInfo,
+    compute_reward,
+)
+from service.rewards.store import ROLLOUT_COLUMNS, rewards_from_db, rollout_info
+from service.tables import events, rollouts
+from tests.factories import event, rollout_row
+
+
+def one_by_one(conn: sa.Connection, r: RolloutInfo, spec: RewardSpec) -> Reward:
+    """The reward with each window asked of the database for this rollout alone (the oracle)."""
+    horizon = timedelta(seconds=spec.horizon_s)
+    own = conn.execute(
+        sa.select(events.c.payload).where(
+            events.c.suggestion_id == r.suggestion_id, events.c.type.not_in(UNREWARDED_EVENTS)
+        )
+    ).scalars()
+    user_level = list(
+        conn.execute(
+            sa.select(events.c.payload).where(
+                events.c.user_id == r.user_id,
+                events.c.type.in_(("model_switch", "churn")),
+                events.c.occurred_at >= r.created_at,
+                events.c.occurred_at <= r.created_at + horizon,
+            )
+        ).scalars()
+    )
+    neighbours = [r]
+    if user_level:
+        neighbours = [
+            rollout_info(n)
+            for n in conn.execute(
+                sa.select(*ROLLOUT_COLUMNS).where(
+                    rollouts.c.user_id == r.user_id,
+                    rollouts.c.created_at >= r.created_at - horizon,
+                    rollouts.c.created_at <= r.created_at + 2 * horizon,
+                )
+            )
+        ]
+    feedback = [Feedback.from_event(e) for e in (*own, *user_level)]
+    return compute_reward(r, feedback, neighbours, spec)
+
+
+def test_a_batch_gets_the_rewards_each_rollout_gets_alone(engine: sa.Engine) -> None:
+    spec = RewardSpec.sim()
+    rng = random.Random(3)
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    rows, evs = [], []
+    for i in range(120):
+        at = start + timedelta(seconds=rng.uniform(0, 120))
+        row = rollout_row(
+            user_id=f"u{i % 7}", created_at=at, shown=rng.random() < 0.7, text="abcdef"[: i % 6]
+        )
+        rows.append(row)
+        later = (at + timedelta(seconds=rng.uniform(0.5, 3))).isoformat()
+        kind = rng.choice(["accept", "reject", None, None])
+        if kind and row["shown"]:
+            evs.append(
+                event(
+                    kind,
+                    user_id=row["user_id"],
+                    suggestion_id=row["suggestion_id"],
+                    occurred_at=later,
+                )
+            )
+        if rng.random() < 0.08:  # switch and churn penalties spread over the user's rollouts
+            penalty = rng.choice(["model_switch", "churn"])
+            evs.append(event(penalty, user_id=row["user_id"], occurred_at=later))
+    with engine.begin() as conn:
+        conn.execute(rollouts.insert(), rows)
+    ingest_events(engine, evs, api_key_id=None, max_event_bytes=10_000, embedded=True)
+    with engine.connect() as conn:
+        infos = [rollout_info(r) for r in conn.execute(sa.select(rollouts)).all()]
+        together = rewards_from_db(conn, infos, spec)
+        alone = [one_by_one(conn, r, spec) for r in infos]
+    assert together == alone
+    outcomes = {r.outcome for r in together}
+    assert {"abstained", "accepted", "rejected"} <= outcomes, outcomes
+    assert any(r.components.get("switch") or r.components.get("churn") for r in together)
