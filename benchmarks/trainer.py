@@ -1,9 +1,11 @@
 """The trainer's speed: update throughput, reward-join latency, and freshness.
 
-    python benchmarks/trainer.py [--minutes 6] [--batch 256]
+    python benchmarks/trainer.py [--minutes 6] [--batch 256] [--nproc N] [--update-only]
 
 1. Update throughput: rollouts/s through one policy-gradient update of the shipped base policy
-   (d=192, 3 layers), on rollouts it sampled itself from held-out code, CPU, 1 thread.
+   (d=192, 3 layers), on rollouts it sampled itself from held-out code, CPU, 1 thread; with
+   --nproc N also 1 process with N threads and N data-parallel gloo ranks of 1 thread each
+   (trainer/distributed.py).
 2. A live run of `tabloop up` in the sim profile (reward windows in seconds), driven by editors
    that accept suggestions ending a statement and reject the rest, for --minutes. From its
    database: join latency (last feedback event received -> reward finalized, and rollout ->
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import random
 import statistics
@@ -30,14 +33,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._server import tabloop_up  # noqa: E402
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
+from service.policy.model import GPT  # noqa: E402
 from service.policy.sampling import complete  # noqa: E402
+from service.policy.tokenizer import CodeTokenizer  # noqa: E402
 from trainer.corpus import sample_cursors  # noqa: E402
-from trainer.update import Batch, UpdateConfig, update  # noqa: E402
+from trainer.distributed import UpdatePool  # noqa: E402
+from trainer.update import Batch, UpdateConfig  # noqa: E402
 
 BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
 
 
-def update_throughput(batch_size: int) -> None:
+def update_throughput(batch_size: int, nproc: int = 1) -> None:
+    """With nproc > 1 also 1 rank with nproc threads and nproc gloo ranks of 1 thread each
+    (trainer/distributed.py; the pool's start-up not counted, sending the job counted)."""
     torch.set_num_threads(1)
     model, tok, _ = load_checkpoint(BASE)
     ref, _, _ = load_checkpoint(BASE)
@@ -47,17 +55,36 @@ def update_throughput(batch_size: int) -> None:
     rewards = [random.Random(i).choice([0.0, -0.25, 0.75]) for i in range(batch_size)]
     batch = Batch.of(actions, rewards)
     model.requires_grad_(True)
-    cfg = UpdateConfig()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
-    t0 = time.perf_counter()
-    update(model, ref, tok, batch, opt, cfg)
-    secs = time.perf_counter() - t0
     tokens = sum(len(a.token_ids) for a in actions) / batch_size
     ctx = sum(len(a.context_token_ids) for a in actions) / batch_size
-    print(
-        f"update: {batch_size} rollouts (mean {tokens:.1f} sampled + {ctx:.0f} context tokens) "
-        f"in {secs:.2f} s = {batch_size / secs:.0f} rollouts/s (1 thread)"
-    )
+    print(f"update: {batch_size} rollouts (mean {tokens:.1f} sampled + {ctx:.0f} context tokens)")
+    runs = [(1, 1)] + ([(1, nproc), (nproc, 1)] if nproc > 1 else [])
+    for ranks, threads in runs:
+        first, warm = _timed_updates(model, ref, tok, batch, ranks, threads)
+        print(
+            f"  {ranks} rank(s) x {threads} thread(s): {warm:.2f} s = {batch_size / warm:.0f} "
+            f"rollouts/s (first update {first:.2f} s = {batch_size / first:.0f} rollouts/s)"
+        )
+    torch.set_num_threads(1)
+
+
+def _timed_updates(
+    model: GPT, ref: GPT, tok: CodeTokenizer, batch: Batch, ranks: int, threads: int
+) -> tuple[float, float]:
+    """Seconds of two updates of fresh copies of `model` with `ranks` ranks of `threads`
+    threads each (the same shuffles): the first, and the second (workers warm)."""
+    torch.set_num_threads(threads)
+    cfg = UpdateConfig()
+    secs = []
+    with UpdatePool(ranks, threads_per_rank=threads) as pool:
+        for _ in range(2):
+            m = copy.deepcopy(model)
+            opt = torch.optim.AdamW(m.parameters(), lr=cfg.learning_rate)
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            pool.update(m, ref, tok, batch, opt, cfg)
+            secs.append(time.perf_counter() - t0)
+    return secs[0], secs[1]
 
 
 def drive(url: str, token: str, stop: threading.Event, users: int, seed: int) -> None:
@@ -152,9 +179,14 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=6.0)
     ap.add_argument("--batch", type=int, default=160, help="trainer batch (sim profile)")
     ap.add_argument("--update-batch", type=int, default=256)
+    ap.add_argument(
+        "--nproc", type=int, default=1, help="also time the update on this many gloo ranks"
+    )
+    ap.add_argument("--update-only", action="store_true", help="skip the live run")
     args = ap.parse_args()
-    update_throughput(args.update_batch)
-    live_run(args.minutes, args.batch)
+    update_throughput(args.update_batch, args.nproc)
+    if not args.update_only:
+        live_run(args.minutes, args.batch)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     # The most of a training batch's weight one person (user_id) or one API key may hold: rows
     # of anyone above it are weighted down to it (trainer/caps.py). 1: no cap.
     trainer_max_share: float = Field(DEFAULT_MAX_SHARE, gt=0, le=1)
+    # Processes one policy-gradient update runs on (data-parallel over torch.distributed, gloo;
+    # each with torch_threads threads): `tabloop train --nproc N`. 1: the trainer's own.
+    trainer_nproc: int = Field(1, ge=1, le=64)
     # The trainers' Kafka consumer group: every `tabloop train` of one deployment joins it and
     # joins the people of its share of the partitions (embedded: the name of the log offset).
     trainer_group: str = Field("tabloop-trainer", min_length=1, max_length=90)

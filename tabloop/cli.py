@@ -34,6 +34,8 @@ def _settings(args: argparse.Namespace, log_format: LogFormat = "text") -> Setti
     for name in ("host", "port", "workers", "log_format"):
         if getattr(args, name, None) is not None:
             overrides[name] = getattr(args, name)
+    if getattr(args, "nproc", None) is not None:
+        overrides["trainer_nproc"] = args.nproc
     settings = load_settings(**overrides)
     setup_logging(settings.log_level, settings.log_format or log_format)
     return settings
@@ -301,9 +303,16 @@ def cmd_relay(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from service.db import make_engine
     from trainer.client import ServiceClient
+    from trainer.distributed import UpdatePool, worker_loop
     from trainer.loop import Trainer
 
     settings = _settings(args, "json")
+    pool = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun: rank 0 trains
+        if int(os.environ.get("RANK", "0")) != 0:
+            worker_loop(settings.torch_threads)
+            return 0
+        pool = UpdatePool.from_env()
     if not settings.trainer_api_key:
         print(
             "tabloop train: set TABLOOP_TRAINER_API_KEY to a deploy-scoped key "
@@ -314,7 +323,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     url = settings.trainer_api_url or f"http://127.0.0.1:{settings.port}"
     stop = _stop_on_signals()
     _serve_metrics(settings)
-    Trainer(settings, make_engine(settings), ServiceClient(url, settings.trainer_api_key)).run(stop)
+    client = ServiceClient(url, settings.trainer_api_key)
+    Trainer(settings, make_engine(settings), client, pool=pool).run(stop)
     return 0
 
 
@@ -437,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     log_flags(relay, "json").set_defaults(fn=cmd_relay)
     train = sub.add_parser("train", help="the trainer: join, reward, update, gate, deploy")
     log_flags(train, "json").set_defaults(fn=cmd_train)
+    train.add_argument(
+        "--nproc",
+        type=int,
+        help="processes each policy-gradient update runs on, data-parallel over gloo "
+        "(TABLOOP_TRAINER_NPROC; under torchrun, its ranks)",
+    )
 
     # Handled in main(): listed here for `tabloop --help`.
     sub.add_parser("pretrain", help="train the base policy on real code (see --help)")

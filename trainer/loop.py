@@ -55,6 +55,7 @@ from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
 from trainer.caps import cap_weights, capped
 from trainer.client import ApiError, ServiceClient
 from trainer.deploy_check import CheckConfig, check, heldout_sample
+from trainer.distributed import RankFailed, UpdatePool
 from trainer.join import Join
 from trainer.metrics import (
     BATCH_FILL,
@@ -118,6 +119,7 @@ class TrainerConfig:
     generic_rows: int = 512  # windows of generic code for the settled passes' pretraining mix
     poll_timeout_s: float = 0.5
     heartbeat_s: float = 1.0
+    nproc: int = 1  # ranks of a data-parallel update (trainer/distributed.py); 1: in process
 
     @classmethod
     def for_profile(cls, profile: str) -> TrainerConfig:
@@ -158,6 +160,7 @@ class TrainerConfig:
     def for_settings(cls, settings: Settings) -> TrainerConfig:
         cfg = cls.for_profile(settings.profile)
         cfg.group = settings.trainer_group
+        cfg.nproc = settings.trainer_nproc
         if settings.trainer_batch_size:
             cfg.batch_size = settings.trainer_batch_size
         if settings.trainer_canary_min_rollouts:
@@ -184,9 +187,13 @@ class Trainer:
         engine: sa.Engine,
         client: ServiceClient,
         cfg: TrainerConfig | None = None,
+        pool: UpdatePool | None = None,
     ) -> None:
+        """`pool`: the ranks of a data-parallel update (torchrun's: UpdatePool.from_env());
+        else, with cfg.nproc > 1, the trainer starts its own at its first update."""
         self.settings, self.engine, self.client = settings, engine, client
         self.cfg = cfg or TrainerConfig.for_settings(settings)
+        self.pool = pool
         self.state: dict[str, Any] = {"state": "starting", "history": []}
         self._policies: dict[int, tuple[GPT, CodeTokenizer]] = {}
         self._languages: dict[int, tuple[str, ...]] = {}  # per version: its base's languages
@@ -225,6 +232,8 @@ class Trainer:
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         self.lock.release()
+        if self.pool is not None:
+            self.pool.close()
 
     def _run(self, stop: threading.Event) -> None:
         partitioned = not self.settings.embedded
@@ -423,17 +432,20 @@ class Trainer:
         )
         earlier_settled = self._settled_replay_rows()
         settled = self._with_settled(earlier_settled) if earlier_settled else None
-        metrics = update(
-            model,
-            ref_model,
-            tokenizer,
-            batch,
-            optimizer,
-            self.cfg.update,
-            replay,
-            settled,
-            self._generic(tokenizer, model) if self.cfg.update.generic_mix > 0 else None,
-        )
+        generic = self._generic(tokenizer, model) if self.cfg.update.generic_mix > 0 else None
+        args = (model, ref_model, tokenizer, batch, optimizer, self.cfg.update)
+        try:
+            if self.cfg.nproc > 1 or self.pool is not None:
+                metrics = self._update_pool().update(*args, replay, settled, generic)
+            else:
+                metrics = update(*args, replay, settled, generic)
+        except RankFailed as e:
+            # the candidate is half-stepped: dropped, nothing registered or stamped; the next
+            # round starts new ranks and trains on the same rollouts
+            log.warning("the data-parallel update failed (%s); the next round retries", e)
+            self._remember("update_failed", dep.live_version, str(e).split("\n")[0][:300])
+            self.state["state"] = "collecting"
+            return
         self._optimizer_state = copy.deepcopy(optimizer.state_dict())
         UPDATES.inc()
         model.eval()
@@ -508,6 +520,13 @@ class Trainer:
         )
         self._remember("canary", version, result.reason)
         self.state["state"] = "canary"
+
+    def _update_pool(self) -> UpdatePool:
+        """The update's ranks, started at the first update (the workers import torch)."""
+        if self.pool is None:
+            log.info("starting %d data-parallel update ranks (gloo)", self.cfg.nproc)
+            self.pool = UpdatePool(self.cfg.nproc, threads_per_rank=self.settings.torch_threads)
+        return self.pool
 
     def _record_caps(self, rows: list[sa.Row], batch: Batch, now: Any) -> dict[str, Any]:
         """Who was capped in this batch: kept in the state (the last CAPPED_BATCHES batches,

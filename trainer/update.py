@@ -40,7 +40,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.nn import functional as F
@@ -49,6 +49,9 @@ from service.policy.model import GPT
 from service.policy.sampling import Action, score_actions
 from service.policy.tokenizer import CodeTokenizer
 from trainer.settled import settled_passes
+
+if TYPE_CHECKING:  # trainer/distributed.py imports this module
+    from trainer.distributed import DataParallel
 
 EMBEDDINGS = ("wte.weight", "wpe.weight")  # token (tied to the output layer), position
 LOG_RATIO_CLAMP = 10.0  # |log pi_ref/pi| above this is clamped in the k3 KL (keeps it finite)
@@ -273,6 +276,24 @@ def bernoulli_entropy(logit: torch.Tensor) -> torch.Tensor:
 
 
 # --- the loss ----------------------------------------------------------------------------
+# pg_loss's metrics, in a fixed order (the ranks of a data-parallel update exchange them)
+PG_METRICS = (
+    "losses/total",
+    "losses/policy",
+    "losses/kl",
+    "losses/entropy",
+    "charts/clipfrac",
+    "charts/approx_kl",
+    "charts/ratio_mean",
+    "charts/ratio_max",
+    "charts/adv_mean",
+    "charts/adv_std",
+    "charts/reward_mean",
+    "charts/p_show",
+    "charts/shown_frac",
+)
+
+
 def pg_loss(
     model: GPT,
     ref_model: GPT,
@@ -407,6 +428,7 @@ def update(
     replay: Batch | None = None,
     settled_replay: Batch | None = None,
     generic: torch.Tensor | None = None,
+    group: DataParallel | None = None,
 ) -> dict[str, float]:
     """`cfg.epochs` passes of shuffled minibatches over `batch`; the mean metrics of the steps.
     Then the settled-text passes (`cfg.settled_epochs`, on `batch` and `settled_replay`: earlier
@@ -418,6 +440,11 @@ def update(
     The optimizer (and its learning rate) is the caller's, kept across batches (`make_optimizer`
     builds the usual one); ref_model is only read, never differentiated. Advantages use the
     whole batch's baseline.
+
+    `group` (trainer/distributed.py): one of the ranks of a data-parallel update, each calling
+    this with the same arguments (rank 0's). Each computes the losses of its share of every
+    minibatch and the gradients are summed over the ranks before each step, so every rank takes
+    the steps one process takes here (up to float rounding); shuffles are rank 0's.
     """
     n = len(batch.actions)
     assert n > 0, "empty batch"
@@ -427,13 +454,16 @@ def update(
     steps = 0
     with _updating(model, ref_model, cfg.train_gate_only, not cfg.train_embeddings):
         for _ in range(cfg.epochs):
-            order = torch.randperm(n)
+            order = torch.randperm(n) if group is None else group.randperm(n)
             for start in range(0, n, cfg.minibatch_size):
                 idx = order[start : start + cfg.minibatch_size]
-                mb = batch.select(idx.tolist())
-                loss, metrics = pg_loss(model, ref_model, tokenizer, mb, cfg, adv=adv[idx])
                 model.zero_grad(set_to_none=True)  # also parameters the optimizer lacks
-                loss.backward()
+                if group is None:
+                    mb = batch.select(idx.tolist())
+                    loss, metrics = pg_loss(model, ref_model, tokenizer, mb, cfg, adv=adv[idx])
+                    loss.backward()
+                else:
+                    metrics = _pg_share(model, ref_model, tokenizer, batch, adv, idx, cfg, group)
                 params = [p for p in model.parameters() if p.grad is not None]
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
                 optimizer.step()
@@ -444,7 +474,7 @@ def update(
         settled: dict[str, float] = {}
         if cfg.settled_epochs and not cfg.train_gate_only:
             settled = settled_passes(
-                model, tokenizer, batch, settled_replay, optimizer, cfg, generic
+                model, tokenizer, batch, settled_replay, optimizer, cfg, generic, group
             )
         gate: dict[str, float] = {}
         if cfg.gate_fit:
@@ -457,11 +487,78 @@ def update(
                 cfg.gate_fit_sharpness,
                 cfg.gate_fit_min_shown,
                 cfg.gate_fit_sharpness_max,
+                group,
             )
         if cfg.gate_epochs and not gate.get("gate_fit/fitted"):
-            gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg))
+            gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg, group))
+        if group is not None and (cfg.gate_fit or cfg.gate_epochs):
+            group.broadcast_params(model.gate.parameters())  # the ranks' own fits: rank 0's
     model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
     return {**{k: v / steps for k, v in totals.items()}, **settled, **gate}
+
+
+def _pg_share(
+    model: GPT,
+    ref_model: GPT,
+    tokenizer: CodeTokenizer,
+    batch: Batch,
+    adv: torch.Tensor,
+    idx: torch.Tensor,
+    cfg: UpdateConfig,
+    group: DataParallel,
+) -> dict[str, float]:
+    """A data-parallel rank's part of the gradient step on the minibatch `idx`: the gradients
+    of its share of the rows (`group.shard`), summed over the ranks; the minibatch's metrics.
+
+    Every term of pg_loss is a mean over the rows (the policy term of per-action sums), so the
+    share's loss times its share of the rows adds up over the ranks to the minibatch's loss.
+    The metrics, means over rows, are the ranks' weighted by their rows (clipfrac by their
+    parts: tokens and decisions), ratio_max their max, adv_std the minibatch's own.
+    """
+    share = group.shard(idx)
+    values = torch.zeros(len(PG_METRICS), dtype=torch.float64)
+    if len(share):  # none when the minibatch has fewer rows than this rank's number + 1
+        mb = batch.select(share.tolist())
+        loss, metrics = pg_loss(model, ref_model, tokenizer, mb, cfg, adv=adv[share])
+        (loss * (len(share) / len(idx))).backward()
+        values = torch.tensor([metrics[k] for k in PG_METRICS], dtype=torch.float64)
+    group.all_reduce_grads(model.parameters())
+    parts = len(share)
+    if batch.behaviour_token_logp is not None and batch.behaviour_decision_logp is not None:
+        parts += sum(len(batch.behaviour_token_logp[i]) for i in share.tolist())
+    table = group.all_gather(torch.cat([torch.tensor([len(share), parts]).double(), values]))
+    rows, by_parts = table[:, 0] / len(idx), table[:, 1] / table[:, 1].sum()
+    metrics = {k: float((rows * table[:, 2 + i]).sum()) for i, k in enumerate(PG_METRICS)}
+    metrics["charts/clipfrac"] = float(
+        (by_parts * table[:, 2 + PG_METRICS.index("charts/clipfrac")]).sum()
+    )
+    metrics["charts/ratio_max"] = float(
+        table[rows > 0, 2 + PG_METRICS.index("charts/ratio_max")].max()
+    )
+    metrics["charts/adv_std"] = adv[idx].std().item() if len(idx) > 1 else 0.0
+    return metrics
+
+
+def gate_inputs(
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    actions: Sequence[Action],
+    group: DataParallel | None = None,
+    chunk: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate's inputs for `actions`, without gradient: the hidden states (B, C), the
+    confidence features (B, 4) and the decisions' log-probs (B,) (score_actions), `chunk`
+    actions per forward pass. With a `group` each rank scores its share and all get them all."""
+    n = len(actions)
+    mine = list(range(n)) if group is None else group.shard(torch.arange(n)).tolist()
+    width = model.config.n_embd + model.gate.features.in_features
+    rows = [torch.zeros(0, width + 1)]
+    with torch.no_grad():
+        for i in range(0, len(mine), chunk):
+            s = score_actions(model, tokenizer, [actions[j] for j in mine[i : i + chunk]])
+            rows.append(torch.cat([s.gate_hidden, s.gate_inputs, s.decision[:, None]], 1))
+    both = torch.cat(rows) if group is None else group.gather_rows(torch.cat(rows), n)
+    return both[:, : model.config.n_embd], both[:, model.config.n_embd : width], both[:, width]
 
 
 def gate_passes(
@@ -471,6 +568,7 @@ def gate_passes(
     adv: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     cfg: UpdateConfig,
+    group: DataParallel | None = None,
 ) -> dict[str, float]:
     """`cfg.gate_epochs` passes of minibatch steps on the show/abstain gate alone.
 
@@ -482,20 +580,20 @@ def gate_passes(
     is what bounds how far these passes move any one decision from the serving policy's (to
     1 +- clip_eps). The optimizer is the update's (Adam's moments for the gate carry on); the
     language model's parameters get no gradient here, so it does not step them.
+    With a `group` the ranks share the forward pass; the steps, on the gathered inputs, are
+    every rank's own (a few small matrix products).
     """
     old = batch.behaviour_decision_logp
     if old is None:
         return {}
-    with torch.no_grad():
-        s = score_actions(model, tokenizer, batch.actions)
-    hidden, feats = s.gate_hidden.detach(), s.gate_inputs.detach()
-    sampled = s.decision != 0  # score_actions: 0 where the decision was not sampled
+    n = len(batch.actions)
+    hidden, feats, decision = gate_inputs(model, tokenizer, batch.actions, group, chunk=n)
+    sampled = decision != 0  # score_actions: 0 where the decision was not sampled
     shown = torch.tensor([bool(a.shown) for a in batch.actions])
     gate = [p for n, p in model.named_parameters() if n.startswith("gate.") and p.requires_grad]
-    n = len(batch.actions)
     clipped, steps = 0.0, 0
     for _ in range(cfg.gate_epochs):
-        order = torch.randperm(n)
+        order = torch.randperm(n) if group is None else group.randperm(n)
         for start in range(0, n, cfg.minibatch_size):
             idx = order[start : start + cfg.minibatch_size]
             z = model.gate_logit(hidden[idx], feats[idx])
@@ -524,6 +622,7 @@ def fit_gate_to_rewards(
     sharpness: float = 1.0,
     min_shown: int = 0,
     sharpness_max: float = 0.0,
+    group: DataParallel | None = None,
 ) -> dict[str, float]:
     """Set the show/abstain gate to where showing pays, fit on the rewards of shown rollouts.
 
@@ -550,6 +649,7 @@ def fit_gate_to_rewards(
     it moved.
     With the language model frozen the replayed rollouts' inputs are exactly what the server
     computes. Returns the fit's figures; the gate is left unchanged when there is nothing to fit.
+    With a `group` the ranks share the forward passes and each fits on the gathered inputs.
     """
     actions = list(batch.actions) + ([] if replay is None else list(replay.actions))
     rewards = batch.rewards if replay is None else torch.cat([batch.rewards, replay.rewards])
@@ -570,13 +670,7 @@ def fit_gate_to_rewards(
     # too few verdicts for a fit on the hidden state, or one class (or none): nothing to separate
     if len(y) < min_shown or int(y.sum()) == 0 or int(y.sum()) == len(y):
         return {"gate_fit/shown": float(len(y)), "gate_fit/fitted": 0.0}
-    with torch.no_grad():  # the forward passes only once there is a fit to make
-        parts = [
-            score_actions(model, tokenizer, actions[i : i + 256])
-            for i in range(0, len(actions), 256)
-        ]
-    h = torch.cat([p.gate_hidden for p in parts])
-    x = torch.cat([p.gate_inputs for p in parts])
+    h, x, _ = gate_inputs(model, tokenizer, actions, group)  # only once there is a fit to make
     w = gain.abs() * row_w[shown]
     w = w / w.mean()
     inputs = torch.cat([h[shown], x[shown]], 1).double()

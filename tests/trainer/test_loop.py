@@ -361,3 +361,58 @@ def test_the_kl_reference_is_the_root_of_the_live_policys_own_lineage(
 ) -> None:
     parents = {1: None, 2: 1, 3: 2, 4: 3, 5: None, 6: 5, 7: 6, 10: 11, 11: 10}
     assert lineage_root(parents, version) == root
+
+
+def test_a_rank_killed_mid_update_registers_nothing_and_the_next_round_trains(
+    embedded: Any,
+) -> None:
+    """A 2-rank data-parallel update whose second rank is SIGKILLed mid-update: no candidate
+    is registered and no reward stamped; the next round starts new ranks, trains on the same
+    rollouts and deploys."""
+    from trainer.distributed import UpdatePool
+
+    settings, svc, ingest, deploy = embedded
+    cfg = TrainerConfig(
+        batch_size=40,
+        canary_fraction=0.5,
+        deploy_check=CheckConfig(
+            max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
+        ),
+        poll_timeout_s=0.2,
+        nproc=2,
+    )
+    engine = make_engine(settings)
+    # hold_s: each rank waits 3 s after a job's doorbell, long enough to kill it mid-update
+    pool = UpdatePool(2, hold_s=3.0)
+    trainer = Trainer(settings, engine, ServiceClient(svc.url, deploy), cfg, pool=pool)
+    stop = threading.Event()
+    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        drive(svc.url, ingest, 60, seed=5)
+        wait_for(lambda: trainer.state.get("state") == "updating", 120, "the first update")
+        victim = pool.worker_pids[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(
+            lambda: any(h["event"] == "update_failed" for h in trainer.state["history"]),
+            60,
+            "the failed update",
+        )
+        assert count(engine, policies) == 1, "the failed update registered a candidate"
+        assert count(engine, rewards, rewards.c.trained_at.is_not(None)) == 0
+        wait_for(
+            lambda: count(engine, deployments, deployments.c.action == "deploy") >= 1,
+            180,
+            "the next round's candidate deployed",
+        )
+        respawned = pool.worker_pids
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    events = [h["event"] for h in trainer.state["history"]]
+    assert events.index("update_failed") < events.index("canary"), events
+    assert respawned and victim not in respawned  # the next round's new rank
+    with engine.connect() as conn:
+        candidate = conn.execute(sa.select(policies).where(policies.c.version == 2)).one()
+    assert count(engine, rewards, rewards.c.trained_into == 2) == candidate.summary["rollouts"]
+    engine.dispose()
