@@ -9,9 +9,10 @@ No service, no clock: each round samples `--rollouts` completions from the curre
 held-out cursors drawn as `tabloop simulate` draws them (serving temperature and nucleus,
 stochastic gate), lets a person from the simulated population decide on every shown one,
 computes the reward's decision part as the service does, and takes one trainer update
-(`trainer.update`, the sim profile's UpdateConfig with `--set` overrides, Adam's moments
-carried, 80% of the rollouts as the live trainer trains on; with `gate_fit`, the shown ones of
-earlier rounds replayed to the gate's fit, newest first, as the trainer reads them back) — the
+(`trainer.candidate.train_candidate`, as the trainer calls it: the sim profile's UpdateConfig
+with `--set` overrides, Adam's moments carried, on the rollouts the live trainer trains on, all
+but the fifth it holds back for its deploy check; with `gate_fit`, the shown ones of earlier
+rounds replayed to the gate's fit, newest first, as the trainer reads them back) — the
 live loop's round without the canary. After every round the policy is scored on a fixed
 evaluation set: one sampled completion per cursor, each judged by a panel of 16 people, weighted
 by the gate's p(show) (simulator.baseline.at_threshold with the stochastic gate), so the figures
@@ -38,7 +39,6 @@ same seed; the simulation (benchmarks/simulation.py) stays the measure of the wh
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import hashlib
 import json
@@ -62,9 +62,10 @@ from simulator.population import (  # noqa: E402
     decision_reward,
     draw_person,
 )
+from trainer.candidate import split_for_check, train_candidate  # noqa: E402
 from trainer.corpus import exact_match, heldout_lines, lines_of  # noqa: E402
 from trainer.loop import TrainerConfig  # noqa: E402
-from trainer.update import Batch, carry_state, make_optimizer, update  # noqa: E402
+from trainer.update import Batch  # noqa: E402
 
 BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
 
@@ -134,6 +135,7 @@ def main() -> int:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     cfg = replace(TrainerConfig.for_profile("sim").update, **parse_set(args.set))
+    check_fraction = TrainerConfig.for_profile("sim").gate_fraction
     spec = sim_reward_spec(args.reward)
     population = PopulationConfig()
     if args.corpus:
@@ -224,23 +226,22 @@ def main() -> int:
                     )
                 actions.append(comp)
                 rewards.append(decision_reward(spec, len(comp.text), d))
-        n_train = int(len(actions) * 0.8)
-        candidate = copy.deepcopy(model)
-        candidate.requires_grad_(True)
-        opt = make_optimizer(candidate, cfg)
-        carry_state(opt, state)
+        # the trainer's split: the last fifth is held back for its deploy check
+        actions, _ = split_for_check(actions, check_fraction)
+        n_train = len(actions)
         earlier = Batch.of(*zip(*replay, strict=True)) if replay else None
         earlier_settled = Batch.of(*zip(*settled_replay, strict=True)) if settled_replay else None
-        metrics = update(
-            candidate,
+        candidate = train_candidate(
+            model,
             ref,
             tokenizer,
-            Batch.of(actions[:n_train], rewards[:n_train], settled[:n_train]),
-            opt,
+            Batch.of(actions, rewards[:n_train], settled[:n_train]),
             cfg,
+            state,
             replay=earlier,
             settled_replay=earlier_settled,
         )
+        metrics = candidate.metrics
         settled_replay = [
             (a, rw, t)
             for a, rw, t in zip(
@@ -253,10 +254,8 @@ def main() -> int:
             (a, rw) for a, rw in zip(actions[:n_train], rewards[:n_train], strict=True) if a.shown
         ][::-1] + replay
         replay = replay[: cfg.gate_fit_replay]
-        state = copy.deepcopy(opt.state_dict())
-        candidate.requires_grad_(False)
-        candidate.eval()
-        model = candidate
+        state = candidate.optimizer_state
+        model = candidate.model
         m = evaluate()
         history.append({"round": r, "update": metrics, "seconds": time.perf_counter() - t0, **m})
         print(_line(r, m, first, metrics), flush=True)

@@ -9,7 +9,6 @@ policy-gradient step, gate the candidate, register it and deploy it as a canary.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import socket
@@ -52,6 +51,7 @@ from service.tables import (
     utcnow,
 )
 from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
+from trainer.candidate import split_for_check, train_candidate
 from trainer.caps import cap_weights, capped
 from trainer.client import ApiError, ServiceClient
 from trainer.deploy_check import CheckConfig, check, heldout_sample
@@ -65,7 +65,7 @@ from trainer.metrics import (
     PENDING,
     UPDATES,
 )
-from trainer.update import Batch, UpdateConfig, carry_state, make_optimizer, update
+from trainer.update import Batch, UpdateConfig
 
 log = logging.getLogger(__name__)
 
@@ -417,12 +417,7 @@ class Trainer:
         live_model, tokenizer = self._policy(dep.live_version)
         ref_model, _ = self._policy(self._base_version(dep.live_version))
         rows.sort(key=lambda r: r.suggestion_id)  # random uuids: an unbiased train/gate split
-        n_gate = max(1, int(len(rows) * self.cfg.gate_fraction))
-        train_rows, gate_rows = rows[:-n_gate], rows[-n_gate:]
-        model = copy.deepcopy(live_model)
-        model.requires_grad_(True)
-        optimizer = make_optimizer(model, self.cfg.update)
-        carry_state(optimizer, self._optimizer_state)
+        train_rows, gate_rows = split_for_check(rows, self.cfg.gate_fraction)
         batch = self._with_settled(train_rows)
         earlier = self._replay_rows()
         replay = (
@@ -432,13 +427,21 @@ class Trainer:
         )
         earlier_settled = self._settled_replay_rows()
         settled = self._with_settled(earlier_settled) if earlier_settled else None
-        generic = self._generic(tokenizer, model) if self.cfg.update.generic_mix > 0 else None
-        args = (model, ref_model, tokenizer, batch, optimizer, self.cfg.update)
+        generic = self._generic(tokenizer, live_model) if self.cfg.update.generic_mix > 0 else None
+        pool = self._update_pool() if self.cfg.nproc > 1 or self.pool is not None else None
         try:
-            if self.cfg.nproc > 1 or self.pool is not None:
-                metrics = self._update_pool().update(*args, replay, settled, generic)
-            else:
-                metrics = update(*args, replay, settled, generic)
+            candidate = train_candidate(
+                live_model,
+                ref_model,
+                tokenizer,
+                batch,
+                self.cfg.update,
+                self._optimizer_state,
+                replay,
+                settled,
+                generic,
+                pool,
+            )
         except RankFailed as e:
             # the candidate is half-stepped: dropped, nothing registered or stamped; the next
             # round starts new ranks and trains on the same rollouts
@@ -446,10 +449,9 @@ class Trainer:
             self._remember("update_failed", dep.live_version, str(e).split("\n")[0][:300])
             self.state["state"] = "collecting"
             return
-        self._optimizer_state = copy.deepcopy(optimizer.state_dict())
+        model, metrics = candidate.model, candidate.metrics
+        self._optimizer_state = candidate.optimizer_state
         UPDATES.inc()
-        model.eval()
-        model.requires_grad_(False)
         self.state["state"] = "gating"
         result = check(
             model,
