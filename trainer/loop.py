@@ -28,28 +28,23 @@ from kafka.errors import KafkaError
 
 from service.config import DEFAULT_MAX_SHARE, Settings
 from service.db import StandbyLock, blob_transaction
-from service.events.settled import CODE_SETTLED, settled_texts
+from service.events.settled import settled_texts
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
 from service.policy.model import GPT
 from service.policy.tokenizer import CodeTokenizer
 from service.registry.store import Deployment, artifact_files, current_deployment, write_files
-from service.retention import code_cutoff, with_code
-from service.rewards.core import UNVIEWED
-from service.rewards.store import current_spec, trainable_reward
+from service.retention import code_cutoff
+from service.rewards.store import current_spec
 from service.stream.consumer import KafkaLogConsumer, LogConsumer, open_consumer, partition_of
 from service.stream.topics import FEEDBACK, ROLLOUTS
 from service.tables import TRAINER_MEMBER_PREFIX as MEMBER_PREFIX
 from service.tables import TRAINER_STATE_NAME as STATE_NAME
 from service.tables import (
-    deployments,
-    events,
-    policies,
     reward_specs,
-    rewards,
-    rollouts,
     trainer_state,
     utcnow,
 )
+from trainer import store
 from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
 from trainer.candidate import split_for_check, train_candidate
 from trainer.caps import cap_weights, capped
@@ -72,33 +67,6 @@ log = logging.getLogger(__name__)
 TRAINER_LOCK_ID = 0x7AB1_00B1  # pg_advisory_lock key held by the active trainer (relay: ...B0)
 CAPPED_BATCHES = 50  # batches whose capped people and keys the state keeps (trainer_state.info)
 CAPPED_LISTED = 20  # the most capped people (and keys) kept per batch, most weight removed first
-
-# a rollout with its finalized reward: what an update reads. A request in a language the policy
-# was not trained on is left out: nothing was sampled and the policy made no choice, so it has
-# nothing to teach (and its reward of 0 would only shift the baseline).
-# An unviewed suggestion (shown to a client that reports views, never viewed) is left out too:
-# nobody judged it, and its reward of 0 would teach the gate that showing is worth nothing.
-# A rollout made in privacy mode (no_train) is never read: its code was not even stored.
-_ROLLOUT_ROWS = (
-    sa.select(
-        rollouts.c.suggestion_id,
-        rollouts.c.context_token_ids,
-        rollouts.c.token_ids,
-        rollouts.c.heal_text,
-        rollouts.c.temperature,
-        rollouts.c.top_p,
-        rollouts.c.shown,
-        rollouts.c.logprob_total,
-        rollouts.c.token_logprobs,
-        rollouts.c.decision_logprob,
-        rollouts.c.policy_version,
-        rollouts.c.user_id,  # whose and which key's: each one's share of a batch is capped
-        rollouts.c.api_key_id,
-        rewards.c.value,
-    )
-    .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
-    .where(trainable_reward())
-)
 
 
 @dataclass
@@ -322,30 +290,15 @@ class Trainer:
 
     # -- training --------------------------------------------------------------------------
     def _code_kept(self) -> list[Any]:
-        """SQL conditions: the rollout's code is still stored (TABLOOP_CODE_RETENTION_DAYS
-        blanks it in older ones, service/retention.py)."""
-        cutoff = code_cutoff(self.settings, self.horizon.total_seconds(), utcnow())
-        return [] if cutoff is None else [rollouts.c.created_at >= cutoff]
-
-    def _trained_rows(self, *where: Any, limit: int) -> list[sa.Row]:
-        """Rollouts already trained on (rewards.trained_at set) that match `where`, newest
-        first, at most `limit`: what the gate's fit and the settled-text term read again."""
-        with self.engine.connect() as conn:
-            return with_code(
-                conn.execute(
-                    _ROLLOUT_ROWS.where(
-                        rewards.c.trained_at.is_not(None), *where, *self._code_kept()
-                    )
-                    .order_by(rewards.c.rollout_created_at.desc())
-                    .limit(limit)
-                ).all()
-            )
+        """SQL conditions: the rollout's code is still stored (service/retention.py)."""
+        return store.code_kept(code_cutoff(self.settings, self.horizon.total_seconds(), utcnow()))
 
     def _replay_rows(self) -> list[sa.Row]:
         """Shown rollouts already trained on, newest first, for the gate's fit (gate_fit)."""
         if not self.cfg.update.gate_fit or self.cfg.update.gate_fit_replay <= 0:
             return []
-        return self._trained_rows(rollouts.c.shown.is_(True), limit=self.cfg.update.gate_fit_replay)
+        limit = self.cfg.update.gate_fit_replay
+        return store.trained_rows(self.engine, limit, store.shown(), *self._code_kept())
 
     def _settled_replay_rows(self) -> list[sa.Row]:
         """Rollouts already trained on that have a settled text, newest first: the supervised
@@ -353,8 +306,7 @@ class Trainer:
         limit = self.cfg.update.settled_replay
         if not self.cfg.update.settled_epochs or limit <= 0:
             return []
-        has_text = sa.select(events.c.suggestion_id).where(events.c.type == CODE_SETTLED)
-        return self._trained_rows(rollouts.c.suggestion_id.in_(has_text), limit=limit)
+        return store.trained_rows(self.engine, limit, store.has_settled_text(), *self._code_kept())
 
     def _weights(self, rows: list[sa.Row]) -> list[float]:
         """Each row's weight: no person or key above cfg.max_share of the rows' total."""
@@ -377,33 +329,17 @@ class Trainer:
             self._weights(rows),
         )
 
-    def _batch_rows(self, dep: Deployment) -> list[sa.Row]:
-        with self.engine.connect() as conn:
-            recent = conn.execute(
-                sa.select(deployments.c.live_version, deployments.c.canary_version)
-                .order_by(deployments.c.id.desc())
-                .limit(self.cfg.staleness)
-            ).all()
-            versions = {v for r in recent for v in r if v is not None}
-            return with_code(
-                conn.execute(
-                    _ROLLOUT_ROWS.where(
-                        rewards.c.trained_at.is_(None),
-                        rewards.c.policy_version.in_(versions),
-                        # only rollouts old enough that all of their time's rewards are final:
-                        # abstentions finalize at once, shown ones later, and a batch drawn
-                        # by finalization time would under-represent what was shown
-                        rewards.c.rollout_created_at <= utcnow() - self.horizon,
-                        *self._code_kept(),
-                    )
-                    # newest first: what waited during a canary is used, not left to go stale
-                    .order_by(rewards.c.rollout_created_at.desc())
-                    .limit(self.cfg.batch_size * self.cfg.max_batch_factor)
-                ).all()
-            )
+    def _batch_rows(self) -> list[sa.Row]:
+        return store.untrained_rows(
+            self.engine,
+            self.cfg.staleness,
+            utcnow() - self.horizon,
+            self.cfg.batch_size * self.cfg.max_batch_factor,
+            *self._code_kept(),
+        )
 
     def _maybe_train(self, dep: Deployment) -> None:
-        rows = self._batch_rows(dep)
+        rows = self._batch_rows()
         self.state.update(state="collecting", batch_fill=len(rows), batch_size=self.cfg.batch_size)
         if len(rows) < self.cfg.batch_size:
             return
@@ -411,7 +347,7 @@ class Trainer:
         started = time.monotonic()
         values = torch.tensor([r.value for r in rows])
         if float(values.std()) < 1e-6:  # every reward equal: no advantage, nothing to learn
-            self._mark_trained([r.suggestion_id for r in rows], None)
+            store.stamp_trained(self.engine, [r.suggestion_id for r in rows], None)
             self._remember("skipped", dep.live_version, f"all {len(rows)} rewards equal")
             return
         live_model, tokenizer = self._policy(dep.live_version)
@@ -467,7 +403,7 @@ class Trainer:
         )
         ids = [r.suggestion_id for r in train_rows]
         now = utcnow()
-        self._mark_trained(ids, None)  # before registering: never trained on twice
+        store.stamp_trained(self.engine, ids, None)  # before registering: never trained on twice
         summary = {
             "parent": dep.live_version,
             "rollouts": len(train_rows),
@@ -498,7 +434,7 @@ class Trainer:
                 languages=self._languages[dep.live_version],
             )
             version = self.client.register(ckpt, dep.live_version, summary)
-        self._mark_trained(ids, version)
+        store.stamp_trained(self.engine, ids, version)
         self.client.deploy(
             version,
             self.cfg.canary_fraction,
@@ -553,32 +489,11 @@ class Trainer:
             "weight_removed": round(sum(c.weight_removed for c in users + keys), 3),
         }
 
-    def _mark_trained(self, ids: list[str], version: int | None) -> None:
-        """Stamp rewards as used (and by which candidate); a stamped reward is never reused."""
-        values: dict[str, Any] = {"trained_into": version} if version else {"trained_at": utcnow()}
-        with self.engine.begin() as conn:
-            for i in range(0, len(ids), 1000):
-                conn.execute(
-                    rewards.update()
-                    .where(rewards.c.suggestion_id.in_(ids[i : i + 1000]))
-                    .values(**values)
-                )
-
     # -- canary ----------------------------------------------------------------------------
 
     def _arm(self, conn: sa.Connection, version: int, since: Any) -> ArmStats:
         """The arm's finalized rewards since `since`, capped per person and key like a batch."""
-        rows = conn.execute(
-            sa.select(rewards.c.value, rewards.c.outcome, rewards.c.user_id, rollouts.c.api_key_id)
-            .select_from(
-                rewards.join(rollouts, rollouts.c.suggestion_id == rewards.c.suggestion_id)
-            )
-            .where(
-                rewards.c.policy_version == version,
-                rewards.c.rollout_created_at >= since,
-                rewards.c.outcome != UNVIEWED,  # nobody saw it: no evidence either way
-            )
-        ).all()
+        rows = store.arm_rows(conn, version, since)
         return arm_stats(
             [r.value for r in rows],
             [r.outcome for r in rows],
@@ -631,9 +546,7 @@ class Trainer:
 
     def _base_version(self, version: int) -> int:
         """The pretrained base `version` descends from: the KL reference of its updates."""
-        with self.engine.connect() as conn:
-            parents = dict(conn.execute(sa.select(policies.c.version, policies.c.parent)).all())
-        return lineage_root(parents, version)
+        return lineage_root(store.parents(self.engine), version)
 
     def _policy(self, version: int) -> tuple[GPT, CodeTokenizer]:
         if version not in self._policies:

@@ -44,6 +44,7 @@ from tests.service.codescan import (
     send_feedback,
     showing_checkpoint,
 )
+from trainer import store
 from trainer.client import ServiceClient
 from trainer.join import Join
 from trainer.loop import Trainer, TrainerConfig
@@ -259,7 +260,7 @@ def test_no_train_stores_no_code_in_any_table_topic_file_or_log_and_is_never_tra
         with engine.connect() as conn:
             dep = current_deployment(conn)
         assert dep is not None
-        batch = trainer._batch_rows(dep)
+        batch = trainer._batch_rows()
         assert {r.suggestion_id for r in batch} & (private_ids | kept_ids) == kept_ids
         with engine.begin() as conn:
             conn.execute(
@@ -269,7 +270,7 @@ def test_no_train_stores_no_code_in_any_table_topic_file_or_log_and_is_never_tra
         for read, expected in (
             (trainer._replay_rows(), shown),
             (trainer._settled_replay_rows(), kept_ids),
-            (trainer._trained_rows(limit=1000), kept_ids),
+            (store.trained_rows(trainer.engine, 1000), kept_ids),
         ):
             assert {r.suggestion_id for r in read} & (private_ids | kept_ids) == expected
         texts = settled_texts(engine, suggestion_ids=private_ids | kept_ids)

@@ -262,7 +262,7 @@ def test_the_trainer_reads_no_rollout_past_the_retention_or_without_code(
         with engine.connect() as conn:
             dep = current_deployment(conn)
         assert dep is not None
-        assert {r.suggestion_id for r in trainer._batch_rows(dep)} == ids
+        assert {r.suggestion_id for r in trainer._batch_rows()} == ids
 
         # rows older than the retention are not read, blanked yet or not
         aged, blanked, fresh = sorted(ids)
@@ -278,7 +278,7 @@ def test_the_trainer_reads_no_rollout_past_the_retention_or_without_code(
                 .where(rollouts.c.suggestion_id == blanked)
                 .values(context_token_ids=[], token_ids=[], heal_text="", text="")
             )
-        assert {r.suggestion_id for r in trainer._batch_rows(dep)} == {fresh}
+        assert {r.suggestion_id for r in trainer._batch_rows()} == {fresh}
         with engine.begin() as conn:
             conn.execute(rewards.update().values(trained_at=utcnow()))
             # the gate fit replays shown ones only: an empty suggestion was not shown

@@ -19,6 +19,7 @@ from service.registry.store import bootstrap, current_deployment
 from service.rewards.core import RewardSpec
 from service.tables import rewards, utcnow
 from tests.service.conftest import make_settings
+from trainer import store
 from trainer.client import ServiceClient
 from trainer.join import Join
 from trainer.loop import Trainer, TrainerConfig
@@ -82,13 +83,13 @@ def test_language_rollouts_are_rewarded_but_never_batched(trainer: Trainer) -> N
     with trainer.engine.connect() as conn:
         dep = current_deployment(conn)
     assert dep is not None
-    batch = trainer._batch_rows(dep)
+    batch = trainer._batch_rows()
     assert sorted(r.suggestion_id for r in batch) == sorted(chosen)
 
     # once trained on, the replays (the gate's fit, settled text) read them again: still none
     with trainer.engine.begin() as conn:
         conn.execute(rewards.update().values(trained_at=utcnow()))
-    assert {r.suggestion_id for r in trainer._trained_rows(limit=100)} == set(chosen)
+    assert {r.suggestion_id for r in store.trained_rows(trainer.engine, 100)} == set(chosen)
 
 
 def test_an_unsupported_language_rollout_is_a_deterministic_abstention() -> None:

@@ -124,7 +124,7 @@ def test_no_training_read_and_no_canary_arm_counts_an_unviewed_reward(
         dep = current_deployment(conn)
         assert dep is not None
         arm = trainer._arm(conn, 1, utcnow() - 2 * OLD)
-    batch = {r.suggestion_id for r in trainer._batch_rows(dep)}
+    batch = {r.suggestion_id for r in trainer._batch_rows()}
     assert batch == {accepted["suggestion_id"], ignored["suggestion_id"]}
     assert (arm.n, arm.shown, arm.accepted) == (2, 2, 1)
 
