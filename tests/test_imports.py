@@ -26,6 +26,7 @@ SHARED_CORE = (
     "service.rewards.store",
     "service.stream",
     "service.tables",
+    "service.training.status",  # the trainer's status row, as GET /admin/training reads it
 )
 
 

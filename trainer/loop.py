@@ -44,6 +44,7 @@ from service.tables import (
     trainer_state,
     utcnow,
 )
+from service.training.status import HistoryEntry, TrainerStatus
 from trainer import store
 from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
 from trainer.candidate import split_for_check, train_candidate
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 
 TRAINER_LOCK_ID = 0x7AB1_00B1  # pg_advisory_lock key held by the active trainer (relay: ...B0)
 CAPPED_BATCHES = 50  # batches whose capped people and keys the state keeps (trainer_state.info)
+HISTORY = 50  # the trainer's decisions the state keeps
 CAPPED_LISTED = 20  # the most capped people (and keys) kept per batch, most weight removed first
 
 
@@ -162,7 +164,7 @@ class Trainer:
         self.settings, self.engine, self.client = settings, engine, client
         self.cfg = cfg or TrainerConfig.for_settings(settings)
         self.pool = pool
-        self.state: dict[str, Any] = {"state": "starting", "history": []}
+        self.state = TrainerStatus()
         self._policies: dict[int, tuple[GPT, CodeTokenizer]] = {}
         self._languages: dict[int, tuple[str, ...]] = {}  # per version: its base's languages
         self._last_heartbeat = 0.0
@@ -190,7 +192,7 @@ class Trainer:
             except (sa.exc.SQLAlchemyError, KafkaError, OSError, httpx.HTTPError, ApiError) as e:
                 if time.monotonic() - started > 60:
                     backoff = 1.0
-                self.state["state"] = "retrying"
+                self.state.state = "retrying"
                 log.warning(
                     "trainer: %s: %s; restarting from the committed offsets in %.0f s",
                     type(e).__name__,
@@ -243,7 +245,7 @@ class Trainer:
                     self._maybe_train(dep)
         finally:
             consumer.close()
-        self.state["state"] = "stopped"
+        self.state.state = "stopped"
         self._heartbeat(join, force=True)
         self._leave()
         log.info("trainer stopped")
@@ -340,10 +342,11 @@ class Trainer:
 
     def _maybe_train(self, dep: Deployment) -> None:
         rows = self._batch_rows()
-        self.state.update(state="collecting", batch_fill=len(rows), batch_size=self.cfg.batch_size)
+        self.state.state, self.state.batch_size = "collecting", self.cfg.batch_size
+        self.state.batch_fill = len(rows)
         if len(rows) < self.cfg.batch_size:
             return
-        self.state["state"] = "updating"
+        self.state.state = "updating"
         started = time.monotonic()
         values = torch.tensor([r.value for r in rows])
         if float(values.std()) < 1e-6:  # every reward equal: no advantage, nothing to learn
@@ -383,12 +386,12 @@ class Trainer:
             # round starts new ranks and trains on the same rollouts
             log.warning("the data-parallel update failed (%s); the next round retries", e)
             self._remember("update_failed", dep.live_version, str(e).split("\n")[0][:300])
-            self.state["state"] = "collecting"
+            self.state.state = "collecting"
             return
         model, metrics = candidate.model, candidate.metrics
         self._optimizer_state = candidate.optimizer_state
         UPDATES.inc()
-        self.state["state"] = "gating"
+        self.state.state = "gating"
         result = check(
             model,
             live_model,
@@ -413,8 +416,8 @@ class Trainer:
             "caps": self._record_caps(train_rows, batch, now),
             "seconds": round(time.monotonic() - started, 2),
         }
-        self.state["last_update"] = {"at": now.isoformat(), **summary}
-        self.state["last_gate"] = result.to_dict()
+        self.state.last_update = {"at": now.isoformat(), **summary}
+        self.state.last_gate = result.to_dict()
         GATE_RESULTS.labels(result="passed" if result.passed else "failed").inc()
         if not result.passed:
             log.info(
@@ -457,7 +460,7 @@ class Trainer:
             100 * self.cfg.canary_fraction,
         )
         self._remember("canary", version, result.reason)
-        self.state["state"] = "canary"
+        self.state.state = "canary"
 
     def _update_pool(self) -> UpdatePool:
         """The update's ranks, started at the first update (the workers import torch)."""
@@ -479,9 +482,7 @@ class Trainer:
             "users": [c.to_dict() for c in users[:CAPPED_LISTED]],
             "keys": [c.to_dict() for c in keys[:CAPPED_LISTED]],
         }
-        history = self.state.setdefault("capped", [])
-        history.append(entry)
-        del history[:-CAPPED_BATCHES]
+        self.state.capped = [*self.state.capped, entry][-CAPPED_BATCHES:]
         return {
             "max_share": self.cfg.max_share,
             "users_capped": len(users),
@@ -509,15 +510,13 @@ class Trainer:
             live = self._arm(conn, dep.live_version, dep.created_at)
         age = (utcnow() - dep.created_at).total_seconds()
         verdict, why = canary_verdict(canary, live, age, self.cfg.canary)
-        self.state.update(
-            state="canary",
-            canary={
-                "version": dep.canary_version,
-                "age_s": age,
-                "canary": asdict(canary),
-                "live": asdict(live),
-            },
-        )
+        self.state.state = "canary"
+        self.state.canary = {
+            "version": dep.canary_version,
+            "age_s": age,
+            "canary": asdict(canary),
+            "live": asdict(live),
+        }
         if verdict == "wait":
             return
         try:
@@ -538,11 +537,8 @@ class Trainer:
     # -- helpers ---------------------------------------------------------------------------
 
     def _remember(self, event: str, version: int, why: str) -> None:
-        history = self.state.setdefault("history", [])
-        history.append(
-            {"at": utcnow().isoformat(), "event": event, "version": version, "reason": why}
-        )
-        del history[:-50]
+        entry = HistoryEntry(at=utcnow().isoformat(), event=event, version=version, reason=why)
+        self.state.history = [*self.state.history, entry][-HISTORY:]
 
     def _base_version(self, version: int) -> int:
         """The pretrained base `version` descends from: the KL reference of its updates."""
@@ -604,7 +600,7 @@ class Trainer:
         version, spec = current_spec(self.engine, self.settings.profile)
         join.set_spec(spec, version)
         self.horizon = timedelta(seconds=spec.horizon_s)
-        self.state["reward_spec_version"] = version
+        self.state.reward_spec_version = version
         log.info("reward spec v%d in use from now on (was v%d)", version, old)
 
     def _heartbeat(self, join: Join, force: bool = False) -> bool:
@@ -619,7 +615,7 @@ class Trainer:
             else:
                 self._lead()
         oldest = min((p.rollout.created_at for p in join.pending.values()), default=None)
-        joined = dict(
+        joined: dict[str, Any] = dict(
             pending=len(join.pending),
             finalized=join.stats.finalized,
             finalized_elsewhere=join.stats.finalized_elsewhere,
@@ -627,10 +623,11 @@ class Trainer:
             bad_records=join.stats.bad_records,
             join_lag_s=(utcnow() - oldest).total_seconds() if oldest else 0.0,
         )
-        self.state.update(joined)
+        for name, value in joined.items():
+            setattr(self.state, name, value)
         PENDING.set(len(join.pending))
         JOIN_LAG.set(joined["join_lag_s"])
-        BATCH_FILL.set(self.state.get("batch_fill", 0))
+        BATCH_FILL.set(self.state.batch_fill)
         now = utcnow()
         with self.engine.begin() as conn:
             if not self.settings.embedded:
@@ -643,8 +640,10 @@ class Trainer:
             ).first()
             self.paused = bool(row and row.paused)
             if self.paused:
-                self.state["state"] = "paused"
-            _upsert_state(conn, STATE_NAME, heartbeat_at=now, info=self.state)
+                self.state.state = "paused"
+            _upsert_state(
+                conn, STATE_NAME, heartbeat_at=now, info=self.state.model_dump(mode="json")
+            )
         return True
 
     def _lead(self) -> None:
@@ -658,7 +657,7 @@ class Trainer:
             raise
         if self._leading and not was:
             log.info("this member (%s) now leads: it trains and deploys", self.member)
-            self.state["state"] = "collecting"
+            self.state.state = "collecting"
         elif not self._leading and not self._following:
             log.info("another trainer leads; this member (%s) joins its partitions", self.member)
         self._following = not self._leading

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter
+from pydantic import ValidationError
 
 from service.audit.recorder import AuditEntry
 from service.deps import ADMIN, AdminKey, CtxDep, audited
@@ -14,6 +15,7 @@ from service.rewards.store import trainable_reward
 from service.tables import TRAINER_MEMBER_PREFIX as MEMBER_PREFIX
 from service.tables import TRAINER_STATE_NAME as STATE_NAME
 from service.tables import rewards, rollouts, trainer_state, utcnow
+from service.training.status import TrainerStatus
 
 _ALIVE = timedelta(seconds=15)  # a heartbeat older than this: the process is gone
 router = APIRouter(prefix="/admin/training", tags=["admin: training"])
@@ -69,9 +71,18 @@ def _status(conn: sa.Connection) -> dict[str, Any]:
         "rewards_finalized": finalized,
         "rewards_untrained": untrained,
         "late_events": int(late),
-        "trainer": (row.info or {}) if row else {},
+        "trainer": _trainer(row.info) if row and row.info else {},
         "members": _members(conn),
     }
+
+
+def _trainer(info: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's row read through its own type (service/training/status.py), so missing
+    fields get their defaults; a row this version cannot read (a newer trainer's) as it is."""
+    try:
+        return TrainerStatus.model_validate(info).model_dump(mode="json")
+    except ValidationError:
+        return info
 
 
 def _members(conn: sa.Connection) -> list[dict[str, Any]]:

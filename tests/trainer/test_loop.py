@@ -332,14 +332,14 @@ def test_a_new_reward_spec_is_followed_without_a_restart(tmp_path: Path) -> None
     trainer = Trainer(settings, engine, ServiceClient("http://127.0.0.1:9", "unused"))
 
     trainer._follow_spec(join)  # nothing new: unchanged
-    assert join.spec_version == 1 and "reward_spec_version" not in trainer.state
+    assert join.spec_version == 1 and trainer.state.reward_spec_version is None
 
     longer = RewardSpec.from_dict({**spec.to_dict(), "decision_window_s": 9})
     with engine.begin() as conn:
         put_spec(conn, longer, None)
     trainer._follow_spec(join)
     assert (join.spec_version, join.spec) == (2, longer)
-    assert trainer.state["reward_spec_version"] == 2
+    assert trainer.state.reward_spec_version == 2
     assert join.pending["s1"].due == created + dt.timedelta(seconds=9)
     assert trainer.horizon == dt.timedelta(seconds=longer.horizon_s)
     engine.dispose()
@@ -390,11 +390,11 @@ def test_a_rank_killed_mid_update_registers_nothing_and_the_next_round_trains(
     thread.start()
     try:
         drive(svc.url, ingest, 60, seed=5)
-        wait_for(lambda: trainer.state.get("state") == "updating", 120, "the first update")
+        wait_for(lambda: trainer.state.state == "updating", 120, "the first update")
         victim = pool.worker_pids[0]
         os.kill(victim, signal.SIGKILL)
         wait_for(
-            lambda: any(h["event"] == "update_failed" for h in trainer.state["history"]),
+            lambda: any(h.event == "update_failed" for h in trainer.state.history),
             60,
             "the failed update",
         )
@@ -409,7 +409,7 @@ def test_a_rank_killed_mid_update_registers_nothing_and_the_next_round_trains(
     finally:
         stop.set()
         thread.join(timeout=60)
-    events = [h["event"] for h in trainer.state["history"]]
+    events = [h.event for h in trainer.state.history]
     assert events.index("update_failed") < events.index("canary"), events
     assert respawned and victim not in respawned  # the next round's new rank
     with engine.connect() as conn:

@@ -8,7 +8,13 @@ from datetime import UTC, datetime
 import httpx
 import sqlalchemy as sa
 
-from service.tables import rewards, rollouts
+from service.tables import (
+    TRAINER_MEMBER_PREFIX,
+    TRAINER_STATE_NAME,
+    rewards,
+    rollouts,
+    trainer_state,
+)
 from tests.factories import rollout_row
 
 
@@ -74,3 +80,48 @@ def test_untrained_counts_only_what_the_trainer_may_use(
     status = client.get("/admin/training").json()
     assert status["rewards_finalized"] == 5
     assert status["rewards_untrained"] == 1
+
+
+def test_the_trainer_row_is_read_through_its_type(client: httpx.Client, engine: sa.Engine) -> None:
+    """`trainer` is the trainer's TrainerStatus: fields a row lacks get their defaults, fields
+    it has that this version does not know are dropped, and a row this version cannot read
+    (a newer trainer's state name) is returned as stored rather than failing the request; the
+    join's live members are listed."""
+    now = datetime.now(UTC)
+    old = {"state": "collecting", "pending": 3, "history": [], "from_the_future": 1}
+    with engine.begin() as conn:
+        conn.execute(
+            trainer_state.insert(),
+            [
+                {"name": TRAINER_STATE_NAME, "heartbeat_at": now, "info": old, "updated_at": now},
+                {
+                    "name": TRAINER_MEMBER_PREFIX + "host-a:7",
+                    "heartbeat_at": now,
+                    "info": {"leader": True, "partitions": [0, 1], "pending": 3, "finalized": 9},
+                    "updated_at": now,
+                },
+            ],
+        )
+    status = client.get("/admin/training").json()
+    trainer = status["trainer"]
+    assert trainer["state"] == "collecting" and trainer["pending"] == 3
+    assert trainer["batch_fill"] == 0 and "from_the_future" not in trainer
+    assert status["members"] == [
+        {
+            "member": "host-a:7",
+            "heartbeat_at": status["members"][0]["heartbeat_at"],
+            "leader": True,
+            "partitions": [0, 1],
+            "pending": 3,
+            "finalized": 9,
+        }
+    ]
+    newer = {**old, "state": "sharding"}
+    with engine.begin() as conn:
+        conn.execute(
+            trainer_state.update()
+            .where(trainer_state.c.name == TRAINER_STATE_NAME)
+            .values(info=newer)
+        )
+    r = client.get("/admin/training")
+    assert r.status_code == 200 and r.json()["trainer"] == newer
