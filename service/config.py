@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     # The most of a training batch's weight one person (user_id) or one API key may hold: rows
     # of anyone above it are weighted down to it (trainer/caps.py). 1: no cap.
     trainer_max_share: float = Field(DEFAULT_MAX_SHARE, gt=0, le=1)
+    # How the show/abstain gate learns: true, a fit on every shown verdict so far; false, the
+    # policy gradient alone; unset: the profile's (sim: the fit; prod: the policy gradient).
+    trainer_gate_fit: bool | None = None
     # Processes one policy-gradient update runs on (data-parallel over torch.distributed, gloo;
     # each with torch_threads threads): `tabloop train --nproc N`. 1: the trainer's own.
     trainer_nproc: int = Field(1, ge=1, le=64)

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import sqlalchemy as sa
 import torch
 from kafka.errors import KafkaError
 
-from service.config import DEFAULT_MAX_SHARE, Settings
+from service.config import Settings
 from service.db import StandbyLock, blob_transaction
 from service.events.settled import settled_texts
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
@@ -46,11 +46,12 @@ from service.tables import (
 )
 from service.training.status import HistoryEntry, TrainerStatus
 from trainer import store
-from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
+from trainer.canary import ArmStats, arm_stats, canary_verdict
 from trainer.candidate import split_for_check, train_candidate
 from trainer.caps import cap_weights, capped
 from trainer.client import ApiError, ServiceClient
-from trainer.deploy_check import CheckConfig, check, heldout_sample
+from trainer.config import TrainerConfig
+from trainer.deploy_check import check, heldout_sample
 from trainer.distributed import RankFailed, UpdatePool
 from trainer.join import Join
 from trainer.metrics import (
@@ -61,7 +62,7 @@ from trainer.metrics import (
     PENDING,
     UPDATES,
 )
-from trainer.update import Batch, UpdateConfig
+from trainer.update import Batch
 
 log = logging.getLogger(__name__)
 
@@ -69,74 +70,6 @@ TRAINER_LOCK_ID = 0x7AB1_00B1  # pg_advisory_lock key held by the active trainer
 CAPPED_BATCHES = 50  # batches whose capped people and keys the state keeps (trainer_state.info)
 HISTORY = 50  # the trainer's decisions the state keeps
 CAPPED_LISTED = 20  # the most capped people (and keys) kept per batch, most weight removed first
-
-
-@dataclass
-class TrainerConfig:
-    group: str = "tabloop-trainer"  # consumer group (embedded: the trainer_state row)
-    batch_size: int = 4096  # finalized rollouts needed before a policy-gradient update
-    max_batch_factor: int = 4  # an update takes every eligible rollout up to this x batch_size
-    gate_fraction: float = 0.2  # share of a batch held back to estimate the candidate's reward
-    staleness: int = 3  # train on rollouts of versions seen in the last N deployments
-    # the most of a batch's weight one person or one API key may hold (trainer/caps.py)
-    max_share: float = DEFAULT_MAX_SHARE
-    canary_fraction: float = 0.1  # share of users the candidate gets first
-    canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(2000, 3600.0, 500))
-    deploy_check: CheckConfig = field(default_factory=CheckConfig)
-    update: UpdateConfig = field(default_factory=UpdateConfig)
-    heldout_rows: int = 24  # the gate's held-out code sample
-    heldout_len: int = 128
-    generic_rows: int = 512  # windows of generic code for the settled passes' pretraining mix
-    poll_timeout_s: float = 0.5
-    heartbeat_s: float = 1.0
-    nproc: int = 1  # ranks of a data-parallel update (trainer/distributed.py); 1: in process
-
-    @classmethod
-    def for_profile(cls, profile: str) -> TrainerConfig:
-        if profile == "sim":  # a whole learn-and-redeploy loop in about a minute
-            return cls(
-                batch_size=160,
-                # half the users: twice the canary's evidence per second, and after a
-                # promotion half of the next batch is the new live policy's own rollouts
-                canary_fraction=0.5,
-                # the language model learns from the rewards (policy gradient on the tokens)
-                # and from settled text: one pass over the batch's and the 320 newest
-                # earlier settled rollouts, mixed with generic code (docs/TRAINER.md); the
-                # gate is set by a fit on every shown verdict so far (fit_gate_to_rewards),
-                # sharpened 3x once 300 are in, growing as sqrt(verdicts / 300) up to 10x;
-                # until then four more passes on the gate alone per batch
-                update=UpdateConfig(
-                    minibatch_size=64,
-                    gate_epochs=4,
-                    gate_fit=True,
-                    gate_fit_sharpness=3.0,
-                    gate_fit_sharpness_max=10.0,
-                    settled_epochs=1,
-                    settled_replay=320,
-                ),
-                canary=CanaryConfig(
-                    min_rollouts=60,
-                    timeout_s=150.0,
-                    min_shown=20,
-                    # ~20 shown a side: a canary catches a collapse or a large drop, not a
-                    # small gain; no tolerance on top of the significance test
-                    reward_tolerance=0.0,
-                    accept_tolerance=0.0,
-                ),
-            )
-        return cls()
-
-    @classmethod
-    def for_settings(cls, settings: Settings) -> TrainerConfig:
-        cfg = cls.for_profile(settings.profile)
-        cfg.group = settings.trainer_group
-        cfg.nproc = settings.trainer_nproc
-        if settings.trainer_batch_size:
-            cfg.batch_size = settings.trainer_batch_size
-        if settings.trainer_canary_min_rollouts:
-            cfg.canary = replace(cfg.canary, min_rollouts=settings.trainer_canary_min_rollouts)
-        cfg.max_share = settings.trainer_max_share
-        return cfg
 
 
 def lineage_root(parents: Mapping[int, int | None], version: int) -> int:

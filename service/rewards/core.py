@@ -158,6 +158,10 @@ class RewardSpec:
         )
 
 
+# the profiles' reward windows (TABLOOP_PROFILE; the trainer's side: trainer/config.PROFILES)
+REWARD_SPECS: dict[str, RewardSpec] = {"prod": RewardSpec(), "sim": RewardSpec.sim()}
+
+
 @dataclass(frozen=True)
 class RolloutInfo:
     """What the reward needs to know about one rollout."""

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from service.policy.defaults import STOP_LANGUAGE
 from service.privacy import trainable
 from service.rewards.core import (
+    REWARD_SPECS,
     UNREWARDED_EVENTS,
     UNVIEWED,
     Feedback,
@@ -37,7 +38,7 @@ def trainable_reward() -> sa.ColumnElement[bool]:
 
 
 def default_spec(profile: str) -> RewardSpec:
-    return RewardSpec.sim() if profile == "sim" else RewardSpec()
+    return REWARD_SPECS[profile]
 
 
 def current_spec(engine_or_conn: sa.Engine | sa.Connection, profile: str) -> tuple[int, RewardSpec]:
