@@ -84,8 +84,9 @@ def durable_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBro
 
 # ============================================================================
 # The `integration` marker (pyproject.toml): a test is integration when it starts real
-# processes: PostgreSQL, a Kafka-protocol broker, a browser, the HTTP app over a socket, or
-# tabby-agent. `pytest -m "not integration"` runs the unit tests only.
+# processes: PostgreSQL, a Kafka-protocol broker, a browser, the HTTP app over a socket,
+# tabby-agent, the `tabloop` program, or training ranks. `pytest -m "not integration"` runs
+# the unit tests only.
 #
 # Marked here, from the fixtures a test uses (item.fixturenames: the transitive closure, so
 # `client`, `tabby`, `full_settings` ... are covered through the fixtures they need).

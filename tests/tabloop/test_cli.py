@@ -22,6 +22,9 @@ from service.db import make_engine
 from tests.factories import event
 from tests.support.procs import free_port, wait_http_ready
 
+# every test runs the `tabloop` program in a subprocess (tests/conftest.py, the marker)
+pytestmark = pytest.mark.integration
+
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
 TRAINER_METRICS = (
     "tabloop_trainer_batch_fill",
@@ -114,7 +117,6 @@ def test_up_on_a_port_in_use_says_so_before_anything_else(tmp_path: Path) -> Non
     assert not (tmp_path / "data" / "tabloop.db").exists()
 
 
-@pytest.mark.integration  # `tabloop up` serving
 def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
     port = free_port()
     env = env_for(tmp_path, TABLOOP_PORT=str(port))
@@ -176,7 +178,6 @@ def test_log_format_flag_on_the_long_running_commands() -> None:
         assert args.log_format == "text"
 
 
-@pytest.mark.integration  # `tabloop train` serving its metrics
 def test_train_serves_its_metrics_on_the_metrics_port(tmp_path: Path) -> None:
     port = free_port()
     env = env_for(
@@ -213,7 +214,6 @@ def _series(metrics: str, prefix: str) -> float:
     return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
 
-@pytest.mark.integration  # `tabloop serve --workers 2`
 def test_serve_with_workers_sums_every_workers_metrics(tmp_path: Path) -> None:
     """`tabloop serve --workers 2`: whichever worker answers a scrape, the counters count the
     requests of both (prometheus_client's multiprocess mode), and the directory the workers

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from service.config import Settings
@@ -27,6 +28,7 @@ def audit_rows(settings: Settings) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in found]
 
 
+@pytest.mark.integration  # `tabloop keys` in a subprocess
 def test_keys_made_and_revoked_on_the_command_line(tmp_path: Path) -> None:
     env = env_for(tmp_path)
     assert run(["db", "upgrade"], env).returncode == 0

@@ -26,6 +26,9 @@ from trainer.deploy_check import heldout_sample
 from trainer.distributed import RankFailed, UpdatePool
 from trainer.update import Batch, UpdateConfig, carry_state, make_optimizer, update
 
+# every test starts worker ranks in processes of their own (tests/conftest.py, the marker)
+pytestmark = pytest.mark.integration
+
 torch.set_num_threads(1)
 
 PROMPTS = [
