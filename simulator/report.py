@@ -1,5 +1,5 @@
 """What a simulation run measured: per-request records, time buckets, first vs last fifth, the
-issue's targets, and the plot. Pure functions of the records (the plot aside).
+learning targets, and the plot. Pure functions of the records (the plot aside).
 
 report.json (written by `tabloop simulate`; keys are stable, new ones are only added):
 

@@ -1,5 +1,5 @@
 """The policy-gradient update: pure helpers by table, then the loss and update() on a tiny model,
-then a synthetic learning run (issue 4): the gate learns to abstain where shown suggestions are
+then a synthetic learning run: the gate learns to abstain where shown suggestions are
 rejected and to show where they are accepted, from rollouts the model samples itself."""
 
 from __future__ import annotations
@@ -547,7 +547,7 @@ def test_carry_state_continues_adam_on_a_copy(
     assert not gate_only.state
 
 
-# --- synthetic learning (issue 4) --------------------------------------------------------
+# --- synthetic learning ------------------------------------------------------------------------
 # Family A: comment lines, where users reject every suggestion. Family B: code, where they
 # accept it. Rewards follow the default spec: reject -0.25, accept 0.75 * size scale, abstain 0.
 FAMILY_A = [
