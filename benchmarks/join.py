@@ -36,6 +36,7 @@ from service.db import make_engine  # noqa: E402
 from service.stream.kafka import ensure_topics, make_producer  # noqa: E402
 from service.stream.topics import FEEDBACK, ROLLOUTS, encode  # noqa: E402
 from service.tables import TRAINER_MEMBER_PREFIX, events, rewards, rollouts, trainer_state  # noqa: E402
+from tests.factories import rollout_row  # noqa: E402
 
 PARTITIONS = 6
 PEOPLE = 200
@@ -51,25 +52,13 @@ def records(n: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any
         shown = rng.random() < 0.5
         text = "return x" if shown else ""
         made.append(
-            {
-                "suggestion_id": str(uuid.uuid4()),
-                "user_id": f"user-{rng.randrange(PEOPLE)}",
-                "policy_version": 1,
-                "created_at": at + timedelta(milliseconds=i),
-                "context_token_ids": [1],
-                "heal_text": "",
-                "token_ids": [2],
-                "token_logprobs": [-0.1],
-                "text": text,
-                "text_chars": len(text),
-                "shown": shown,
-                "gate_prob_show": 0.5,
-                "decision_logprob": -0.7,
-                "logprob_total": -0.8,
-                "temperature": 0.7,
-                "stop_reason": "newline",
-                "latency_ms": 1.0,
-            }
+            rollout_row(
+                user_id=f"user-{rng.randrange(PEOPLE)}",
+                created_at=at + timedelta(milliseconds=i),
+                text=text,
+                text_chars=len(text),
+                shown=shown,
+            )
         )
         if shown and rng.random() < 0.34:
             occurred = at + timedelta(milliseconds=i, seconds=1)

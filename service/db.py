@@ -122,15 +122,7 @@ class StandbyLock:
                 if self._held:
                     self.check()  # a dead connection raises (and is dropped): wait again
                     return True
-                if self._conn is None:
-                    self._conn = self.engine.connect()
-                self._held = bool(
-                    self._conn.execute(
-                        sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}
-                    ).scalar()
-                )
-                self._conn.commit()
-                if self._held:
+                if self._attempt():
                     if waiting:
                         log.info(
                             "%s lock acquired: this %s is now the active one", self.role, self.role
@@ -154,17 +146,19 @@ class StandbyLock:
             self.check()
             return True
         try:
-            if self._conn is None:
-                self._conn = self.engine.connect()
-            self._held = bool(
-                self._conn.execute(
-                    sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}
-                ).scalar()
-            )
-            self._conn.commit()
+            return self._attempt()
         except sa.exc.SQLAlchemyError:
             self.release()
             raise
+
+    def _attempt(self) -> bool:
+        """One pg_try_advisory_lock on the lock's own connection (opened if needed)."""
+        if self._conn is None:
+            self._conn = self.engine.connect()
+        self._held = bool(
+            self._conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}).scalar()
+        )
+        self._conn.commit()
         return self._held
 
     def check(self) -> None:

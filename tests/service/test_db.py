@@ -64,6 +64,7 @@ def test_standby_lock_one_holder_then_takeover(settings_factory: Any) -> None:
             b.check()
             return
         assert not b.acquire(_stopped_after(0.3))  # waited as a standby, then stopped
+        assert a.try_acquire() is True and b.try_acquire() is False  # one try, no waiting
         with pytest.raises(sa.exc.SQLAlchemyError):
             b.check()
         assert a._conn is not None
@@ -72,6 +73,8 @@ def test_standby_lock_one_holder_then_takeover(settings_factory: Any) -> None:
         with engines[1].connect() as conn:  # the holder's session ends, as when it is killed
             conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
         assert b.acquire(_stopped_after(10.0))
+        with pytest.raises(sa.exc.SQLAlchemyError):
+            a.try_acquire()  # held on a dead connection: raises, as check() does
         with pytest.raises(sa.exc.SQLAlchemyError):
             a.check()
         assert not a.acquire(_stopped_after(0.3))
