@@ -139,4 +139,5 @@ def arm_rows(conn: sa.Connection, version: int, since: datetime) -> list[sa.Row]
 def parents(engine: sa.Engine) -> dict[int, int | None]:
     """Every registered policy version -> its parent (None for a pretrained base)."""
     with engine.connect() as conn:
-        return dict(conn.execute(sa.select(policies.c.version, policies.c.parent)).tuples().all())
+        rows = conn.execute(sa.select(policies.c.version, policies.c.parent)).all()
+    return {version: parent for version, parent in rows}
