@@ -1,6 +1,7 @@
 """Completion latency and throughput on held-out code, and latency around hot swaps.
 
     python benchmarks/complete.py [--seconds 20] [--concurrency 1 8 32] [--batch-max 1 32]
+                                  [--device auto|cpu|cuda]
 
 Starts `tabloop up` (embedded, the shipped base policy) on a loopback port, once per
 `--batch-max` (TABLOOP_INFERENCE_BATCH_MAX: 1 samples one request at a time, more batches
@@ -101,6 +102,7 @@ def main() -> None:
         help="TABLOOP_INFERENCE_BATCH_MAX of each server (1: unbatched)",
     )
     ap.add_argument("--prompts", type=int, default=400)
+    ap.add_argument("--device", default="cpu", help="TABLOOP_DEVICE of the servers")
     args = ap.parse_args()
     bodies = prompts(args.prompts)
     print(f"{len(bodies)} held-out prompts, max_new_tokens 32")
@@ -109,7 +111,9 @@ def main() -> None:
         f"{'model p50':>9} {'model p99':>9} {'errors':>6}"
     )
     for i, batch_max in enumerate(args.batch_max):
-        with tabloop_up(TABLOOP_INFERENCE_BATCH_MAX=str(batch_max)) as srv:
+        with tabloop_up(
+            TABLOOP_INFERENCE_BATCH_MAX=str(batch_max), TABLOOP_DEVICE=args.device
+        ) as srv:
             load(srv.url, srv.token, bodies, 1, 3.0)  # warm-up
             for conc in args.concurrency:
                 t0 = time.monotonic()

@@ -1,11 +1,13 @@
 """The trainer's speed: update throughput, reward-join latency, and freshness.
 
     python benchmarks/trainer.py [--minutes 6] [--batch 256] [--nproc N] [--update-only]
+                                 [--device auto|cpu|cuda]
 
 1. Update throughput: rollouts/s through one policy-gradient update of the shipped base policy
    (d=192, 3 layers), on rollouts it sampled itself from held-out code, CPU, 1 thread; with
    --nproc N also 1 process with N threads and N data-parallel gloo ranks of 1 thread each
-   (trainer/distributed.py).
+   (trainer/distributed.py). With --device cuda: one update on the GPU in bf16 autocast (and
+   with --nproc N, N NCCL ranks, one per GPU).
 2. A live run of `tabloop up` in the sim profile (reward windows in seconds), driven by editors
    that accept suggestions ending a statement and reject the rest, for --minutes. From its
    database: join latency (last feedback event received -> reward finalized, and rollout ->
@@ -33,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._server import tabloop_up  # noqa: E402
 from service.policy.checkpoint import load_checkpoint  # noqa: E402
+from service.policy.device import precision, resolve  # noqa: E402
 from service.policy.model import GPT  # noqa: E402
 from service.policy.sampling import complete  # noqa: E402
 from service.policy.tokenizer import CodeTokenizer  # noqa: E402
@@ -43,12 +46,14 @@ from trainer.update import Batch, UpdateConfig  # noqa: E402
 BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
 
 
-def update_throughput(batch_size: int, nproc: int = 1) -> None:
+def update_throughput(batch_size: int, nproc: int = 1, device: str = "cpu") -> None:
     """With nproc > 1 also 1 rank with nproc threads and nproc gloo ranks of 1 thread each
     (trainer/distributed.py; the pool's start-up not counted, sending the job counted)."""
     torch.set_num_threads(1)
+    place = resolve(device)
     model, tok, _ = load_checkpoint(BASE)
     ref, _, _ = load_checkpoint(BASE)
+    model.to(place), ref.to(place)
     g = torch.Generator().manual_seed(0)
     cursors = sample_cursors("heldout", batch_size, seed=0)
     actions = [complete(model, tok, c.prefix, "", 16, 0.7, 0.95, g) for c in cursors]
@@ -57,10 +62,15 @@ def update_throughput(batch_size: int, nproc: int = 1) -> None:
     model.requires_grad_(True)
     tokens = sum(len(a.token_ids) for a in actions) / batch_size
     ctx = sum(len(a.context_token_ids) for a in actions) / batch_size
-    print(f"update: {batch_size} rollouts (mean {tokens:.1f} sampled + {ctx:.0f} context tokens)")
+    print(
+        f"update: {batch_size} rollouts (mean {tokens:.1f} sampled + {ctx:.0f} context tokens) "
+        f"on {place} ({precision(place)})"
+    )
     runs = [(1, 1)] + ([(1, nproc), (nproc, 1)] if nproc > 1 else [])
+    if place.type == "cuda":  # threads do not matter there
+        runs = [(1, 1)] + ([(nproc, 1)] if nproc > 1 else [])
     for ranks, threads in runs:
-        first, warm = _timed_updates(model, ref, tok, batch, ranks, threads)
+        first, warm = _timed_updates(model, ref, tok, batch, ranks, threads, place.type)
         print(
             f"  {ranks} rank(s) x {threads} thread(s): {warm:.2f} s = {batch_size / warm:.0f} "
             f"rollouts/s (first update {first:.2f} s = {batch_size / first:.0f} rollouts/s)"
@@ -69,20 +79,28 @@ def update_throughput(batch_size: int, nproc: int = 1) -> None:
 
 
 def _timed_updates(
-    model: GPT, ref: GPT, tok: CodeTokenizer, batch: Batch, ranks: int, threads: int
+    model: GPT,
+    ref: GPT,
+    tok: CodeTokenizer,
+    batch: Batch,
+    ranks: int,
+    threads: int,
+    device: str = "cpu",
 ) -> tuple[float, float]:
     """Seconds of two updates of fresh copies of `model` with `ranks` ranks of `threads`
     threads each (the same shuffles): the first, and the second (workers warm)."""
     torch.set_num_threads(threads)
     cfg = UpdateConfig()
     secs = []
-    with UpdatePool(ranks, threads_per_rank=threads) as pool:
+    with UpdatePool(ranks, threads_per_rank=threads, device=device) as pool:
         for _ in range(2):
             m = copy.deepcopy(model)
             opt = torch.optim.AdamW(m.parameters(), lr=cfg.learning_rate)
             torch.manual_seed(0)
             t0 = time.perf_counter()
             pool.update(m, ref, tok, batch, opt, cfg)
+            if device == "cuda":
+                torch.cuda.synchronize()
             secs.append(time.perf_counter() - t0)
     return secs[0], secs[1]
 
@@ -183,8 +201,9 @@ def main() -> None:
         "--nproc", type=int, default=1, help="also time the update on this many gloo ranks"
     )
     ap.add_argument("--update-only", action="store_true", help="skip the live run")
+    ap.add_argument("--device", default="cpu", help="where the update runs (TABLOOP_DEVICE)")
     args = ap.parse_args()
-    update_throughput(args.update_batch, args.nproc)
+    update_throughput(args.update_batch, args.nproc, args.device)
     if not args.update_only:
         live_run(args.minutes, args.batch)
 

@@ -90,6 +90,10 @@ class Settings(BaseSettings):
     # Threads running inference (each uses torch_threads cores); ingestion keeps its own pool.
     inference_threads: int = Field(2, ge=1, le=64)
     torch_threads: int = Field(1, ge=1, le=64)
+    # Where the policy computes, for serving and the trainer's updates: auto (a CUDA GPU when
+    # torch sees one, else the CPU), cpu, cuda or cuda:N. A GPU computes in bf16 autocast
+    # (service/policy/device.py).
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     # Concurrent completions of one policy share their forward passes: an inference thread
     # takes every request waiting (at most this many; 1: one at a time), after waiting at most
     # inference_batch_wait_ms for more (0: only those already queued; a lone request never

@@ -121,6 +121,19 @@ def _ensure_first_admin_key(settings: Settings) -> None:
     print(token, flush=True)
 
 
+def _device(settings: Settings) -> str:
+    """TABLOOP_DEVICE resolved for this machine ("cpu", "cuda", ...); exits with a one-line
+    error where it names a GPU torch does not see."""
+    from service.policy.device import DeviceError, precision, resolve
+
+    try:
+        device = resolve(settings.device)
+    except DeviceError as e:
+        raise SystemExit(f"tabloop: TABLOOP_DEVICE: {e}") from None
+    log.info("the policy computes on %s (%s)", device, precision(device))
+    return str(device)
+
+
 def _bootstrap_policy(settings: Settings) -> None:
     """First start: register the shipped base policy and make it live (no-op afterwards)."""
     from service.db import make_engine
@@ -211,6 +224,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from service.db import upgrade
 
     settings = _settings(args)
+    _device(settings)
     sock = _listen(settings)
     upgrade(settings)
     _ensure_first_admin_key(settings)
@@ -241,6 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     settings = _settings(args, "json")
+    _device(settings)
     sock = _listen(settings)
     _bootstrap_policy(settings)
     if settings.workers == 1:
@@ -307,6 +322,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from trainer.loop import Trainer
 
     settings = _settings(args, "json")
+    _device(settings)
     pool = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun: rank 0 trains
         if int(os.environ.get("RANK", "0")) != 0:

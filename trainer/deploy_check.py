@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from service.policy.device import compute, model_device
 from service.policy.model import GPT
 from service.policy.sampling import Action, score_actions
 from service.policy.tokenizer import CodeTokenizer
@@ -81,12 +82,15 @@ def snis(
 
 @torch.no_grad()
 def heldout_loss(model: GPT, tokens: torch.Tensor, batch: int = 8) -> float:
-    """Mean next-token cross-entropy (nats) over rows of `tokens` (N, T+1)."""
+    """Mean next-token cross-entropy (nats) over rows of `tokens` (N, T+1), on the model's
+    device (bf16 autocast on a GPU; the loss in float32)."""
     losses = []
-    for i in range(0, tokens.size(0), batch):
-        chunk = tokens[i : i + batch]
-        _, loss = model(chunk[:, :-1], chunk[:, 1:])
-        losses.append(float(loss) * chunk.size(0))
+    device = model_device(model)
+    with compute(device):
+        for i in range(0, tokens.size(0), batch):
+            chunk = tokens[i : i + batch].to(device)
+            _, loss = model(chunk[:, :-1], chunk[:, 1:])
+            losses.append(float(loss) * chunk.size(0))
     return sum(losses) / tokens.size(0)
 
 
@@ -109,7 +113,9 @@ def check(
     loss_base = loss_live if base is None or base is live else heldout_loss(base, heldout)
     v = torch.ones(len(actions), dtype=torch.float64) if weights is None else weights.double()
     reward_live = float((rewards.double() * v).sum() / v.sum()) if rewards.numel() else float("nan")
-    logp_new = score_actions(candidate, tokenizer, actions).total if actions else torch.empty(0)
+    logp_new = (
+        score_actions(candidate, tokenizer, actions).total.cpu() if actions else torch.empty(0)
+    )
     est, ess = snis(logp_new, behaviour_logp, rewards, cfg.weight_clip, weights)
     # what the weights alone leave of the sample: len(actions) when they are all equal
     sample = float(v.sum() ** 2 / (v * v).sum()) if len(actions) else 0.0

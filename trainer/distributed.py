@@ -228,8 +228,10 @@ class Job:
         )
 
     def run(self, group: DataParallel) -> dict[str, float]:
-        """update() on this rank with the job's arguments, on fresh copies."""
-        model, ref_model = _model(*self.model), _model(*self.ref_model)
+        """update() on this rank with the job's arguments, on fresh copies on the rank's device
+        (its GPU with NCCL)."""
+        model = _model(*self.model).to(group.device)
+        ref_model = _model(*self.ref_model).to(group.device)
         for p, flag in zip(model.parameters(), self.requires_grad, strict=True):
             p.requires_grad_(flag)
         cls, groups, state = self.optimizer
@@ -270,7 +272,7 @@ def receive_job(group: DataParallel) -> Job:
     """The job rank 0 broadcasts with send_job."""
     (n,) = group.broadcast(torch.zeros(1, dtype=torch.long)).tolist()
     data = group.broadcast(torch.empty(n, dtype=torch.uint8))
-    job = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    job = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=False)
     assert isinstance(job, Job), f"not a job: {type(job)}"
     return job
 
@@ -378,8 +380,9 @@ class UpdatePool:
     (the whole minibatches' figures). Rank 0 computes in the calling process with the caller's
     torch thread count; each worker uses `threads_per_rank`. With nproc=1 it is update().
 
-    device="cuda" makes the group NCCL's on one GPU per rank; update() itself still computes
-    where the models are (the CPU: score_actions builds its inputs there).
+    device="cuda" makes the group NCCL's on one GPU per rank (rank r on GPU r mod the GPUs);
+    every rank computes where its models are: rank 0 where the caller placed them, the others
+    on their group's device.
     """
 
     def __init__(

@@ -30,6 +30,7 @@ from service.config import Settings
 from service.db import StandbyLock, blob_transaction
 from service.events.settled import settled_texts
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
+from service.policy.device import resolve
 from service.policy.model import GPT
 from service.policy.tokenizer import CodeTokenizer
 from service.registry.store import Deployment, artifact_files, current_deployment, write_files
@@ -109,6 +110,7 @@ class Trainer:
         self._following = False  # said that another member leads
         self.partitions: set[int] = set()  # the rollout partitions this member joins (Kafka)
         self.member = f"{socket.gethostname()}:{os.getpid()}"
+        self.device = resolve(settings.device)  # where updates and checks compute
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -398,8 +400,13 @@ class Trainer:
     def _update_pool(self) -> UpdatePool:
         """The update's ranks, started at the first update (the workers import torch)."""
         if self.pool is None:
-            log.info("starting %d data-parallel update ranks (gloo)", self.cfg.nproc)
-            self.pool = UpdatePool(self.cfg.nproc, threads_per_rank=self.settings.torch_threads)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            log.info("starting %d data-parallel update ranks (%s)", self.cfg.nproc, backend)
+            self.pool = UpdatePool(
+                self.cfg.nproc,
+                threads_per_rank=self.settings.torch_threads,
+                device=self.device.type,
+            )
         return self.pool
 
     def _record_caps(self, rows: list[sa.Row], batch: Batch, now: Any) -> dict[str, Any]:
@@ -485,6 +492,7 @@ class Trainer:
                     write_files(directory, artifact_files(conn, version))
             model, tokenizer, manifest = load_checkpoint(directory)
             model.requires_grad_(False)
+            model.to(self.device)
             self._policies[version] = (model, tokenizer)
             self._languages[version] = manifest.languages
             if len(self._policies) > 4:  # keep the base and the recent ones

@@ -12,15 +12,23 @@ run is resumable: every `save_every_s` the model, optimizer moments and data-sam
 written under DIR/resume/ as safetensors + JSON (nothing pickled), and `--resume` continues from
 there. At the end the gate is fitted on train-split completions (see `fit_gate`) and the
 checkpoint (manifest, weights, tokenizer) is written to DIR; DIR/resume/ is then removed.
+
+`--device` (default: `TABLOOP_DEVICE`, else auto) is where it trains: "auto" (a CUDA GPU when
+torch sees one, else the CPU), "cpu", "cuda" or "cuda:N" (service/policy/device.py). On a GPU the
+passes run in bf16 autocast; on the CPU in bf16 autocast where the CPU computes bf16 natively,
+else in fp32. Weights and AdamW moments stay float32, and everything written to disk is CPU
+tensors, so a run started on a GPU resumes on a CPU and the other way round. `--size` names the
+base: "cpu" (the shipped base's architecture, batch 24) or "gpu" (8 layers of width 512, 8
+heads, 512-token context, batch 64), in `SIZES`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -36,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 from service.policy.checkpoint import load_checkpoint, save_checkpoint
+from service.policy.device import DeviceError, compute, model_device, resolve
 from service.policy.languages import languages_of_paths
 from service.policy.model import GATE_FEATURES, GPT, ModelConfig, configure_optimizer, init_gate
 from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete, score_actions
@@ -54,6 +63,24 @@ log = logging.getLogger(__name__)
 
 # Default reward spec (DESIGN.md) used to turn the gate's P(accept) into a show decision.
 ACCEPT_REWARD, REJECT_PENALTY, CHARS_NORM, CHARS_EXPONENT = 0.75, 0.25, 20.0, 0.5
+
+
+@dataclass(frozen=True)
+class Size:
+    """A named base size (`--size`): the architecture (its vocab_size is the tokenizer's) and the
+    sequences per step."""
+
+    model: ModelConfig
+    batch_size: int
+
+
+SIZES: dict[str, Size] = {
+    # the shipped base's architecture, sized for a CPU
+    "cpu": Size(ModelConfig(n_layer=3, n_head=6, n_embd=192, block_size=192), batch_size=24),
+    # about 27 M parameters with a 4096-token vocabulary, a longer context, for one GPU
+    "gpu": Size(ModelConfig(n_layer=8, n_head=8, n_embd=512, block_size=512), batch_size=64),
+}
+DEFAULT_SIZE = "cpu"
 
 
 @dataclass
@@ -75,18 +102,22 @@ class PretrainConfig:
     resume: bool = False  # continue from out_dir/resume if it exists
     max_iters: int | None = None  # exact iteration budget instead of minutes (reproducible)
     model: ModelConfig = field(
-        default_factory=lambda: ModelConfig(n_layer=3, n_head=6, n_embd=192, block_size=192)
+        default_factory=lambda: replace(SIZES[DEFAULT_SIZE].model)
     )  # the shipped base's architecture
     vocab_size: int = 4096  # BPE vocabulary (overrides model.vocab_size)
-    batch_size: int = 24  # sequences per step
+    batch_size: int = SIZES[DEFAULT_SIZE].batch_size  # sequences per step
     learning_rate: float = 3e-3  # peak learning rate (3e-3 beat 1e-3 in a 200-step trial)
     min_lr: float = 2e-4  # learning rate at the end of the cosine
     warmup_iters: int = 100  # linear warmup steps
     weight_decay: float = 0.1  # AdamW decay on matrices
     beta2: float = 0.99  # AdamW beta2 (small model, small batches)
     grad_clip: float = 1.0  # global gradient-norm clip (0: off)
-    # bf16 autocast: None = where the CPU computes bf16 natively (cpu_has_bf16: about 1.6x
-    # faster than fp32 there; without it, emulated, about 10x slower)
+    # where to train: "auto" (a CUDA GPU if torch sees one, else the CPU), "cpu", "cuda",
+    # "cuda:N" (service.policy.device.resolve)
+    device: str = "auto"
+    # bf16 autocast on the CPU: None = where the CPU computes bf16 natively (cpu_has_bf16:
+    # about 1.6x faster than fp32 there; without it, emulated, about 10x slower). On a GPU the
+    # passes always run in bf16 autocast
     amp: bool | None = None
     threads: int | None = None  # torch threads (None: leave torch's default)
     eval_every: int = 250  # iterations between held-out evaluations
@@ -140,18 +171,21 @@ def split_files(cfg: PretrainConfig) -> tuple[list[Path], list[Path]]:
 def heldout_loss(
     model: GPT, data: np.ndarray, block: int, max_windows: int | None = None, batch: int = 16
 ) -> float:
-    """Mean next-token loss (nats) over non-overlapping windows (evenly spaced subset)."""
+    """Mean next-token loss (nats) over non-overlapping windows (evenly spaced subset), on the
+    model's device (bf16 autocast on a GPU, as `compute` has it)."""
     # a stream shorter than one window (a small corpus's held-out files) is one shorter window
     starts = list(range(0, max(len(data) - block - 1, 1), block))
     if max_windows is not None and len(starts) > max_windows:
         starts = [starts[i * len(starts) // max_windows] for i in range(max_windows)]
+    device = model_device(model)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(starts), batch):
         xs = [data[s : s + block + 1].astype(np.int64) for s in starts[i : i + batch]]
-        xy = torch.from_numpy(np.stack(xs))
-        _, loss = model(xy[:, :-1], xy[:, 1:])
+        xy = torch.from_numpy(np.stack(xs)).to(device)
+        with compute(device):
+            _, loss = model(xy[:, :-1], xy[:, 1:])
         assert loss is not None
         total += float(loss) * xy[:, 1:].numel()
         count += xy[:, 1:].numel()
@@ -160,6 +194,8 @@ def heldout_loss(
 
 
 # --- resume state (safetensors + JSON, never pickle) -------------------------------------
+# Written as CPU tensors and read onto the CPU, whatever device the model is on: a run started
+# on a GPU resumes on a CPU and the other way round.
 def save_state(
     d: Path, model: GPT, opt: torch.optim.Optimizer, gen: torch.Generator, meta: dict[str, Any]
 ) -> None:
@@ -167,11 +203,12 @@ def save_state(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(
-        {k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors")
+        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+        str(tmp / "model.safetensors"),
     )
     sd = opt.state_dict()
     tensors = {
-        f"{i}.{k}": v.reshape(-1) if v.dim() == 0 else v
+        f"{i}.{k}": (v.reshape(-1) if v.dim() == 0 else v).detach().cpu().contiguous()
         for i, st in sd["state"].items()
         for k, v in st.items()
     }
@@ -184,9 +221,12 @@ def save_state(
 
 
 def load_state(d: Path, model: GPT, opt: torch.optim.Optimizer, gen: torch.Generator) -> dict:
+    """Read the state saved by `save_state` into `model`, `opt` and the CPU generator `gen`;
+    the tensors are read onto the CPU and copied to the model's device (the optimizer's
+    load_state_dict puts the moments on their parameters' device)."""
     meta = json.loads((d / "state.json").read_text())
-    model.load_state_dict(load_file(str(d / "model.safetensors")))
-    tensors = load_file(str(d / "optim.safetensors"))
+    model.load_state_dict(load_file(str(d / "model.safetensors"), device="cpu"))
+    tensors = load_file(str(d / "optim.safetensors"), device="cpu")
     gen.set_state(tensors.pop("generator"))
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, v in tensors.items():
@@ -210,35 +250,42 @@ def fit_gate(
     true rest of the line (what a simulated user would accept). A logistic regression on the
     gate's inputs (L2 on the hidden-state weights) estimates P(accept); the spec offset
     (`show_offset`) then turns it into p(show), so p(show) > 1/2 where showing pays.
+
+    On the model's device: sampling and scoring as serving does there (bf16 autocast on a
+    GPU, draws from a CPU generator), the regression in float32.
     """
-    gen = torch.Generator().manual_seed(seed)
+    device = model_device(model)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     model.eval()
-    comps = [
-        complete(
-            model,
-            tokenizer,
-            c.prefix,
-            c.suffix,
-            max_new_tokens,
-            DEFAULT_TEMPERATURE,
-            DEFAULT_TOP_P,
-            gen,
-        )
-        for c in cursors
-    ]
+    with compute(device):
+        comps = [
+            complete(
+                model,
+                tokenizer,
+                c.prefix,
+                c.suffix,
+                max_new_tokens,
+                DEFAULT_TEMPERATURE,
+                DEFAULT_TOP_P,
+                gen,
+            )
+            for c in cursors
+        ]
+        with torch.no_grad():
+            parts = [
+                score_actions(model, tokenizer, comps[i : i + 128])
+                for i in range(0, len(comps), 128)
+            ]
     labels = torch.tensor(
         [
             float(prefix_match(c.text, cur.rest_of_line))
             for c, cur in zip(comps, cursors, strict=True)
-        ]
+        ],
+        device=device,
     )
-    with torch.no_grad():
-        parts = [
-            score_actions(model, tokenizer, comps[i : i + 128]) for i in range(0, len(comps), 128)
-        ]
-    h = torch.cat([p.gate_hidden for p in parts])
-    x = torch.cat([p.gate_inputs for p in parts])
-    nonempty = torch.tensor([bool(c.text) for c in comps])
+    h = torch.cat([p.gate_hidden for p in parts]).to(device, torch.float32)
+    x = torch.cat([p.gate_inputs for p in parts]).to(device, torch.float32)
+    nonempty = torch.tensor([bool(c.text) for c in comps], device=device)
     h, x, y = h[nonempty], x[nonempty], labels[nonempty]
     if not len(y):  # nothing to fit on (a model too young to be sure of any token): keep it
         return {"examples": len(comps), "nonempty": 0}
@@ -304,7 +351,9 @@ def cpu_has_bf16() -> bool:
 
 
 def pretrain(cfg: PretrainConfig) -> Path:
-    """Train (or resume), fit the gate, write the checkpoint to cfg.out_dir; return it."""
+    """Train (or resume), fit the gate, write the checkpoint to cfg.out_dir; return it.
+    DeviceError if cfg.device cannot be used here."""
+    device = resolve(cfg.device)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
@@ -318,9 +367,15 @@ def pretrain(cfg: PretrainConfig) -> Path:
     languages = languages_of_paths(train_paths)
     train_texts = [read_text(p) for p in train_paths]
     init = cfg.init
-    if resuming and init is None:  # a run started with --init resumes from the same checkpoint
-        saved = json.loads((state_dir / "state.json").read_text()).get("config", {}).get("init")
-        init = None if saved is None else Path(saved)
+    if resuming:
+        saved_cfg = json.loads((state_dir / "state.json").read_text()).get("config", {})
+        if init is None:  # a run started with --init resumes from the same checkpoint
+            init = None if saved_cfg.get("init") is None else Path(saved_cfg["init"])
+        saved_model = saved_cfg.get("model")
+        if saved_model:  # and with the architecture (the --size) it started with
+            if ModelConfig.from_dict(saved_model) != cfg.model:
+                log.info("resuming with the architecture the run started with: %s", saved_model)
+            cfg = replace(cfg, model=ModelConfig.from_dict(saved_model))
     cfg = replace(cfg, init=init)  # what the state and the summary record
     init_model, init_info = None, None
     if init is not None:
@@ -356,11 +411,12 @@ def pretrain(cfg: PretrainConfig) -> Path:
 
     mcfg = ModelConfig.from_dict(dict(arch.to_dict(), vocab_size=tokenizer.vocab_size))
     torch.manual_seed(cfg.seed)
-    model = GPT(mcfg)
+    model = GPT(mcfg)  # initialized on the CPU: the same weights whatever the device
     if init_model is not None:
         model.load_state_dict(init_model.state_dict())
+    model.to(device)  # float32: the optimizer's master weights
     opt = configure_optimizer(model, cfg.weight_decay, cfg.learning_rate, (0.9, cfg.beta2))
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)  # data order: on the CPU
     it, elapsed, tokens_seen, history = 0, 0.0, 0, []
     if resuming:
         meta = load_state(state_dir, model, opt, gen)
@@ -374,9 +430,13 @@ def pretrain(cfg: PretrainConfig) -> Path:
     else:
         out.mkdir(parents=True, exist_ok=True)
     log.info("model: %d parameters", model.num_params())
-    amp = cpu_has_bf16() if cfg.amp is None else cfg.amp
-    log.info("precision: %s", "bf16 autocast" if amp else "fp32")
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+    if device.type == "cuda":
+        bf16 = True
+        where = f"{device} ({torch.cuda.get_device_name(device)})"
+    else:
+        bf16 = cpu_has_bf16() if cfg.amp is None else cfg.amp
+        where = str(device)
+    log.info("device: %s, precision: %s", where, "bf16 autocast" if bf16 else "fp32")
 
     def snapshot() -> None:
         meta = {
@@ -434,8 +494,10 @@ def pretrain(cfg: PretrainConfig) -> Path:
                 last_save = time.perf_counter()
 
             t0 = time.perf_counter()
+            # drawn on the CPU with its generator, then moved
             x, y = get_batch(train.tokens, block, cfg.batch_size, gen, fim, cfg.fim_rate)
-            with autocast:
+            x, y = x.to(device), y.to(device)
+            with compute(device, bf16=bf16):  # the forward pass (backward: outside autocast)
                 _, loss = model(x, y)
             assert loss is not None
             opt.zero_grad(set_to_none=True)
@@ -443,12 +505,12 @@ def pretrain(cfg: PretrainConfig) -> Path:
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
+            lv = loss.item()  # waits for the step (on a GPU) before the clock is read
             dt = time.perf_counter() - t0
 
             it += 1
             elapsed = elapsed_before + time.perf_counter() - loop_t0  # evals/saves included
             tokens_seen += x.numel()
-            lv = loss.item()
             loss_ema = lv if loss_ema is None else 0.95 * loss_ema + 0.05 * lv
             bar.update(
                 task,
@@ -504,14 +566,20 @@ def pretrain(cfg: PretrainConfig) -> Path:
 
 
 def refit_gate(
-    ckpt: Path, examples: int, seed: int, corpus: Path | None = None
+    ckpt: Path,
+    examples: int,
+    seed: int,
+    corpus: Path | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, float]:
     """Fit the gate of the checkpoint at `ckpt` again from its initial state, on `examples`
     train-split completions sampled as serving samples them now (after a change to sampling,
     such as the confidence stop), keeping the language model; rewrites the checkpoint in
     place, with its version, and records the fit in the summary as `gate_refit`. The cursors
-    come from `corpus`, else the corpus the checkpoint was pretrained on."""
+    come from `corpus`, else the corpus the checkpoint was pretrained on. Sampled on `device`
+    (default: the CPU)."""
     model, tokenizer, manifest = load_checkpoint(ckpt)
+    model.to(device or torch.device("cpu"))
     init_gate(model.gate, model.config.gate_scale, model.config.gate_threshold)
     if corpus is None:
         trained_on = manifest.summary.get("config", {}).get("corpus")
@@ -542,8 +610,8 @@ def _config_json(cfg: PretrainConfig) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`tabloop pretrain --out DIR [--corpus SRC] --minutes M --seed S [--resume]` (the CLI
-    forwards argv)."""
+    """`tabloop pretrain --out DIR [--corpus SRC] [--device D] [--size cpu|gpu] --minutes M
+    --seed S [--resume]` (the CLI forwards argv)."""
     p = argparse.ArgumentParser(prog="tabloop pretrain", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     p.add_argument(
@@ -571,7 +639,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from OUT/resume")
     p.add_argument("--max-iters", type=int, default=None, help="exact iterations instead")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--batch-size", type=int, default=PretrainConfig.batch_size)
+    p.add_argument(
+        "--device",
+        default=os.environ.get("TABLOOP_DEVICE", PretrainConfig.device),
+        metavar="{auto,cpu,cuda,cuda:N}",
+        help="where to train: auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or "
+        "cuda:N; bf16 autocast on a GPU (default: $TABLOOP_DEVICE, else auto)",
+    )
+    p.add_argument(
+        "--size",
+        choices=list(SIZES),
+        default=DEFAULT_SIZE,
+        help="the base's architecture and batch size: "
+        + "; ".join(
+            f"{name}: {s.model.n_layer} layers, width {s.model.n_embd}, {s.model.n_head} heads, "
+            f"{s.model.block_size}-token context, batch {s.batch_size}"
+            for name, s in SIZES.items()
+        )
+        + f" (default: {DEFAULT_SIZE}; with --init, the checkpoint's architecture)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences per step (default: the --size's)",
+    )
     p.add_argument("--lr", type=float, default=PretrainConfig.learning_rate)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -581,11 +673,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        device = resolve(args.device)
+    except DeviceError as e:
+        print(f"tabloop pretrain: {e}", file=sys.stderr)
+        return 2
     if args.refit_gate:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         try:
-            fit = refit_gate(args.out, PretrainConfig.gate_examples, args.seed, args.corpus)
+            fit = refit_gate(args.out, PretrainConfig.gate_examples, args.seed, args.corpus, device)
         except CorpusError as e:
             print(f"tabloop pretrain: {e}", file=sys.stderr)
             return 2
@@ -593,6 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not 0.0 <= args.fim_rate <= 1.0:
         p.error("--fim-rate must be between 0 and 1")
+    size = SIZES[args.size]
     cfg = PretrainConfig(
         out_dir=args.out,
         corpus=args.corpus,
@@ -603,13 +701,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume=args.resume,
         max_iters=args.max_iters,
         threads=args.threads,
-        batch_size=args.batch_size,
+        model=replace(size.model),
+        batch_size=size.batch_size if args.batch_size is None else args.batch_size,
         learning_rate=args.lr,
+        device=args.device,
         progress=not args.no_progress,
     )
     try:
         out = pretrain(cfg)
-    except CorpusError as e:
+    except (CorpusError, DeviceError) as e:
         print(f"tabloop pretrain: {e}", file=sys.stderr)
         return 2
     print(f"checkpoint written to {out}")

@@ -36,6 +36,7 @@ function the server sampled from.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.nn import functional as F
 
+from service.policy.device import compute, model_device
 from service.policy.model import GPT
 from service.policy.sampling import Action, score_actions
 from service.policy.tokenizer import CodeTokenizer
@@ -151,6 +153,18 @@ class Batch:
             weights=None if weights is None else torch.tensor([float(w) for w in weights]),
         )
 
+    def to(self, device: torch.device) -> Batch:
+        """The batch with its tensors on `device` (itself where they are there already)."""
+        if self.behaviour_logp.device == device:
+            return self
+        return dataclasses.replace(
+            self,
+            behaviour_logp=self.behaviour_logp.to(device),
+            rewards=self.rewards.to(device),
+            behaviour_decision_logp=_to(self.behaviour_decision_logp, device),
+            weights=_to(self.weights, device),
+        )
+
     def row_weights(self) -> torch.Tensor:
         """(B,) the rows' weights (all 1 without any)."""
         return torch.ones(len(self.actions)) if self.weights is None else self.weights
@@ -169,6 +183,10 @@ class Batch:
             settled=None if self.settled is None else [self.settled[i] for i in idx],
             weights=None if self.weights is None else self.weights[idx],
         )
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 # --- pure helpers ------------------------------------------------------------------------
@@ -449,6 +467,39 @@ def update(
     n = len(batch.actions)
     assert n > 0, "empty batch"
     assert cfg.epochs >= 1 and cfg.minibatch_size >= 1, "epochs and minibatch_size must be >= 1"
+    device = model_device(model)  # the CPU, or a GPU in bf16 autocast (service/policy/device.py)
+    batch = batch.to(device)
+    replay = None if replay is None else replay.to(device)
+    settled_replay = None if settled_replay is None else settled_replay.to(device)
+    generic = _to(generic, device)
+    with compute(device):
+        return _update(
+            model,
+            ref_model,
+            tokenizer,
+            batch,
+            optimizer,
+            cfg,
+            replay,
+            settled_replay,
+            generic,
+            group,
+        )
+
+
+def _update(
+    model: GPT,
+    ref_model: GPT,
+    tokenizer: CodeTokenizer,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    cfg: UpdateConfig,
+    replay: Batch | None,
+    settled_replay: Batch | None,
+    generic: torch.Tensor | None,
+    group: DataParallel | None,
+) -> dict[str, float]:
+    n = len(batch.actions)
     adv = weighted_advantages(batch, cfg)
     totals: dict[str, float] = defaultdict(float)
     steps = 0

@@ -21,6 +21,7 @@ from service.config import Settings
 from service.db import blob_transaction
 from service.errors import Unavailable
 from service.policy.checkpoint import CheckpointError, load_checkpoint
+from service.policy.device import resolve
 from service.policy.languages import DEFAULT_LANGUAGES
 from service.policy.model import GPT
 from service.policy.tokenizer import CodeTokenizer
@@ -65,6 +66,7 @@ def choose(routing: Routing, user_id: str) -> LoadedPolicy:
 class PolicyServer:
     def __init__(self, settings: Settings, engine: sa.Engine) -> None:
         self.settings, self.engine = settings, engine
+        self.device = resolve(settings.device)  # where loaded policies compute
         self.cache_dir = settings.data_dir / "policies"
         self.routing: Routing | None = None
         self._loaded: dict[int, LoadedPolicy] = {}
@@ -129,6 +131,7 @@ class PolicyServer:
             self._failed.add(version)
             return None
         model.requires_grad_(False)
+        model.to(self.device)
         policy = LoadedPolicy(version, model, tokenizer, frozenset(manifest.languages))
         self._loaded[version] = policy
         return policy

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from service.policy.device import activation_dtype
+
 # Gate inputs besides the hidden state, in this order (see `gate_features`).
 GATE_FEATURES = ("mean_logprob", "sum_logprob", "log1p_tokens", "log1p_bytes")
 
@@ -43,13 +45,16 @@ class ModelConfig:
 
 
 class KVCache:
-    """Preallocated keys/values for incremental decoding of one batch (written in place)."""
+    """Preallocated keys/values for incremental decoding of one batch (written in place), on
+    `device`, in the dtype activations come out in there (bf16 under a GPU's autocast)."""
 
-    def __init__(self, config: ModelConfig, batch: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, batch: int, device: torch.device | None = None):
+        device = device or torch.device("cpu")
         hs = config.n_embd // config.n_head
         shape = (config.n_layer, batch, config.n_head, config.block_size, hs)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        dtype = activation_dtype(device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pos = 0  # tokens already in the cache
 
 
@@ -60,10 +65,10 @@ class RaggedKVCache(KVCache):
     `lengths` is set after the prefill (each row's real prompt length); a row that is not
     `advance`d by a step keeps its length (its write lands on a position it never reads)."""
 
-    def __init__(self, config: ModelConfig, batch: int, dtype: torch.dtype = torch.float32):
-        super().__init__(config, batch, dtype)
-        self.lengths = torch.zeros(batch, dtype=torch.long)  # real tokens per row
-        self.advance = torch.ones(batch, dtype=torch.bool)  # rows whose step token is real
+    def __init__(self, config: ModelConfig, batch: int, device: torch.device | None = None):
+        super().__init__(config, batch, device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.k.device)  # real tokens
+        self.advance = torch.ones(batch, dtype=torch.bool, device=self.k.device)  # real steps
 
     def write_index(self) -> torch.Tensor:
         """Each row's position for this step (a finished row at the end of the block rewrites
@@ -92,11 +97,13 @@ class CausalSelfAttention(nn.Module):
         if isinstance(cache, RaggedKVCache) and cache.pos > 0:
             assert T == 1, "a ragged cache decodes one token per row at a time"
             at = cache.write_index()
-            rows = torch.arange(B)
+            rows = torch.arange(B, device=x.device)
             cache.k[layer, rows, :, at] = k[:, :, 0]
             cache.v[layer, rows, :, at] = v[:, :, 0]
             end = int(at.max()) + 1
-            keys = torch.arange(end) <= at.unsqueeze(1)  # (B, end): each row's own positions
+            keys = torch.arange(end, device=x.device) <= at.unsqueeze(
+                1
+            )  # (B, end): each row's own positions
             y = F.scaled_dot_product_attention(
                 q,
                 cache.k[layer, :B, :, :end],
@@ -208,7 +215,7 @@ class GPT(nn.Module):
         if isinstance(cache, RaggedKVCache) and ragged_step:
             pos = cache.write_index().unsqueeze(1)  # (B, 1): each row at its own position
         else:
-            pos = torch.arange(start, start + T, dtype=torch.long)
+            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for i, block in enumerate(self.h):
             x = block(x, cache, i)

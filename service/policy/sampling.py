@@ -43,6 +43,7 @@ from service.policy.defaults import (
     DEFAULT_TOP_P,
     STOP_LANGUAGE,
 )
+from service.policy.device import compute, model_device
 from service.policy.model import GPT, KVCache, RaggedKVCache, gate_features
 from service.policy.tokenizer import CodeTokenizer
 
@@ -159,9 +160,9 @@ def sample_token(
         n = int(((cum - vals) < top_p).sum())  # `before` is non-decreasing: keep the first n
         vals, idx, cum = vals[:n], idx[:n], cum[:n]
     else:
-        idx = torch.arange(probs.numel())
+        idx = torch.arange(probs.numel(), device=probs.device)
         vals, cum = probs, probs.cumsum(0)
-    u = torch.rand(1, generator=generator) * cum[-1]
+    u = torch.rand(1, generator=generator, device=probs.device) * cum[-1]
     j = min(int(torch.searchsorted(cum, u, right=True)), len(idx) - 1)
     tok = int(idx[j])
     return tok, float(x[tok] - torch.logsumexp(x[idx], dim=0))
@@ -255,7 +256,6 @@ def complete(
     )[0]
 
 
-@torch.inference_mode()
 def complete_batch(
     model: GPT,
     tokenizer: CodeTokenizer,
@@ -270,7 +270,28 @@ def complete_batch(
     per decoding step for every row still sampling (service.policy.model.RaggedKVCache). Each
     row draws from its own generator in the same order as alone, so a row samples what
     `complete` samples with that generator, up to float rounding; its logged log-probs are its
-    own distribution's either way."""
+    own distribution's either way.
+
+    On a GPU (the model placed there, service.policy.device) the passes run in bf16 autocast;
+    each step's logits come back to the CPU in float32, where every row draws from its own
+    generator."""
+    device = model_device(model)
+    with torch.inference_mode(), compute(device):
+        return _complete_batch(
+            model, tokenizer, prompts, temperature, top_p, heal, max_context_tokens, stop_logprob
+        )
+
+
+def _complete_batch(
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    prompts: Sequence[Prompt],
+    temperature: float,
+    top_p: float | None,
+    heal: bool,
+    max_context_tokens: int | None,
+    stop_logprob: float | None,
+) -> list[Completion]:
     assert prompts, "an empty batch"
     assert temperature >= 0.0, "temperature must be >= 0"
     assert top_p is None or 0.0 < top_p <= 1.0, "top_p must be in (0, 1]"
@@ -286,20 +307,21 @@ def complete_batch(
         rows.append(_Row(p, list(healing.context_ids), healing.constraint, budget))
 
     B = len(rows)
+    device = model_device(model)
     # one row: the plain cache (its decode step skips the ragged bookkeeping, ~7% of a request)
-    cache = RaggedKVCache(cfg, B) if B > 1 else KVCache(cfg, 1)
+    cache = RaggedKVCache(cfg, B, device) if B > 1 else KVCache(cfg, 1, device)
     longest = max(len(r.context_ids) for r in rows)
-    ids = torch.zeros((B, longest), dtype=torch.long)  # right-padded with token 0
-    for b, r in enumerate(rows):
-        ids[b, : len(r.context_ids)] = torch.tensor(r.context_ids)
-    lengths = torch.tensor([len(r.context_ids) for r in rows])
-    h = model.hidden(ids, cache)[torch.arange(B), lengths - 1]  # (B, C): each row's last
+    padded = [r.context_ids + [0] * (longest - len(r.context_ids)) for r in rows]  # right
+    ids = torch.tensor(padded, dtype=torch.long, device=device)
+    lengths = torch.tensor([len(r.context_ids) for r in rows], device=device)
+    h = model.hidden(ids, cache)[torch.arange(B, device=device), lengths - 1]  # each row's last
     if isinstance(cache, RaggedKVCache):
         cache.lengths = lengths.clone()
-    step = torch.zeros((B, 1), dtype=torch.long)
+    cpu = torch.device("cpu")
+    step = torch.zeros((B, 1), dtype=torch.long, device=cpu)
     while any(r.active for r in rows):
-        logits = model.logits(h)  # (B, V)
-        fed = torch.zeros(B, dtype=torch.bool)
+        logits = model.logits(h).float().to(cpu)  # (B, V); a no-op on the CPU in float32
+        fed = torch.zeros(B, dtype=torch.bool, device=cpu)
         for b, r in enumerate(rows):
             if not r.active:
                 continue
@@ -323,10 +345,11 @@ def complete_batch(
             step[b, 0], fed[b] = tok, True
         if not bool(fed.any()):
             break
+        fed_here = fed.to(device)
         if isinstance(cache, RaggedKVCache):
-            cache.advance = fed
-        h_new = model.hidden(step, cache)[:, -1]  # also the gate's input at the end
-        h = torch.where(fed.unsqueeze(1), h_new, h)
+            cache.advance = fed_here
+        h_new = model.hidden(step.to(device), cache)[:, -1]  # also the gate's input at the end
+        h = torch.where(fed_here.unsqueeze(1), h_new, h)
         for b, r in enumerate(rows):
             if not fed[b]:
                 continue
@@ -346,7 +369,7 @@ def complete_batch(
         torch.tensor([len(r.tokens) for r in rows]),
         torch.tensor([len(o) for o in outs]),
     )
-    gate_logits = model.gate_logit(h, feats)
+    gate_logits = model.gate_logit(h, feats.to(device)).float().to(cpu)
     return [
         _decide(r, out, float(g), temperature, top_p)
         for r, out, g in zip(rows, outs, gate_logits, strict=True)
@@ -364,7 +387,7 @@ def _decide(
     elif temperature == 0.0:
         shown, dec_lp = p_show >= 0.5, 0.0
     else:
-        shown = bool(torch.rand(1, generator=r.prompt.generator)[0] < p_show)
+        shown = bool(torch.rand(1, generator=r.prompt.generator, device="cpu")[0] < p_show)
         dec_lp = float(F.logsigmoid(torch.tensor(gate_logit if shown else -gate_logit)))
     return Completion(
         text=text,
@@ -405,7 +428,13 @@ def unsupported_language(temperature: float, top_p: float | None) -> Completion:
 
 # --- recomputation -----------------------------------------------------------------------
 def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action]) -> ActionScores:
-    """Recompute the log-probs of logged actions with one padded forward pass (differentiable)."""
+    """Recompute the log-probs of logged actions with one padded forward pass (differentiable).
+    On the model's device (bf16 autocast on a GPU); log-probs in float32."""
+    with compute(model_device(model)):
+        return _score_actions(model, tokenizer, actions)
+
+
+def _score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action]) -> ActionScores:
     assert actions, "empty batch"
     assert all(a.context_token_ids for a in actions), (
         "an action without context (an unsupported language: nothing was sampled) has no score"
@@ -414,10 +443,8 @@ def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action
     lengths = [len(a.token_ids) for a in actions]  # 0: the confidence stop came first
     longest = max(map(len, seqs))
     assert longest <= model.config.block_size, f"action of {longest} tokens > block_size"
-    idx = torch.zeros(len(seqs), longest, dtype=torch.long)  # right padding: causal, unseen
-    for b, s in enumerate(seqs):
-        idx[b, : len(s)] = torch.tensor(s)
-    h = model.hidden(idx)  # (B, L, C)
+    padded = [s + [0] * (longest - len(s)) for s in seqs]  # right padding: causal, unseen
+    h = model.hidden(torch.tensor(padded, dtype=torch.long, device=model_device(model)))
 
     rows_b, rows_t, targets, temps, tops, remains, rollout = [], [], [], [], [], [], []
     for b, a in enumerate(actions):
@@ -461,7 +488,7 @@ def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action
     last = torch.tensor([len(s) - 1 for s in seqs])
     feats = gate_features(model_sum, torch.tensor(lengths), torch.tensor(n_bytes))
     h_last = h[torch.arange(B), last]
-    gate_logit = model.gate_logit(h_last, feats)
+    gate_logit = model.gate_logit(h_last, feats).float()  # float32 under autocast too
     shown = torch.tensor([bool(a.shown) for a in actions])
     dec = torch.where(shown, F.logsigmoid(gate_logit), F.logsigmoid(-gate_logit))
     fixed = torch.tensor(
@@ -476,7 +503,7 @@ def score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Action
         token_logprobs=tok_lp,
         entropy=ent_sum,
         lengths=lengths,
-        gate_hidden=h_last,
+        gate_hidden=h_last.float(),
         gate_inputs=feats,
     )
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
+import torch
 
 from service.auth.keys import authenticate
 from service.config import Settings
@@ -115,6 +116,18 @@ def test_up_on_a_port_in_use_says_so_before_anything_else(tmp_path: Path) -> Non
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "TABLOOP_PORT" in out.stderr
     assert "tlk_" not in out.stdout  # no first key printed by a process that is not serving
     assert not (tmp_path / "data" / "tabloop.db").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")
+@pytest.mark.parametrize("command", ["up", "serve", "train"])
+def test_a_gpu_asked_for_where_there_is_none_is_a_one_line_error(
+    tmp_path: Path, command: str
+) -> None:
+    out = run([command], env_for(tmp_path, TABLOOP_DEVICE="cuda"))
+    assert out.returncode != 0
+    assert "TABLOOP_DEVICE: device 'cuda' asked for, but torch sees no CUDA GPU" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "data" / "tabloop.db").exists()  # before anything else
 
 
 def test_up_serves_events_and_stops_cleanly(tmp_path: Path) -> None:
