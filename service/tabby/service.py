@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 import sqlalchemy as sa
+import torch
 from pydantic import ValidationError
 
 from service.auth.keys import ApiKey
@@ -194,13 +195,15 @@ def health(ctx: AppContext) -> TabbyHealth:
     version to go on and fetch the server setting."""
     routing = ctx.policies.routing
     machine = platform.machine() or "unknown"
+    device = ctx.policies.device  # TABLOOP_DEVICE, resolved
+    gpus = range(torch.cuda.device_count()) if device.type == "cuda" else range(0)
     return TabbyHealth(
         model=f"tabloop policy v{routing.live.version}" if routing else "tabloop (no policy yet)",
-        device="cpu",
+        device=device.type,
         arch=machine,
         cpu_info=platform.processor() or machine,
         cpu_count=os.cpu_count() or 1,
-        cuda_devices=[],
+        cuda_devices=[torch.cuda.get_device_name(i) for i in gpus],
         version=TabbyVersion(
             build_date="", build_timestamp="", git_sha="", git_describe=TABBY_API_VERSION
         ),
