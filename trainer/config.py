@@ -31,6 +31,8 @@ class TrainerConfig:
     max_share: float = DEFAULT_MAX_SHARE
     canary_fraction: float = 0.1  # share of users the candidate gets first
     canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(2000, 3600.0, 500))
+    # seconds between two readings of a canary's arms (each reads every reward of both arms)
+    canary_poll_s: float = 5.0
     deploy_check: CheckConfig = field(default_factory=CheckConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     heldout_rows: int = 24  # the gate's held-out code sample
@@ -97,6 +99,7 @@ PROFILES: dict[str, TrainerConfig] = {
             settled_epochs=1,
             settled_replay=320,
         ),
+        canary_poll_s=1.0,  # a canary lasts seconds here
         canary=CanaryConfig(
             min_rollouts=60,
             timeout_s=150.0,

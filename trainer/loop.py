@@ -102,6 +102,7 @@ class Trainer:
         self._policies: dict[int, tuple[GPT, CodeTokenizer]] = {}
         self._languages: dict[int, tuple[str, ...]] = {}  # per version: its base's languages
         self._last_heartbeat = 0.0
+        self._canary_due = 0.0  # monotonic time of the next reading of a canary's arms
         self.paused = False
         self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
         self._optimizer_state: dict[str, Any] | None = None  # Adam's moments, kept across updates
@@ -175,7 +176,9 @@ class Trainer:
                 if dep is None:
                     continue
                 if dep.canary_version is not None:
-                    self._watch_canary(dep)
+                    if time.monotonic() >= self._canary_due:
+                        self._canary_due = time.monotonic() + self.cfg.canary_poll_s
+                        self._watch_canary(dep)
                 else:
                     self._maybe_train(dep)
         finally:

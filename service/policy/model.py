@@ -46,12 +46,21 @@ class ModelConfig:
 
 class KVCache:
     """Preallocated keys/values for incremental decoding of one batch (written in place), on
-    `device`, in the dtype activations come out in there (bf16 under a GPU's autocast)."""
+    `device`, in the dtype activations come out in there (bf16 under a GPU's autocast), for
+    `positions` tokens per row (default: the whole block)."""
 
-    def __init__(self, config: ModelConfig, batch: int, device: torch.device | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch: int,
+        device: torch.device | None = None,
+        positions: int | None = None,
+    ):
         device = device or torch.device("cpu")
         hs = config.n_embd // config.n_head
-        shape = (config.n_layer, batch, config.n_head, config.block_size, hs)
+        positions = config.block_size if positions is None else positions
+        assert 0 < positions <= config.block_size, "a cache of 1 to block_size positions"
+        shape = (config.n_layer, batch, config.n_head, positions, hs)
         dtype = activation_dtype(device)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -65,8 +74,14 @@ class RaggedKVCache(KVCache):
     `lengths` is set after the prefill (each row's real prompt length); a row that is not
     `advance`d by a step keeps its length (its write lands on a position it never reads)."""
 
-    def __init__(self, config: ModelConfig, batch: int, device: torch.device | None = None):
-        super().__init__(config, batch, device)
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch: int,
+        device: torch.device | None = None,
+        positions: int | None = None,
+    ):
+        super().__init__(config, batch, device, positions)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.k.device)  # real tokens
         self.advance = torch.ones(batch, dtype=torch.bool, device=self.k.device)  # real steps
 
@@ -74,6 +89,14 @@ class RaggedKVCache(KVCache):
         """Each row's position for this step (a finished row at the end of the block rewrites
         its last slot: it is never read again)."""
         return self.lengths.clamp(max=self.k.size(3) - 1)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices, in their new order): the others' keys and values are
+        dropped, so later steps compute nothing for them."""
+        self.k = self.k.index_select(1, rows)
+        self.v = self.v.index_select(1, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+        self.advance = self.advance.index_select(0, rows)
 
 
 class CausalSelfAttention(nn.Module):

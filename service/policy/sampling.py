@@ -308,8 +308,12 @@ def _complete_batch(
 
     B = len(rows)
     device = model_device(model)
+    # the positions a row can fill: its context and its budget (less cache to zero and read)
+    positions = min(cfg.block_size, max(len(r.context_ids) + r.max_new_tokens for r in rows))
     # one row: the plain cache (its decode step skips the ragged bookkeeping, ~7% of a request)
-    cache = RaggedKVCache(cfg, B, device) if B > 1 else KVCache(cfg, 1, device)
+    cache = (
+        RaggedKVCache(cfg, B, device, positions) if B > 1 else KVCache(cfg, 1, device, positions)
+    )
     longest = max(len(r.context_ids) for r in rows)
     padded = [r.context_ids + [0] * (longest - len(r.context_ids)) for r in rows]  # right
     ids = torch.tensor(padded, dtype=torch.long, device=device)
@@ -318,23 +322,42 @@ def _complete_batch(
     if isinstance(cache, RaggedKVCache):
         cache.lengths = lengths.clone()
     cpu = torch.device("cpu")
-    step = torch.zeros((B, 1), dtype=torch.long, device=cpu)
-    while any(r.active for r in rows):
-        logits = model.logits(h).float().to(cpu)  # (B, V); a no-op on the CPU in float32
-        fed = torch.zeros(B, dtype=torch.bool, device=cpu)
-        for b, r in enumerate(rows):
+    live = list(range(B))  # the rows in the cache, in its order: h[i] is rows[live[i]]'s
+    last: list[torch.Tensor | None] = [None] * B  # a finished row's last hidden state (the gate's)
+    while True:
+        done = [i for i, b in enumerate(live) if not rows[b].active]
+        if isinstance(cache, RaggedKVCache) and done and 2 * len(done) >= len(live):
+            # most rows in the batch have finished: drop them, so that the steps left compute
+            # only the rows still sampling (each drop copies the cache, so not for every row)
+            for i in done:
+                last[live[i]] = h[i]
+            keep = [i for i, b in enumerate(live) if rows[b].active]
+            if not keep:
+                live = []
+                break
+            at = torch.tensor(keep, device=device)
+            cache.keep(at)
+            h = h.index_select(0, at)
+            live = [live[i] for i in keep]
+        if not any(rows[b].active for b in live):
+            break
+        logits = model.logits(h).float().to(cpu)  # (W, V); a no-op on the CPU in float32
+        step = torch.zeros((len(live), 1), dtype=torch.long, device=cpu)
+        fed = torch.zeros(len(live), dtype=torch.bool, device=cpu)
+        for i, b in enumerate(live):
+            r = rows[b]
             if not r.active:
                 continue
             remaining = r.constraint[len(r.done) :] if len(r.done) < len(r.constraint) else b""
             allowed = tokenizer.allowed_mask(remaining) if remaining else None
             if temperature == 0.0:
-                masked = logits[b] if allowed is None else logits[b].masked_fill(~allowed, NEG_INF)
+                masked = logits[i] if allowed is None else logits[i].masked_fill(~allowed, NEG_INF)
                 tok, lp = int(masked.argmax(-1)), 0.0
             else:
                 tok, lp = sample_token(
-                    logits[b], temperature, top_p or 1.0, allowed, r.prompt.generator
+                    logits[i], temperature, top_p or 1.0, allowed, r.prompt.generator
                 )
-            raw = logits[b] if allowed is None else logits[b].masked_fill(~allowed, NEG_INF)
+            raw = logits[i] if allowed is None else logits[i].masked_fill(~allowed, NEG_INF)
             model_lp = float(raw[tok] - torch.logsumexp(raw, dim=-1))
             if stop_logprob is not None and not remaining and model_lp < stop_logprob:
                 r.stop, r.active = "confidence", False  # h stays at the last token kept
@@ -342,7 +365,7 @@ def _complete_batch(
             r.model_lps.append(model_lp)
             r.tokens.append(tok)
             r.logprobs.append(lp)
-            step[b, 0], fed[b] = tok, True
+            step[i, 0], fed[i] = tok, True
         if not bool(fed.any()):
             break
         fed_here = fed.to(device)
@@ -350,8 +373,9 @@ def _complete_batch(
             cache.advance = fed_here
         h_new = model.hidden(step.to(device), cache)[:, -1]  # also the gate's input at the end
         h = torch.where(fed_here.unsqueeze(1), h_new, h)
-        for b, r in enumerate(rows):
-            if not fed[b]:
+        for i, b in enumerate(live):
+            r = rows[b]
+            if not fed[i]:
                 continue
             tok = r.tokens[-1]
             if tok in tokenizer.special_ids:  # <|eof|> (or a FIM sentinel: nothing to say)
@@ -362,6 +386,10 @@ def _complete_batch(
                 r.stop, r.active = "newline", False
             elif len(r.tokens) >= r.max_new_tokens:
                 r.active = False
+    for i, b in enumerate(live):
+        last[b] = h[i]
+    h = torch.stack([x for x in last if x is not None])
+    assert len(h) == B, "every row's last hidden state"
 
     outs = [completion_bytes(tokenizer, r.tokens, r.constraint) for r in rows]
     feats = gate_features(

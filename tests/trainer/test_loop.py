@@ -139,6 +139,7 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
             max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
         ),
         poll_timeout_s=0.2,
+        canary_poll_s=0.6,  # the arms are read at most this often, not at every poll
         max_share=0.05,  # below 1/12: each of the 12 people is held to a twelfth of a batch
         # the gate's fit on the shown verdicts (the sim profile's), on however few there are,
         # and the supervised term on settled text with its replay
@@ -149,6 +150,9 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
     engine = make_engine(settings)
     stop = threading.Event()
     trainer = Trainer(settings, engine, ServiceClient(svc.url, deploy), cfg)
+    readings: list[float] = []  # when the trainer read the canary's arms
+    watch = trainer._watch_canary
+    trainer._watch_canary = lambda dep: (readings.append(time.monotonic()), watch(dep))[1]  # type: ignore[method-assign]
     thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
     thread.start()
     try:
@@ -176,6 +180,7 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
         stop.set()
         thread.join(timeout=60)
     assert count(engine, rewards, rewards.c.suggestion_id.in_(sent)) == len(sent)
+    assert readings and all(b - a >= 0.59 for a, b in zip(readings, readings[1:], strict=False))
     with engine.connect() as conn:
         candidate = conn.execute(sa.select(policies).where(policies.c.version == 2)).one()
     assert candidate.parent == 1 and candidate.summary["gate"]["passed"] is True

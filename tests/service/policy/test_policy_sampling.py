@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from service.policy.model import GPT
+from service.policy.model import GPT, RaggedKVCache
 from service.policy.sampling import (
     Completion,
     Prompt,
@@ -265,10 +265,12 @@ def test_a_batch_samples_what_each_request_samples_alone(
     small_code: list[str],
     stop_logprob: float | None,
     temperature: float,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Rows of different context lengths (short prefixes, and long ones cut to the budget) and
     budgets, decoded together, each from its own generator: the same tokens, decisions and
-    log-probs as one request at a time, and the logged log-probs are the recomputed ones."""
+    log-probs as one request at a time, and the logged log-probs are the recomputed ones. Rows
+    that finish leave the batch on the way (the cache keeps the others)."""
     _set_gate(tiny_model, 0.0)
     rng = random.Random(5)
     texts = _prompts(small_code, 24, seed=6)
@@ -290,9 +292,15 @@ def test_a_batch_samples_what_each_request_samples_alone(
         )
         for i, p in enumerate(prompts)
     ]
+    kept: list[int] = []  # the rows left each time finished rows leave the batch
+    keep = RaggedKVCache.keep
+    monkeypatch.setattr(
+        RaggedKVCache, "keep", lambda self, rows: (kept.append(len(rows)), keep(self, rows))[1]
+    )
     together = complete_batch(
         tiny_model, tiny_tokenizer, prompts, temperature, 0.9, stop_logprob=stop_logprob
     )
+    assert kept and kept == sorted(kept, reverse=True) and kept[0] <= len(prompts) // 2
     assert len({len(c.context_token_ids) for c in together}) > 5  # ragged for real
     assert len({len(c.token_ids) for c in together}) > 3
     for a, b in zip(alone, together, strict=True):
