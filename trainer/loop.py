@@ -2,9 +2,11 @@
 
 Always in the same order: poll the log; add records to the join; write the rewards
 that are final; commit offsets (what was read is durable: rollouts and events are in the
-database and rewards were just written); heartbeat; then, unless paused, either judge the
-canary in flight or — with a full batch of untrained rewards from recent versions — take a
-policy-gradient step, gate the candidate, register it and deploy it as a canary.
+database and rewards were just written); heartbeat. The leader (the member holding the trainer
+lock) meanwhile, unless paused, runs its rounds in a thread of its own: either judge the canary
+in flight or — with a full batch of untrained rewards from recent versions — take a
+policy-gradient step, gate the candidate, register it and deploy it as a canary. The join does
+not wait for an update.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -161,6 +164,12 @@ class Trainer:
             consumer = open_consumer(
                 self.settings, self.engine, self.cfg.group, [ROLLOUTS, FEEDBACK]
             )
+        # The leader's work (an update, a deploy check, a canary's verdict) runs in a thread of
+        # its own, one round at a time, while this one goes on joining: feedback keeps turning
+        # into rewards during an update, and a long update does not outlast the consumer
+        # group's poll interval (which would hand this member's partitions to the others).
+        lead = ThreadPoolExecutor(1, thread_name_prefix="tabloop-lead")
+        work: Future[None] | None = None
         try:
             while not stop.is_set():
                 records = consumer.poll(max_records=5000, timeout_s=self.cfg.poll_timeout_s)
@@ -169,24 +178,35 @@ class Trainer:
                 consumer.commit(records)
                 if self._heartbeat(join):
                     self._follow_spec(join)
-                if self.paused or not self.leading:
-                    continue
-                with self.engine.connect() as conn:
-                    dep = current_deployment(conn)
-                if dep is None:
-                    continue
-                if dep.canary_version is not None:
-                    if time.monotonic() >= self._canary_due:
-                        self._canary_due = time.monotonic() + self.cfg.canary_poll_s
-                        self._watch_canary(dep)
-                else:
-                    self._maybe_train(dep)
+                if work is not None and work.done():
+                    work, done = None, work
+                    done.result()  # the round's error ends this round, as if it ran here
+                if work is None and not self.paused and self.leading:
+                    work = lead.submit(self._lead_round)
         finally:
+            if work is not None:
+                wait([work])  # a round under way finishes: an update is not interrupted
+            lead.shutdown()
             consumer.close()
+        if work is not None and (error := work.exception()) is not None:
+            raise error
         self.state.state = "stopped"
         self._heartbeat(join, force=True)
         self._leave()
         log.info("trainer stopped")
+
+    def _lead_round(self) -> None:
+        """One round of the leader's work: judge the canary if one is out (at most every
+        canary_poll_s), else train and deploy once a batch is full."""
+        with self.engine.connect() as conn:
+            dep = current_deployment(conn)
+        if dep is None:
+            return
+        if dep.canary_version is None:
+            self._maybe_train(dep)
+        elif time.monotonic() >= self._canary_due:
+            self._canary_due = time.monotonic() + self.cfg.canary_poll_s
+            self._watch_canary(dep)
 
     def _open_member(self, join: Join) -> LogConsumer:
         """Join the consumer group: partitions taken from this member are dropped from its

@@ -368,6 +368,70 @@ def test_the_kl_reference_is_the_root_of_the_live_policys_own_lineage(
     assert lineage_root(parents, version) == root
 
 
+def test_feedback_turns_into_rewards_while_the_leader_updates(
+    embedded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's rounds run beside the join: with an update held half-way, the rollouts
+    served meanwhile still get their rewards and the status says it is updating; released,
+    the update is checked and deployed."""
+    import trainer.loop as loop
+
+    settings, svc, ingest, deploy = embedded
+    cfg = TrainerConfig(
+        batch_size=40,
+        canary_fraction=0.5,
+        deploy_check=CheckConfig(
+            max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
+        ),
+        poll_timeout_s=0.2,
+    )
+    started, release = threading.Event(), threading.Event()
+    train_candidate = loop.train_candidate
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        started.set()
+        assert release.wait(180), "the test never let the update go on"
+        return train_candidate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_candidate", held)
+    engine = make_engine(settings)
+    trainer = Trainer(settings, engine, ServiceClient(svc.url, deploy), cfg)
+    stop = threading.Event()
+    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
+    thread.start()
+    admin = {"Authorization": f"Bearer {ingest}"}
+    try:
+        drive(svc.url, ingest, 60, seed=1)
+        wait_for(started.is_set, 90, "an update to start")
+        later = drive(svc.url, ingest, 30, seed=2)
+        wait_for(
+            lambda: count(engine, rewards, rewards.c.suggestion_id.in_(later)) == len(later),
+            60,
+            "the rewards of rollouts served during the update",
+        )
+        wait_for(
+            lambda: (
+                httpx.get(svc.url + "/admin/training", headers=admin).json()["trainer"]["state"]
+                == "updating"
+            ),
+            10,
+            "the status of an update under way",
+        )
+        assert not release.is_set() and count(engine, policies) == 1  # nothing registered yet
+        release.set()
+        wait_for(
+            lambda: count(engine, deployments, deployments.c.action == "deploy") >= 1,
+            120,
+            "the held update's deploy",
+        )
+    finally:
+        release.set()
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    engine.dispose()
+
+
 def test_a_rank_killed_mid_update_registers_nothing_and_the_next_round_trains(
     embedded: Any,
 ) -> None:
