@@ -179,7 +179,7 @@ class Trainer:
                 if self._heartbeat(join):
                     self._follow_spec(join)
                 if work is not None and work.done():
-                    work, done = None, work
+                    done, work = work, None
                     done.result()  # the round's error ends this round, as if it ran here
                 if work is None and not self.paused and self.leading:
                     work = lead.submit(self._lead_round)
