@@ -106,6 +106,7 @@ class Trainer:
         self._languages: dict[int, tuple[str, ...]] = {}  # per version: its base's languages
         self._last_heartbeat = 0.0
         self._canary_due = 0.0  # monotonic time of the next reading of a canary's arms
+        self._lead_backoff = 1.0  # seconds before retrying a round the service refused
         self.paused = False
         self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
         self._optimizer_state: dict[str, Any] | None = None  # Adam's moments, kept across updates
@@ -170,6 +171,7 @@ class Trainer:
         # group's poll interval (which would hand this member's partitions to the others).
         lead = ThreadPoolExecutor(1, thread_name_prefix="tabloop-lead")
         work: Future[None] | None = None
+        lead_due = 0.0  # monotonic time the next round may start (later after a failed one)
         try:
             while not stop.is_set():
                 records = consumer.poll(max_records=5000, timeout_s=self.cfg.poll_timeout_s)
@@ -180,8 +182,13 @@ class Trainer:
                     self._follow_spec(join)
                 if work is not None and work.done():
                     done, work = work, None
-                    done.result()  # the round's error ends this round, as if it ran here
-                if work is None and not self.paused and self.leading:
+                    lead_due = self._after_round(done)
+                if (
+                    work is None
+                    and not self.paused
+                    and self.leading
+                    and time.monotonic() >= lead_due
+                ):
                     work = lead.submit(self._lead_round)
         finally:
             if work is not None:
@@ -194,6 +201,28 @@ class Trainer:
         self._heartbeat(join, force=True)
         self._leave()
         log.info("trainer stopped")
+
+    def _after_round(self, done: Future[None]) -> float:
+        """When the next round may start, after `done`. A round the service refused or could
+        not answer (an API error, a connection error) is retried, after 1 s doubling up to
+        30 s while rounds keep failing, and the join goes on; any other error (the database's too) ends this round
+        of the whole loop, as if the round had run in the loop's thread."""
+        try:
+            done.result()
+        except (ApiError, httpx.HTTPError) as e:
+            wait_s = self._lead_backoff
+            self._lead_backoff = min(2 * wait_s, 30.0)
+            self.state.state = "retrying"
+            log.warning(
+                "trainer: the service refused or did not answer (%s: %s); the join goes on, "
+                "the leader's round is retried in %.0f s",
+                type(e).__name__,
+                str(e).split("\n")[0],
+                wait_s,
+            )
+            return time.monotonic() + wait_s
+        self._lead_backoff = 1.0
+        return 0.0
 
     def _lead_round(self) -> None:
         """One round of the leader's work: judge the canary if one is out (at most every
