@@ -205,8 +205,8 @@ class Trainer:
     def _after_round(self, done: Future[None]) -> float:
         """When the next round may start, after `done`. A round the service refused or could
         not answer (an API error, a connection error) is retried, after 1 s doubling up to
-        30 s while rounds keep failing, and the join goes on; any other error (the database's too) ends this round
-        of the whole loop, as if the round had run in the loop's thread."""
+        30 s while rounds keep failing, and the join goes on; any other error (the database's
+        too) ends this round of the whole loop, as if the round had run in the loop's thread."""
         try:
             done.result()
         except (ApiError, httpx.HTTPError) as e:
