@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -169,7 +169,6 @@ class Trainer:
         # its own, one round at a time, while this one goes on joining: feedback keeps turning
         # into rewards during an update, and a long update does not outlast the consumer
         # group's poll interval (which would hand this member's partitions to the others).
-        lead = ThreadPoolExecutor(1, thread_name_prefix="tabloop-lead")
         work: Future[None] | None = None
         lead_due = 0.0  # monotonic time the next round may start (later after a failed one)
         try:
@@ -189,11 +188,10 @@ class Trainer:
                     and self.leading
                     and time.monotonic() >= lead_due
                 ):
-                    work = lead.submit(self._lead_round)
+                    work = _in_thread(self._lead_round)
         finally:
             if work is not None:
                 wait([work])  # a round under way finishes: an update is not interrupted
-            lead.shutdown()
             consumer.close()
         if work is not None and (error := work.exception()) is not None:
             raise error
@@ -668,6 +666,23 @@ class Trainer:
                 )
         except sa.exc.SQLAlchemyError as e:
             log.warning("could not remove this member's row: %s", str(e).split("\n")[0])
+
+
+def _in_thread(fn: Callable[[], None]) -> Future[None]:
+    """`fn` run in a daemon thread of its own (a process that exits does not wait for it), its
+    outcome in the future."""
+    future: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            future.set_exception(e)
+        else:
+            future.set_result(None)
+
+    threading.Thread(target=run, name="tabloop-lead", daemon=True).start()
+    return future
 
 
 def _upsert_state(conn: sa.Connection, name: str, **values: Any) -> None:

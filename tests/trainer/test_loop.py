@@ -464,8 +464,8 @@ def test_a_service_that_refuses_the_trainer_does_not_stop_the_join(
     embedded: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A trainer whose key the service refuses (401 on registering its candidate) keeps
-    joining: rewards are finalized, its loop never restarts, and the next round is tried a
-    second later."""
+    joining: rewards are finalized, its loop never restarts, and the round is tried again
+    after a wait."""
     settings, svc, ingest, _ = embedded
     cfg = TrainerConfig(
         batch_size=20,
@@ -503,7 +503,7 @@ def test_a_service_that_refuses_the_trainer_does_not_stop_the_join(
             thread.join(timeout=60)
     assert len(rounds) == 1 and count(engine, policies) == 1
     refused = [r.message for r in caplog.records if "the join goes on" in r.message]
-    assert all("ApiError" in m and "401" in m and "retried in 1 s" in m for m in refused)
+    assert all("ApiError" in m and "401" in m and "retried in" in m for m in refused)
     engine.dispose()
 
 
