@@ -473,79 +473,54 @@ def update(
     settled_replay = None if settled_replay is None else settled_replay.to(device)
     generic = _to(generic, device)
     with compute(device):
-        return _update(
-            model,
-            ref_model,
-            tokenizer,
-            batch,
-            optimizer,
-            cfg,
-            replay,
-            settled_replay,
-            generic,
-            group,
-        )
-
-
-def _update(
-    model: GPT,
-    ref_model: GPT,
-    tokenizer: CodeTokenizer,
-    batch: Batch,
-    optimizer: torch.optim.Optimizer,
-    cfg: UpdateConfig,
-    replay: Batch | None,
-    settled_replay: Batch | None,
-    generic: torch.Tensor | None,
-    group: DataParallel | None,
-) -> dict[str, float]:
-    n = len(batch.actions)
-    adv = weighted_advantages(batch, cfg)
-    totals: dict[str, float] = defaultdict(float)
-    steps = 0
-    with _updating(model, ref_model, cfg.train_gate_only, not cfg.train_embeddings):
-        for _ in range(cfg.epochs):
-            order = torch.randperm(n) if group is None else group.randperm(n)
-            for start in range(0, n, cfg.minibatch_size):
-                idx = order[start : start + cfg.minibatch_size]
-                model.zero_grad(set_to_none=True)  # also parameters the optimizer lacks
-                if group is None:
-                    mb = batch.select(idx.tolist())
-                    loss, metrics = pg_loss(model, ref_model, tokenizer, mb, cfg, adv=adv[idx])
-                    loss.backward()
-                else:
-                    metrics = _pg_share(model, ref_model, tokenizer, batch, adv, idx, cfg, group)
-                params = [p for p in model.parameters() if p.grad is not None]
-                norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-                optimizer.step()
-                metrics["charts/grad_norm"] = float(norm)
-                for k, v in metrics.items():
-                    totals[k] += v
-                steps += 1
-        settled: dict[str, float] = {}
-        if cfg.settled_epochs and not cfg.train_gate_only:
-            settled = settled_passes(
-                model, tokenizer, batch, settled_replay, optimizer, cfg, generic, group
-            )
-        gate: dict[str, float] = {}
-        if cfg.gate_fit:
-            gate = fit_gate_to_rewards(
-                model,
-                tokenizer,
-                batch,
-                replay,
-                cfg.gate_fit_l2,
-                cfg.gate_fit_sharpness,
-                cfg.gate_fit_min_shown,
-                cfg.gate_fit_sharpness_max,
-                group,
-            )
-        if cfg.gate_epochs and not gate.get("gate_fit/fitted"):
-            gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg, group))
-        if group is not None and (cfg.gate_fit or cfg.gate_epochs):
-            group.broadcast_params(model.gate.parameters())  # the ranks' own fits: rank 0's
-    model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
-    return {**{k: v / steps for k, v in totals.items()}, **settled, **gate}
+        adv = weighted_advantages(batch, cfg)
+        totals: dict[str, float] = defaultdict(float)
+        steps = 0
+        with _updating(model, ref_model, cfg.train_gate_only, not cfg.train_embeddings):
+            for _ in range(cfg.epochs):
+                order = torch.randperm(n) if group is None else group.randperm(n)
+                for start in range(0, n, cfg.minibatch_size):
+                    idx = order[start : start + cfg.minibatch_size]
+                    model.zero_grad(set_to_none=True)  # also parameters the optimizer lacks
+                    if group is None:
+                        mb = batch.select(idx.tolist())
+                        loss, metrics = pg_loss(model, ref_model, tokenizer, mb, cfg, adv=adv[idx])
+                        loss.backward()
+                    else:
+                        metrics = _pg_share(
+                            model, ref_model, tokenizer, batch, adv, idx, cfg, group
+                        )
+                    params = [p for p in model.parameters() if p.grad is not None]
+                    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+                    optimizer.step()
+                    metrics["charts/grad_norm"] = float(norm)
+                    for k, v in metrics.items():
+                        totals[k] += v
+                    steps += 1
+            settled: dict[str, float] = {}
+            if cfg.settled_epochs and not cfg.train_gate_only:
+                settled = settled_passes(
+                    model, tokenizer, batch, settled_replay, optimizer, cfg, generic, group
+                )
+            gate: dict[str, float] = {}
+            if cfg.gate_fit:
+                gate = fit_gate_to_rewards(
+                    model,
+                    tokenizer,
+                    batch,
+                    replay,
+                    cfg.gate_fit_l2,
+                    cfg.gate_fit_sharpness,
+                    cfg.gate_fit_min_shown,
+                    cfg.gate_fit_sharpness_max,
+                    group,
+                )
+            if cfg.gate_epochs and not gate.get("gate_fit/fitted"):
+                gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg, group))
+            if group is not None and (cfg.gate_fit or cfg.gate_epochs):
+                group.broadcast_params(model.gate.parameters())  # the ranks' own fits: rank 0's
+        model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
+        return {**{k: v / steps for k, v in totals.items()}, **settled, **gate}
 
 
 def _pg_share(

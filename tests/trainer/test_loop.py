@@ -35,6 +35,10 @@ from trainer.deploy_check import CheckConfig
 from trainer.loop import Trainer, TrainerConfig, lineage_root
 from trainer.update import UpdateConfig
 
+# a deploy check every candidate passes: these tests are about the loop, not the gate
+PASSING_CHECK = CheckConfig(
+    max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
+)
 PREFIXES = [
     "import os\nimport ",
     "def f(x):\n    return ",
@@ -136,9 +140,7 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
         canary=CanaryConfig(
             min_rollouts=20, timeout_s=60, reward_tolerance=1.0, accept_tolerance=1.0
         ),
-        deploy_check=CheckConfig(
-            max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
-        ),
+        deploy_check=PASSING_CHECK,
         poll_timeout_s=0.2,
         canary_poll_s=0.6,  # the arms are read at most this often, not at every poll
         max_share=0.05,  # below 1/12: each of the 12 people is held to a twelfth of a batch
@@ -381,9 +383,7 @@ def test_feedback_turns_into_rewards_while_the_leader_updates(
     cfg = TrainerConfig(
         batch_size=40,
         canary_fraction=0.5,
-        deploy_check=CheckConfig(
-            max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
-        ),
+        deploy_check=PASSING_CHECK,
         poll_timeout_s=0.2,
     )
     started, release = threading.Event(), threading.Event()
@@ -469,9 +469,7 @@ def test_a_service_that_refuses_the_trainer_does_not_stop_the_join(
     settings, svc, ingest, _ = embedded
     cfg = TrainerConfig(
         batch_size=20,
-        deploy_check=CheckConfig(
-            max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
-        ),
+        deploy_check=PASSING_CHECK,
         poll_timeout_s=0.2,
     )
     engine = make_engine(settings)
@@ -519,9 +517,7 @@ def test_a_rank_killed_mid_update_registers_nothing_and_the_next_round_trains(
     cfg = TrainerConfig(
         batch_size=40,
         canary_fraction=0.5,
-        deploy_check=CheckConfig(
-            max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
-        ),
+        deploy_check=PASSING_CHECK,
         poll_timeout_s=0.2,
         nproc=2,
     )
