@@ -193,8 +193,8 @@ class Trainer:
             if work is not None:
                 wait([work])  # a round under way finishes: an update is not interrupted
             consumer.close()
-        if work is not None and (error := work.exception()) is not None:
-            raise error
+        if work is not None:
+            self._after_round(work)  # its error, unless the service's, ends the loop's round
         self.state.state = "stopped"
         self._heartbeat(join, force=True)
         self._leave()
