@@ -398,7 +398,7 @@ class Trainer:
             "mean_reward": float(batch.rewards.mean()),
             "update": metrics,
             "gate": result.to_dict(),
-            "caps": self._record_caps(train_rows, batch, now),
+            "caps": self._record_caps(train_rows, now),
             "seconds": round(time.monotonic() - started, 2),
         }
         self.state.last_update = {"at": now.isoformat(), **summary}
@@ -459,10 +459,12 @@ class Trainer:
             )
         return self.pool
 
-    def _record_caps(self, rows: list[sa.Row], batch: Batch, now: Any) -> dict[str, Any]:
+    def _record_caps(self, rows: list[sa.Row], now: Any) -> dict[str, Any]:
         """Who was capped in this batch: kept in the state (the last CAPPED_BATCHES batches,
-        read by GET /admin/metrics), summed up for the candidate's training summary."""
-        weights = batch.row_weights().tolist()
+        read by GET /admin/metrics), summed up for the candidate's training summary. From the
+        weights in float64 (the batch holds them in float32, whose rounding over a few hundred
+        rows can look like a cap of a millionth of a row)."""
+        weights = self._weights(rows)
         users = capped([r.user_id for r in rows], weights)
         keys = capped([r.api_key_id for r in rows], weights)
         entry = {

@@ -456,6 +456,29 @@ def test_a_refused_round_waits_longer_each_time_until_one_goes_through(tmp_path:
         trainer._after_round(ended(RuntimeError("a bug")))
 
 
+def test_one_key_is_never_reported_capped(tmp_path: Path) -> None:
+    """276 rows of one key, a person over the cap: the person is capped, the key is not (the
+    float32 weights of the batch, summed, fell short of the rows by more than a millionth)."""
+    from types import SimpleNamespace
+
+    settings = make_settings(tmp_path)
+    trainer = Trainer(
+        settings,
+        make_engine(settings),
+        ServiceClient("http://127.0.0.1:9", "x"),
+        TrainerConfig(max_share=0.05),
+    )
+    rng = random.Random(0)
+    rows = [
+        SimpleNamespace(user_id=f"u{rng.randrange(12)}" if rng.random() < 0.7 else "u0")
+        for _ in range(276)
+    ]
+    for row in rows:
+        row.api_key_id = "k"
+    caps = trainer._record_caps(rows, dt.datetime.now(dt.UTC))  # type: ignore[arg-type]
+    assert caps["users_capped"] >= 1 and caps["keys_capped"] == 0
+
+
 def refusals(caplog: pytest.LogCaptureFixture) -> int:
     return sum("the join goes on" in r.message for r in caplog.records)
 
