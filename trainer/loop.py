@@ -2,11 +2,9 @@
 
 Always in the same order: poll the log; add records to the join; write the rewards
 that are final; commit offsets (what was read is durable: rollouts and events are in the
-database and rewards were just written); heartbeat. The leader (the member holding the trainer
-lock) meanwhile, unless paused, runs its rounds in a thread of its own: either judge the canary
-in flight or — with a full batch of untrained rewards from recent versions — take a
-policy-gradient step, gate the candidate, register it and deploy it as a canary. The join does
-not wait for an update.
+database and rewards were just written); heartbeat; then, unless paused, either judge the
+canary in flight or — with a full batch of untrained rewards from recent versions — take a
+policy-gradient step, gate the candidate, register it and deploy it as a canary.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, wait
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -106,7 +103,6 @@ class Trainer:
         self._languages: dict[int, tuple[str, ...]] = {}  # per version: its base's languages
         self._last_heartbeat = 0.0
         self._canary_due = 0.0  # monotonic time of the next reading of a canary's arms
-        self._lead_backoff = 1.0  # seconds before retrying a round the service refused
         self.paused = False
         self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
         self._optimizer_state: dict[str, Any] | None = None  # Adam's moments, kept across updates
@@ -165,12 +161,6 @@ class Trainer:
             consumer = open_consumer(
                 self.settings, self.engine, self.cfg.group, [ROLLOUTS, FEEDBACK]
             )
-        # The leader's work (an update, a deploy check, a canary's verdict) runs in a thread of
-        # its own, one round at a time, while this one goes on joining: feedback keeps turning
-        # into rewards during an update, and a long update does not outlast the consumer
-        # group's poll interval (which would hand this member's partitions to the others).
-        work: Future[None] | None = None
-        lead_due = 0.0  # monotonic time the next round may start (later after a failed one)
         try:
             while not stop.is_set():
                 records = consumer.poll(max_records=5000, timeout_s=self.cfg.poll_timeout_s)
@@ -179,61 +169,24 @@ class Trainer:
                 consumer.commit(records)
                 if self._heartbeat(join):
                     self._follow_spec(join)
-                if work is not None and work.done():
-                    done, work = work, None
-                    lead_due = self._after_round(done)
-                if (
-                    work is None
-                    and not self.paused
-                    and self.leading
-                    and time.monotonic() >= lead_due
-                ):
-                    work = _in_thread(self._lead_round)
+                if self.paused or not self.leading:
+                    continue
+                with self.engine.connect() as conn:
+                    dep = current_deployment(conn)
+                if dep is None:
+                    continue
+                if dep.canary_version is not None:
+                    if time.monotonic() >= self._canary_due:
+                        self._canary_due = time.monotonic() + self.cfg.canary_poll_s
+                        self._watch_canary(dep)
+                else:
+                    self._maybe_train(dep)
         finally:
-            if work is not None:
-                wait([work])  # a round under way finishes: an update is not interrupted
             consumer.close()
-        if work is not None:
-            self._after_round(work)  # its error, unless the service's, ends the loop's round
         self.state.state = "stopped"
         self._heartbeat(join, force=True)
         self._leave()
         log.info("trainer stopped")
-
-    def _after_round(self, done: Future[None]) -> float:
-        """When the next round may start, after `done`. A round the service refused or could
-        not answer (an API error, a connection error) is retried, after 1 s doubling up to
-        30 s while rounds keep failing, and the join goes on; any other error (the database's
-        too) ends this round of the whole loop, as if the round had run in the loop's thread."""
-        try:
-            done.result()
-        except (ApiError, httpx.HTTPError) as e:
-            wait_s = self._lead_backoff
-            self._lead_backoff = min(2 * wait_s, 30.0)
-            self.state.state = "retrying"
-            log.warning(
-                "trainer: the service refused or did not answer (%s: %s); the join goes on, "
-                "the leader's round is retried in %.0f s",
-                type(e).__name__,
-                str(e).split("\n")[0],
-                wait_s,
-            )
-            return time.monotonic() + wait_s
-        self._lead_backoff = 1.0
-        return 0.0
-
-    def _lead_round(self) -> None:
-        """One round of the leader's work: judge the canary if one is out (at most every
-        canary_poll_s), else train and deploy once a batch is full."""
-        with self.engine.connect() as conn:
-            dep = current_deployment(conn)
-        if dep is None:
-            return
-        if dep.canary_version is None:
-            self._maybe_train(dep)
-        elif time.monotonic() >= self._canary_due:
-            self._canary_due = time.monotonic() + self.cfg.canary_poll_s
-            self._watch_canary(dep)
 
     def _open_member(self, join: Join) -> LogConsumer:
         """Join the consumer group: partitions taken from this member are dropped from its
@@ -668,23 +621,6 @@ class Trainer:
                 )
         except sa.exc.SQLAlchemyError as e:
             log.warning("could not remove this member's row: %s", str(e).split("\n")[0])
-
-
-def _in_thread(fn: Callable[[], None]) -> Future[None]:
-    """`fn` run in a daemon thread of its own (a process that exits does not wait for it), its
-    outcome in the future."""
-    future: Future[None] = Future()
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as e:
-            future.set_exception(e)
-        else:
-            future.set_result(None)
-
-    threading.Thread(target=run, name="tabloop-lead", daemon=True).start()
-    return future
 
 
 def _upsert_state(conn: sa.Connection, name: str, **values: Any) -> None:

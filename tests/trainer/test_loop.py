@@ -5,7 +5,6 @@ reward and trains on no rollout twice."""
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import os
 import random
 import signal
@@ -371,91 +370,6 @@ def test_the_kl_reference_is_the_root_of_the_live_policys_own_lineage(
     assert lineage_root(parents, version) == root
 
 
-def test_feedback_turns_into_rewards_while_the_leader_updates(
-    embedded: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The leader's rounds run beside the join: with an update held half-way, the rollouts
-    served meanwhile still get their rewards and the status says it is updating; released,
-    the update is checked and deployed."""
-    import trainer.loop as loop
-
-    settings, svc, ingest, deploy = embedded
-    cfg = TrainerConfig(
-        batch_size=40,
-        canary_fraction=0.5,
-        deploy_check=PASSING_CHECK,
-        poll_timeout_s=0.2,
-    )
-    started, release = threading.Event(), threading.Event()
-    train_candidate = loop.train_candidate
-
-    def held(*args: Any, **kwargs: Any) -> Any:
-        started.set()
-        assert release.wait(180), "the test never let the update go on"
-        return train_candidate(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "train_candidate", held)
-    engine = make_engine(settings)
-    trainer = Trainer(settings, engine, ServiceClient(svc.url, deploy), cfg)
-    stop = threading.Event()
-    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
-    thread.start()
-    admin = {"Authorization": f"Bearer {ingest}"}
-    try:
-        drive(svc.url, ingest, 60, seed=1)
-        wait_for(started.is_set, 90, "an update to start")
-        later = drive(svc.url, ingest, 30, seed=2)
-        wait_for(
-            lambda: count(engine, rewards, rewards.c.suggestion_id.in_(later)) == len(later),
-            60,
-            "the rewards of rollouts served during the update",
-        )
-        wait_for(
-            lambda: (
-                httpx.get(svc.url + "/admin/training", headers=admin).json()["trainer"]["state"]
-                == "updating"
-            ),
-            10,
-            "the status of an update under way",
-        )
-        assert not release.is_set() and count(engine, policies) == 1  # nothing registered yet
-        release.set()
-        wait_for(
-            lambda: count(engine, deployments, deployments.c.action == "deploy") >= 1,
-            120,
-            "the held update's deploy",
-        )
-    finally:
-        release.set()
-        stop.set()
-        thread.join(timeout=60)
-    assert not thread.is_alive()
-    engine.dispose()
-
-
-def test_a_refused_round_waits_longer_each_time_until_one_goes_through(tmp_path: Path) -> None:
-    from concurrent.futures import Future
-
-    from trainer.client import ApiError
-
-    settings = make_settings(tmp_path)
-    trainer = Trainer(settings, make_engine(settings), ServiceClient("http://127.0.0.1:9", "x"))
-
-    def ended(error: BaseException | None) -> Future[None]:
-        f: Future[None] = Future()
-        f.set_exception(error) if error else f.set_result(None)
-        return f
-
-    waits = []
-    for error in [ApiError("503", 503), httpx.ConnectError("down")] * 3 + [None, ApiError("", 0)]:
-        due = trainer._after_round(ended(error))
-        waits.append(round(due - time.monotonic()) if due else 0)
-    assert waits == [1, 2, 4, 8, 16, 30, 0, 1]
-    assert trainer.state.state == "retrying"
-    with pytest.raises(RuntimeError, match="a bug"):  # anything else ends the loop's round
-        trainer._after_round(ended(RuntimeError("a bug")))
-
-
 def test_one_key_is_never_reported_capped(tmp_path: Path) -> None:
     """276 rows of one key, a person over the cap: the person is capped, the key is not (the
     float32 weights of the batch, summed, fell short of the rows by more than a millionth)."""
@@ -477,55 +391,6 @@ def test_one_key_is_never_reported_capped(tmp_path: Path) -> None:
         row.api_key_id = "k"
     caps = trainer._record_caps(rows, dt.datetime.now(dt.UTC))  # type: ignore[arg-type]
     assert caps["users_capped"] >= 1 and caps["keys_capped"] == 0
-
-
-def refusals(caplog: pytest.LogCaptureFixture) -> int:
-    return sum("the join goes on" in r.message for r in caplog.records)
-
-
-def test_a_service_that_refuses_the_trainer_does_not_stop_the_join(
-    embedded: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A trainer whose key the service refuses (401 on registering its candidate) keeps
-    joining: rewards are finalized, its loop never restarts, and the round is tried again
-    after a wait."""
-    settings, svc, ingest, _ = embedded
-    cfg = TrainerConfig(
-        batch_size=20,
-        deploy_check=PASSING_CHECK,
-        poll_timeout_s=0.2,
-    )
-    engine = make_engine(settings)
-    trainer = Trainer(settings, engine, ServiceClient(svc.url, "tlk_not_a_key"), cfg)
-    rounds: list[float] = []  # the loop's own restarts
-    run_round = trainer._run
-    trainer._run = lambda stop: (rounds.append(time.monotonic()), run_round(stop))[1]  # type: ignore[method-assign]
-    stop = threading.Event()
-    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
-    with caplog.at_level(logging.WARNING, logger="trainer.loop"):
-        thread.start()
-        try:
-            first = drive(svc.url, ingest, 40, seed=1)
-            wait_for(lambda: refusals(caplog) >= 1, 120, "a refused round")
-            # the refused round's batch is spent (stamped before registering: never trained
-            # on twice); the rollouts served now are joined and fill the next one
-            later = drive(svc.url, ingest, 40, seed=2)
-            wait_for(
-                lambda: (
-                    count(engine, rewards, rewards.c.suggestion_id.in_(first + later))
-                    == len(first + later)
-                ),
-                60,
-                "rewards while the service refuses the trainer",
-            )
-            wait_for(lambda: refusals(caplog) >= 2, 60, "a second refused round")
-        finally:
-            stop.set()
-            thread.join(timeout=60)
-    assert len(rounds) == 1 and count(engine, policies) == 1
-    refused = [r.message for r in caplog.records if "the join goes on" in r.message]
-    assert all("ApiError" in m and "401" in m and "retried in" in m for m in refused)
-    engine.dispose()
 
 
 def test_a_rank_killed_mid_update_registers_nothing_and_the_next_round_trains(
