@@ -26,6 +26,17 @@ def _json_dumps(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
+def json_rows(dialect: str, name: str) -> Any:
+    """The bound parameter `name`, a JSON array of strings (`json.dumps(ids)`), as a one-column
+    table (`.c.value`), in `dialect`. A statement that reads ids this way instead of through
+    `IN (...)` has the same text for any number of them: built once, it is compiled once and
+    prepared by the database, and it knows no bound-parameter limit."""
+    array = sa.bindparam(name, type_=sa.Text)
+    if dialect == "postgresql":
+        return sa.func.json_array_elements_text(sa.cast(array, sa.JSON)).table_valued("value")
+    return sa.func.json_each(array).table_valued("value")
+
+
 def make_engine(settings: Settings) -> sa.Engine:
     """One engine per process; SQLite gets WAL and a busy timeout, PostgreSQL short timeouts."""
     url = settings.db_url

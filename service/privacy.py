@@ -22,6 +22,7 @@ old rows with the same functions.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
@@ -32,6 +33,7 @@ from fastapi import Depends, Header
 
 from service.auth.keys import ApiKey
 from service.completions.schemas import CompleteRequest
+from service.db import json_rows
 from service.tables import rollouts
 
 NO_TRAIN_HEADER = "X-Tabloop-No-Train"
@@ -40,7 +42,6 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # Why a text is not stored: the request was in privacy mode, or it outlived the code retention.
 Withheld = Literal["no_train", "retention"]
 SETTLED = "code_settled"
-_CHUNK = 1000  # ids per query: well under SQLite's bound-parameter limit
 
 
 def rollout_code_blank() -> dict[str, Any]:
@@ -142,20 +143,21 @@ def raw_without_text(raw: str, why: Withheld) -> str:
     return _dump(_without_text(value, why))
 
 
+@functools.cache
+def _private_query(dialect: str) -> sa.Select[Any]:
+    ids = json_rows(dialect, "suggestion_ids")
+    return sa.select(rollouts.c.suggestion_id).where(
+        rollouts.c.suggestion_id.in_(sa.select(ids.c.value)), rollouts.c.no_train.is_(True)
+    )
+
+
 def private_rollouts(conn: sa.Connection, suggestion_ids: Iterable[str]) -> set[str]:
-    """The ids among `suggestion_ids` whose rollout was made in privacy mode."""
+    """The ids among `suggestion_ids` whose rollout was made in privacy mode (one statement)."""
     ids = list(dict.fromkeys(suggestion_ids))
-    found: set[str] = set()
-    for i in range(0, len(ids), _CHUNK):
-        found.update(
-            conn.execute(
-                sa.select(rollouts.c.suggestion_id).where(
-                    rollouts.c.suggestion_id.in_(ids[i : i + _CHUNK]),
-                    rollouts.c.no_train.is_(True),
-                )
-            ).scalars()
-        )
-    return found
+    if not ids:
+        return set()
+    query = _private_query(conn.dialect.name)
+    return set(conn.execute(query, {"suggestion_ids": json.dumps(ids)}).scalars())
 
 
 def _suggestion_of(raw: str) -> str | None:

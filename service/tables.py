@@ -172,6 +172,8 @@ rollouts = sa.Table(
     # Privacy mode (the key's or the request's): no code text stored, never trained on. NULL: false.
     sa.Column("no_train", sa.Boolean(), nullable=True),
     sa.Index("ix_rollouts_user_id_created_at", "user_id", "created_at"),
+    # has this key served this person? (ingestion's check of model_switch and churn)
+    sa.Index("ix_rollouts_user_id_api_key_id", "user_id", "api_key_id"),
     sa.Index("ix_rollouts_policy_version_created_at", "policy_version", "created_at"),
     sa.Index("ix_rollouts_created_at", "created_at"),  # code retention walks rollouts by age
 )

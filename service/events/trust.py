@@ -17,13 +17,16 @@ What is not refused:
   has not, while others have, it is refused as `wrong_key`: such events lower the reward of the
   person's recent suggestions, so only a key that serves the person may send them.
 
-One query per batch reads the rollouts the batch names (`load_rollouts`), and one the reward
-horizon (`horizon_s`) when any is found; a `model_switch` or `churn` costs up to two one-row
-queries per person (`served_through`).
+A batch costs at most three statements, whatever the number of people or suggestions in it: one
+answers for every person a `model_switch` or `churn` names (`served_people`), one reads the
+rollouts the batch names (`load_rollouts`), and one the reward horizon (`horizon_s`) when any is
+found. The first two take their ids as one JSON array, so their text never changes.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from service.db import json_rows
 from service.rewards.core import CLOCK_SKEW_S
 from service.rewards.store import default_spec
 from service.tables import reward_specs, rollouts
@@ -49,7 +53,6 @@ NEVER_LATE = ("code_settled",)
 # the reward is final one horizon in; a retry or a slow delivery in the next one is stored and
 # counted late by the trainer (rewards.late_events), anything after that is refused
 LATE_AFTER_HORIZONS = 2.0
-_CHUNK = 1000  # suggestion ids per query: well under SQLite's bound-parameter limit
 _ERROR = re.compile(r"refused \((\w+)\): ")
 
 
@@ -81,25 +84,48 @@ def refusal_reason(error: str) -> str | None:
     return match[1] if match and match[1] in REASONS else None
 
 
+@functools.cache
+def _queries(dialect: str) -> tuple[sa.Select[Any], sa.Select[Any]]:
+    """(the named rollouts, the people's verdicts) in `dialect`: built once, so that every batch
+    runs the same two statements."""
+    ids = json_rows(dialect, "suggestion_ids")
+    named = sa.select(
+        rollouts.c.suggestion_id,
+        rollouts.c.user_id,
+        rollouts.c.api_key_id,
+        rollouts.c.created_at,
+        rollouts.c.shown,
+    ).where(rollouts.c.suggestion_id.in_(sa.select(ids.c.value)))
+    person = json_rows(dialect, "user_ids")
+    theirs = rollouts.c.user_id == person.c.value
+    key = rollouts.c.api_key_id
+
+    def found(*where: sa.ColumnElement[bool]) -> sa.ColumnElement[bool]:
+        # a scalar subquery with LIMIT 1, not EXISTS: PostgreSQL may run an EXISTS as one hashed
+        # scan of the whole table; this stays one index probe per person
+        return sa.select(rollouts.c.user_id).where(*where).limit(1).scalar_subquery().is_not(None)
+
+    mine = sa.or_(
+        found(theirs, key == sa.bindparam("api_key_id", type_=sa.String)),
+        found(theirs, key.is_(None)),  # recorded before keys were: any key may speak for it
+    )
+    people = sa.select(person.c.value, mine).where(found(theirs))
+    return named, people
+
+
 def load_rollouts(conn: sa.Connection, suggestion_ids: Iterable[str]) -> dict[str, Owned]:
-    """The rollouts among `suggestion_ids`, by id (unknown ids are left out)."""
+    """The rollouts among `suggestion_ids`, by id (unknown ids are left out). One statement."""
     ids = list(dict.fromkeys(suggestion_ids))
-    out: dict[str, Owned] = {}
-    for i in range(0, len(ids), _CHUNK):
-        rows = conn.execute(
-            sa.select(
-                rollouts.c.suggestion_id,
-                rollouts.c.user_id,
-                rollouts.c.api_key_id,
-                rollouts.c.created_at,
-                rollouts.c.shown,
-            ).where(rollouts.c.suggestion_id.in_(ids[i : i + _CHUNK]))
+    if not ids:
+        return {}
+    named, _ = _queries(conn.dialect.name)
+    rows = conn.execute(named, {"suggestion_ids": json.dumps(ids)})
+    return {
+        r.suggestion_id: Owned(
+            r.suggestion_id, r.user_id, r.api_key_id, r.created_at, bool(r.shown)
         )
-        for r in rows:
-            out[r.suggestion_id] = Owned(
-                r.suggestion_id, r.user_id, r.api_key_id, r.created_at, bool(r.shown)
-            )
-    return out
+        for r in rows
+    }
 
 
 def horizon_s(conn: sa.Connection, profile: str) -> float:
@@ -165,15 +191,17 @@ def refusal(
 PERSON_EVENTS = ("model_switch", "churn")
 
 
-def served_through(conn: sa.Connection, user_id: str, api_key_id: str) -> bool | None:
-    """True if a rollout of `user_id` was served through `api_key_id` (or recorded without a
-    key), False if only through other keys, None if the person has no rollout."""
-    mine = sa.or_(rollouts.c.api_key_id == api_key_id, rollouts.c.api_key_id.is_(None))
-    person = rollouts.c.user_id == user_id
-    if conn.execute(sa.select(rollouts.c.user_id).where(person, mine).limit(1)).first():
-        return True
-    anyone = conn.execute(sa.select(rollouts.c.user_id).where(person).limit(1)).first()
-    return None if anyone is None else False
+def served_people(conn: sa.Connection, user_ids: Iterable[str], api_key_id: str) -> dict[str, bool]:
+    """For each of `user_ids` that has a rollout: True if one was served through `api_key_id`
+    (or recorded without a key), False if only through other keys. People with no rollout are
+    left out. One statement for any number of people: two probes per person in
+    ix_rollouts_user_id_api_key_id, whatever the person's history."""
+    users = list(dict.fromkeys(user_ids))
+    if not users:
+        return {}
+    _, people = _queries(conn.dialect.name)
+    rows = conn.execute(people, {"user_ids": json.dumps(users), "api_key_id": api_key_id})
+    return {user: bool(served) for user, served in rows}
 
 
 def screen(
@@ -187,15 +215,12 @@ def screen(
     """Position in `events` -> why it is refused: the events naming a known suggestion, and
     a person's model_switch and churn through a key that never served them."""
     out: dict[int, Refusal] = {}
-    if api_key_id is not None:
-        verdicts: dict[str, bool | None] = {}
-        for i, e in enumerate(events):
-            if e["type"] not in PERSON_EVENTS:
-                continue
+    person_events = [(i, e) for i, e in enumerate(events) if e["type"] in PERSON_EVENTS]
+    if api_key_id is not None and person_events:
+        verdicts = served_people(conn, (e["user_id"] for _, e in person_events), api_key_id)
+        for i, e in person_events:
             user = e["user_id"]
-            if user not in verdicts:
-                verdicts[user] = served_through(conn, user, api_key_id)
-            if verdicts[user] is False:
+            if verdicts.get(user) is False:
                 out[i] = Refusal(
                     "wrong_key",
                     f"user_id {user} was served only through other API keys; a {e['type']} "

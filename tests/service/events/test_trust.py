@@ -25,7 +25,7 @@ from service.rewards.core import CLOCK_SKEW_S
 from service.rewards.store import current_spec, reward_from_db, rollout_info
 from service.stream.topics import FEEDBACK, ROLLOUTS
 from service.tables import dead_letters, events, outbox, rollouts
-from tests.factories import event
+from tests.factories import event, rollout_row
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"
 SUGGESTION_TYPES = ("view", "accept", "reject", "code_retained", "code_settled")
@@ -269,3 +269,75 @@ def test_an_openai_completion_takes_native_feedback_only_from_its_key(clients: A
     assert db.reward(sid).outcome == "ignored"
     assert post(alice, [accept]) == {"accepted": 1, "duplicates": 0, "rejected": []}
     assert db.reward(sid).outcome == "accepted"
+
+
+# what one batch may cost in SQL statements, whatever the number of people in it: on SQLite,
+# BEGIN IMMEDIATE, the person check, the named rollouts, the reward horizon, the privacy check of
+# settled text, the events, the outbox rows and the dead letters (trust.py, service.py);
+# PostgreSQL writes events and outbox rows in one statement and needs no BEGIN statement
+BATCH_STATEMENTS = 8
+
+
+def test_a_batch_from_many_people_costs_a_bounded_number_of_statements(
+    clients: Any, db: Db, served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One POST /v1/events of 100 events from 100 people, every verdict among them: people served
+    through the sending key, through another key only, through none yet, and suggestions of the
+    sender's own. The checks answer as one person at a time would, in a fixed number of SQL
+    statements (counted on the API's engine, in the thread that ingests the batch)."""
+    import threading
+
+    import service.events.endpoints as endpoints
+
+    alice, bob, _ = clients
+    shown_suggestion(alice, user="warm-up")  # the keys' first lookups are cached before counting
+    post(bob, [event("churn", user_id="warm-up", occurred_at=now_z())])
+    with db.engine.connect() as conn:
+        keys = dict(conn.execute(sa.text("SELECT name, id FROM api_keys")).all())
+    own = [str(uuid.uuid4()) for _ in range(20)]
+    db.execute(
+        rollouts.insert().values(
+            [
+                *(rollout_row(user_id=f"p-{i}", api_key_id=keys["alice"]) for i in range(30)),
+                *(rollout_row(user_id=f"p-{i}", api_key_id=keys["bob"]) for i in range(30, 60)),
+                *(
+                    rollout_row(sid, user_id=f"p-{80 + n}", api_key_id=keys["alice"])
+                    for n, sid in enumerate(own)
+                ),
+            ]
+        )
+    )
+    kinds = ("model_switch", "churn")
+    evs = [event(kinds[i % 2], user_id=f"p-{i}", occurred_at=now_z()) for i in range(80)]
+    evs += [feedback("reject", sid, user=f"p-{80 + n}") for n, sid in enumerate(own[:-1])]
+    evs.append(feedback("code_settled", own[-1], user="p-99"))  # privacy mode's check of its text
+
+    counting = threading.local()
+    statements: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if getattr(counting, "on", False):
+            statements.append(statement)
+
+    def ingest_counted(*args: Any, **kwargs: Any) -> Any:
+        counting.on = True
+        try:
+            return ingest(*args, **kwargs)
+        finally:
+            counting.on = False
+
+    engine = served.app.state.ctx.engine
+    ingest = endpoints.ingest_events
+    monkeypatch.setattr(endpoints, "ingest_events", ingest_counted)
+    sa.event.listen(engine, "before_cursor_execute", count)
+    try:
+        body = post(alice, evs)
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", count)
+    assert [r["index"] for r in body["rejected"]] == list(range(30, 60))
+    assert all(
+        r["error"].startswith(f"refused (wrong_key): user_id p-{r['index']} was served only")
+        for r in body["rejected"]
+    )
+    assert body["accepted"] == 70
+    assert 0 < len(statements) <= BATCH_STATEMENTS, statements
