@@ -17,10 +17,9 @@ What is not refused:
   has not, while others have, it is refused as `wrong_key`: such events lower the reward of the
   person's recent suggestions, so only a key that serves the person may send them.
 
-A batch costs at most three statements, whatever the number of people or suggestions in it: one
-answers for every person a `model_switch` or `churn` names (`served_people`), one reads the
-rollouts the batch names (`load_rollouts`), and one the reward horizon (`horizon_s`) when any is
-found. The first two take their ids as one JSON array, so their text never changes.
+A batch costs one statement, whatever the number of people or suggestions in it (`lookup`): it
+reads the rollouts the batch names with the current reward spec, and answers for every person a
+`model_switch` or `churn` names. The ids travel as two JSON arrays, so its text never changes.
 """
 
 from __future__ import annotations
@@ -84,55 +83,89 @@ def refusal_reason(error: str) -> str | None:
     return match[1] if match and match[1] in REASONS else None
 
 
+@dataclass(frozen=True)
+class Known:
+    """What the database knows of a batch: the rollouts it names, by suggestion id; for the people
+    its model_switch and churn events name, whether the sending key served them (people with no
+    rollout are left out); and the current reward spec (None before one is stored, or when the
+    batch names no known rollout)."""
+
+    rollouts: dict[str, Owned]
+    served: dict[str, bool]
+    spec: Any
+
+
 @functools.cache
-def _queries(dialect: str) -> tuple[sa.Select[Any], sa.Select[Any]]:
-    """(the named rollouts, the people's verdicts) in `dialect`: built once, so that every batch
-    runs the same two statements."""
+def _lookup(dialect: str) -> sa.CompoundSelect[Any]:
+    """The one statement `lookup` runs, in `dialect`: the named rollouts (each row carrying the
+    current reward spec), then one row per person with a rollout. Built once, so that every
+    batch runs the same text."""
+    spec = sa.select(reward_specs.c.spec).order_by(reward_specs.c.version.desc()).limit(1)
     ids = json_rows(dialect, "suggestion_ids")
     named = sa.select(
-        rollouts.c.suggestion_id,
+        sa.literal_column("0").label("person"),
+        rollouts.c.suggestion_id.label("id"),
         rollouts.c.user_id,
         rollouts.c.api_key_id,
         rollouts.c.created_at,
         rollouts.c.shown,
+        sa.null().label("served"),
+        spec.scalar_subquery().label("spec"),
     ).where(rollouts.c.suggestion_id.in_(sa.select(ids.c.value)))
+
     person = json_rows(dialect, "user_ids")
     theirs = rollouts.c.user_id == person.c.value
     key = rollouts.c.api_key_id
 
     def found(*where: sa.ColumnElement[bool]) -> sa.ColumnElement[bool]:
         # a scalar subquery with LIMIT 1, not EXISTS: PostgreSQL may run an EXISTS as one hashed
-        # scan of the whole table; this stays one index probe per person
+        # scan of the whole table; this stays one probe per person in
+        # ix_rollouts_user_id_api_key_id, whatever the person's history
         return sa.select(rollouts.c.user_id).where(*where).limit(1).scalar_subquery().is_not(None)
 
     mine = sa.or_(
         found(theirs, key == sa.bindparam("api_key_id", type_=sa.String)),
         found(theirs, key.is_(None)),  # recorded before keys were: any key may speak for it
     )
-    people = sa.select(person.c.value, mine).where(found(theirs))
-    return named, people
+    people = sa.select(
+        sa.literal_column("1"),
+        person.c.value,
+        sa.null(),
+        sa.null(),
+        sa.null(),
+        sa.null(),
+        mine,
+        sa.null(),
+    ).where(found(theirs))
+    return sa.union_all(named, people)
 
 
-def load_rollouts(conn: sa.Connection, suggestion_ids: Iterable[str]) -> dict[str, Owned]:
-    """The rollouts among `suggestion_ids`, by id (unknown ids are left out). One statement."""
-    ids = list(dict.fromkeys(suggestion_ids))
-    if not ids:
-        return {}
-    named, _ = _queries(conn.dialect.name)
-    rows = conn.execute(named, {"suggestion_ids": json.dumps(ids)})
-    return {
-        r.suggestion_id: Owned(
-            r.suggestion_id, r.user_id, r.api_key_id, r.created_at, bool(r.shown)
-        )
-        for r in rows
-    }
+def lookup(
+    conn: sa.Connection,
+    suggestion_ids: Iterable[str],
+    user_ids: Iterable[str],
+    api_key_id: str | None,
+) -> Known:
+    """What the checks need of a batch, in one statement for any number of suggestions and
+    people (their ids travel as two JSON arrays). `user_ids`: the people whose model_switch and
+    churn are checked against `api_key_id`."""
+    ids, users = list(dict.fromkeys(suggestion_ids)), list(dict.fromkeys(user_ids))
+    named: dict[str, Owned] = {}
+    served: dict[str, bool] = {}
+    spec = None
+    if ids or users:
+        params = {"suggestion_ids": json.dumps(ids), "user_ids": json.dumps(users)}
+        for r in conn.execute(_lookup(conn.dialect.name), {**params, "api_key_id": api_key_id}):
+            if r.person:
+                served[r.id] = bool(r.served)
+            else:
+                named[r.id] = Owned(r.id, r.user_id, r.api_key_id, r.created_at, bool(r.shown))
+                spec = r.spec
+    return Known(named, served, spec)
 
 
-def horizon_s(conn: sa.Connection, profile: str) -> float:
-    """The current reward spec's horizon (the profile's default before any spec is stored)."""
-    spec = conn.execute(
-        sa.select(reward_specs.c.spec).order_by(reward_specs.c.version.desc()).limit(1)
-    ).scalar()
+def horizon_s(spec: Any, profile: str) -> float:
+    """The reward spec's horizon (the profile's default before any spec is stored)."""
     if isinstance(spec, Mapping) and isinstance(spec.get("horizon_s"), int | float):
         return float(spec["horizon_s"])
     return float(default_spec(profile).horizon_s)
@@ -191,19 +224,6 @@ def refusal(
 PERSON_EVENTS = ("model_switch", "churn")
 
 
-def served_people(conn: sa.Connection, user_ids: Iterable[str], api_key_id: str) -> dict[str, bool]:
-    """For each of `user_ids` that has a rollout: True if one was served through `api_key_id`
-    (or recorded without a key), False if only through other keys. People with no rollout are
-    left out. One statement for any number of people: two probes per person in
-    ix_rollouts_user_id_api_key_id, whatever the person's history."""
-    users = list(dict.fromkeys(user_ids))
-    if not users:
-        return {}
-    _, people = _queries(conn.dialect.name)
-    rows = conn.execute(people, {"user_ids": json.dumps(users), "api_key_id": api_key_id})
-    return {user: bool(served) for user, served in rows}
-
-
 def screen(
     conn: sa.Connection,
     events: list[dict[str, Any]],
@@ -215,24 +235,28 @@ def screen(
     """Position in `events` -> why it is refused: the events naming a known suggestion, and
     a person's model_switch and churn through a key that never served them."""
     out: dict[int, Refusal] = {}
-    person_events = [(i, e) for i, e in enumerate(events) if e["type"] in PERSON_EVENTS]
-    if api_key_id is not None and person_events:
-        verdicts = served_people(conn, (e["user_id"] for _, e in person_events), api_key_id)
-        for i, e in person_events:
-            user = e["user_id"]
-            if verdicts.get(user) is False:
-                out[i] = Refusal(
-                    "wrong_key",
-                    f"user_id {user} was served only through other API keys; a {e['type']} "
-                    "counts only through a key that served that person",
-                )
-    named = [e["suggestion_id"] for e in events if "suggestion_id" in e]
-    known = load_rollouts(conn, named) if named else {}
-    if not known:
+    person_events = [
+        (i, e) for i, e in enumerate(events) if e["type"] in PERSON_EVENTS and api_key_id
+    ]
+    known = lookup(
+        conn,
+        (e["suggestion_id"] for e in events if "suggestion_id" in e),
+        (e["user_id"] for _, e in person_events),
+        api_key_id,
+    )
+    for i, e in person_events:
+        user = e["user_id"]
+        if known.served.get(user) is False:
+            out[i] = Refusal(
+                "wrong_key",
+                f"user_id {user} was served only through other API keys; a {e['type']} "
+                "counts only through a key that served that person",
+            )
+    if not known.rollouts:
         return out
-    horizon = horizon_s(conn, profile)
+    horizon = horizon_s(known.spec, profile)
     for i, e in enumerate(events):
-        rollout = known.get(e.get("suggestion_id", ""))
+        rollout = known.rollouts.get(e.get("suggestion_id", ""))
         if rollout is None:
             continue
         why = refusal(e, rollout, api_key_id=api_key_id, received_at=received_at, horizon=horizon)

@@ -272,10 +272,10 @@ def test_an_openai_completion_takes_native_feedback_only_from_its_key(clients: A
 
 
 # what one batch may cost in SQL statements, whatever the number of people in it: on SQLite,
-# BEGIN IMMEDIATE, the person check, the named rollouts, the reward horizon, the privacy check of
-# settled text, the events, the outbox rows and the dead letters (trust.py, service.py);
-# PostgreSQL writes events and outbox rows in one statement and needs no BEGIN statement
-BATCH_STATEMENTS = 8
+# BEGIN IMMEDIATE, the trust checks' lookup, the privacy check of settled text, the events, the
+# outbox rows and the dead letters (trust.py, service.py); PostgreSQL writes events and outbox
+# rows in one statement and needs no BEGIN statement
+BATCH_STATEMENTS = 6
 
 
 def test_a_batch_from_many_people_costs_a_bounded_number_of_statements(
