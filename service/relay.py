@@ -11,6 +11,8 @@ Run one relay per database: on PostgreSQL an advisory lock makes extra replicas 
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import threading
 from datetime import UTC, datetime, timedelta
@@ -21,7 +23,7 @@ from kafka import TopicPartition
 from kafka.errors import KafkaError
 
 from service.config import Settings
-from service.db import StandbyLock
+from service.db import StandbyLock, json_rows
 from service.metrics import RELAY_ERRORS, RELAY_PUBLISHED, RELAY_RECONCILED
 from service.stream.kafka import ensure_topics, make_producer, make_reader, read_to_end
 from service.stream.topics import ALL_TOPICS
@@ -32,6 +34,25 @@ log = logging.getLogger(__name__)
 HEADER = "outbox_id"
 RELAY_LOCK_ID = 0x7AB1_00B0  # pg_advisory_lock key held by the active relay
 RECONCILE_MARGIN = timedelta(minutes=5)
+
+
+@functools.cache
+def _stamp_query(dialect: str) -> sa.Update:
+    """UPDATE outbox SET published_at for a JSON array of ids: one statement of constant text
+    for a round of any size (an `IN (...)` of thousands of parameters cost the relay a fifth of
+    its CPU, and PostgreSQL a plan per round)."""
+    ids = json_rows(dialect, "ids")
+    return (
+        outbox.update()
+        .where(outbox.c.id.in_(sa.select(sa.cast(ids.c.value, outbox.c.id.type))))
+        .values(published_at=sa.bindparam("stamped_at"))
+    )
+
+
+def stamp_published(conn: sa.Connection, ids: list[int]) -> int:
+    """Mark outbox rows published, now; the number of rows stamped."""
+    query = _stamp_query(conn.dialect.name)
+    return conn.execute(query, {"ids": json.dumps(ids), "stamped_at": utcnow()}).rowcount
 
 
 class Relay:
@@ -101,11 +122,7 @@ class Relay:
                         if (r.topic, r.key.encode(), r.payload.encode()) in found[r.id]
                     ]
                     if same:
-                        marked += conn.execute(
-                            outbox.update()
-                            .where(outbox.c.id.in_(same))
-                            .values(published_at=utcnow())
-                        ).rowcount
+                        marked += stamp_published(conn, same)
         if marked:
             RELAY_RECONCILED.inc(marked)
             log.warning("reconciled %d rows already in the topics; they will not be resent", marked)
@@ -155,13 +172,7 @@ class Relay:
         failed = [f.exception for _, _, f in sends if f.failed()]
         if acked:
             with self.engine.begin() as conn:
-                ids = [i for i, _ in acked]
-                for j in range(0, len(ids), 5000):
-                    conn.execute(
-                        outbox.update()
-                        .where(outbox.c.id.in_(ids[j : j + 5000]))
-                        .values(published_at=utcnow())
-                    )
+                stamp_published(conn, [i for i, _ in acked])
             for _, topic in acked:
                 RELAY_PUBLISHED.labels(topic=topic).inc()
         if unconfirmed:
