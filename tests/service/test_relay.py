@@ -20,7 +20,7 @@ from kafka.partitioner.default import murmur2
 
 from service.config import Settings
 from service.db import make_engine
-from service.outbox import backlog
+from service.outbox import Backlog, backlog
 from service.relay import HEADER, Relay
 from service.stream.topics import FEEDBACK
 from service.tables import events, outbox
@@ -290,3 +290,32 @@ def test_duplicate_ack_without_offset_is_checked_not_trusted(
         wait_until_published(engine)
     assert len(lost) == 7
     assert_exactly_once(kafka_broker.bootstrap, acked, full_settings.kafka_topic_partitions)
+
+
+def test_the_backlog_spans_the_oldest_unpublished_row_to_the_newest(
+    full_settings: Settings,
+) -> None:
+    """What the API's admission check and tabloop_outbox_backlog_rows read: 0 when all is
+    published; otherwise the rows from the oldest unpublished one on (the relay publishes in id
+    order), with that row's age."""
+    from datetime import UTC, datetime, timedelta
+
+    engine = make_engine(full_settings)
+    now = datetime.now(UTC)
+    rows = [
+        {"topic": FEEDBACK, "key": "u", "payload": "{}", "created_at": now - timedelta(seconds=s)}
+        for s in (90, 60, 30, 0)
+    ]
+    with engine.begin() as conn:
+        assert backlog(conn).rows == 0
+        ids = conn.execute(outbox.insert().returning(outbox.c.id), rows).scalars().all()
+        assert backlog(conn).rows == 4
+        assert 89 < backlog(conn).oldest_age_s < 120
+        conn.execute(outbox.update().where(outbox.c.id == ids[0]).values(published_at=now))
+        assert backlog(conn).rows == 3
+        assert 59 < backlog(conn).oldest_age_s < 90
+        conn.execute(outbox.update().where(outbox.c.id != ids[1]).values(published_at=now))
+        assert backlog(conn).rows == 3  # an upper bound: the rows after it, published or not
+        conn.execute(outbox.update().values(published_at=now))
+        assert backlog(conn) == Backlog(0, 0.0)
+    engine.dispose()
