@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -36,11 +38,14 @@ def insert_ignoring_conflicts(conn: sa.Connection, table: sa.Table, key: str) ->
     )
 
 
-# PostgreSQL: the whole batch in one statement and one round trip. The columns travel as arrays
-# (a short, constant query text that psycopg prepares once per connection). Events are inserted
-# skipping known ids, in event_id order so that two batches sharing ids wait for each other
-# instead of deadlocking; an outbox row is written for each event that was new, in batch order
-# (the relay publishes by outbox id: a user's events stay in the order they were sent).
+# PostgreSQL: the whole batch in one statement and one round trip, run in autocommit mode: a
+# statement is its own transaction, atomic, so the batch needs no BEGIN and COMMIT round trips
+# (the trust checks' read before it is a statement of its own, as it would be in a transaction
+# at READ COMMITTED). The columns travel as arrays (a short, constant query text that psycopg
+# prepares once per connection). Events are inserted skipping known ids, in event_id order so
+# that two batches sharing ids wait for each other instead of deadlocking; an outbox row is
+# written for each event that was new, in batch order (the relay publishes by outbox id: a
+# user's events stay in the order they were sent); the batch's dead letters are written too.
 _PG_INSERT = """
 WITH batch AS (
     SELECT * FROM unnest(
@@ -57,14 +62,30 @@ WITH batch AS (
     INSERT INTO outbox (topic, key, payload, created_at, published_at)
     SELECT %(topic)s, b.user_id, b.message, %(now)s, %(published_at)s::timestamptz
     FROM batch b JOIN stored s ON s.event_id = b.event_id ORDER BY b.n
+), dead AS (
+    INSERT INTO dead_letters (received_at, source, api_key_id, raw, error)
+    SELECT %(now)s, %(source)s, %(api_key_id)s, d.raw, d.error
+    FROM unnest(%(dead_raw)b::text[], %(dead_error)b::text[]) WITH ORDINALITY AS d(raw, error, n)
+    ORDER BY d.n
 )
 SELECT event_id FROM stored
 """
 
 
-def _store_postgresql(
-    conn: sa.Connection, valid: list[dict[str, Any]], *, now: datetime, embedded: bool
-) -> set[str]:
+@dataclass(frozen=True)
+class _Batch:
+    """What a batch stores: its valid events and its dead letters (all of one request)."""
+
+    valid: list[dict[str, Any]]
+    dead: list[dict[str, Any]]
+    now: datetime
+    source: str
+    api_key_id: str | None
+    embedded: bool
+
+
+def _store_postgresql(conn: sa.Connection, batch: _Batch) -> set[str]:
+    valid = batch.valid
     params = {
         "event_id": [e["event_id"] for e in valid],
         "type": [e["type"] for e in valid],
@@ -73,16 +94,18 @@ def _store_postgresql(
         "occurred_at": [e["occurred_at"] for e in valid],  # RFC 3339, already normalized to UTC
         "payload": [orjson.dumps(e).decode() for e in valid],
         "message": [encode(e) for e in valid],
-        "now": now,
+        "now": batch.now,
         "topic": FEEDBACK,
-        "published_at": now if embedded else None,
+        "published_at": batch.now if batch.embedded else None,
+        "source": batch.source,
+        "api_key_id": batch.api_key_id,
+        "dead_raw": [d["raw"] for d in batch.dead],
+        "dead_error": [d["error"] for d in batch.dead],
     }
     return set(conn.exec_driver_sql(_PG_INSERT, params).scalars().all())
 
 
-def _store_portable(
-    conn: sa.Connection, valid: list[dict[str, Any]], *, now: datetime, embedded: bool
-) -> set[str]:
+def _store_portable(conn: sa.Connection, batch: _Batch) -> set[str]:
     rows = [
         {
             "event_id": e["event_id"],
@@ -90,23 +113,53 @@ def _store_portable(
             "user_id": e["user_id"],
             "suggestion_id": e.get("suggestion_id"),
             "occurred_at": datetime.fromisoformat(e["occurred_at"]),
-            "received_at": now,
+            "received_at": batch.now,
             "payload": e,
         }
-        for e in valid
+        for e in batch.valid
     ]
-    result = conn.execute(insert_ignoring_conflicts(conn, events, "event_id"), rows)
-    inserted = set(result.scalars().all())
+    inserted: set[str] = set()
+    if rows:
+        result = conn.execute(insert_ignoring_conflicts(conn, events, "event_id"), rows)
+        inserted = set(result.scalars().all())
     if inserted:
         conn.execute(
             outbox.insert(),
             [
-                outbox_row(FEEDBACK, e["user_id"], e, now=now, embedded=embedded)
-                for e in valid
+                outbox_row(FEEDBACK, e["user_id"], e, now=batch.now, embedded=batch.embedded)
+                for e in batch.valid
                 if e["event_id"] in inserted
             ],
         )
+    if batch.dead:
+        conn.execute(
+            dead_letters.insert(),
+            [
+                {
+                    "received_at": batch.now,
+                    "source": batch.source,
+                    "api_key_id": batch.api_key_id,
+                    "raw": d["raw"],
+                    "error": d["error"],
+                }
+                for d in batch.dead
+            ],
+        )
     return inserted
+
+
+@contextmanager
+def _batch_connection(engine: sa.Engine) -> Iterator[sa.Connection]:
+    """Where a batch is checked and stored. PostgreSQL: an autocommit connection (the batch is
+    written by one atomic statement). SQLite takes one writer at a time, and its busy handler
+    polls with sleeps of up to 100 ms: concurrent batches wait for the in-process lock instead,
+    in turn, rather than seconds in the worst case, and write in one transaction."""
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+    else:
+        with _sqlite_writer, engine.begin() as conn:
+            yield conn
 
 
 def check_admission(ctx: AppContext) -> None:
@@ -147,7 +200,7 @@ def ingest_events(
     valid: list[dict[str, Any]] = []
     positions: list[tuple[int, str]] = []  # per valid event: its index in the batch, raw text
     rejected: list[RejectedEvent] = []
-    dead: list[dict[str, Any]] = []
+    dead: list[dict[str, str]] = []  # dead letters: the raw text and the error of each
     seen: set[str] = set()
     outcomes: Counter[tuple[str, str]] = Counter()  # (type, outcome) -> events
     refusals: Counter[str] = Counter()  # reason -> events (service/events/trust.py)
@@ -166,15 +219,7 @@ def ingest_events(
             rejected.append(RejectedEvent(index=index, error=str(e)))
             claimed = raw.get("type") if isinstance(raw, dict) else None
             outcomes[(claimed if claimed in EVENT_TYPES else "unknown", "rejected")] += 1
-            dead.append(
-                {
-                    "received_at": now,
-                    "source": source,
-                    "api_key_id": api_key_id,
-                    "raw": raw_text,
-                    "error": str(e),
-                }
-            )
+            dead.append({"raw": raw_text, "error": str(e)})
             continue
         if event["event_id"] in seen:
             outcomes[(event["type"], "duplicate")] += 1
@@ -183,37 +228,24 @@ def ingest_events(
         valid.append(event)
         positions.append((index, raw_text))
 
-    inserted: set[str] = set()
-    # SQLite takes one writer at a time, and its busy handler polls with sleeps of up to 100 ms:
-    # concurrent batches wait here instead, in turn, rather than seconds in the worst case.
-    writer = _sqlite_writer if engine.dialect.name == "sqlite" else nullcontext()
-    with writer, engine.begin() as conn:
+    with _batch_connection(engine) as conn:
         refused = screen(conn, valid, api_key_id=api_key_id, received_at=now, profile=profile)
         for i, why in refused.items():
             index, raw_text = positions[i]
             rejected.append(RejectedEvent(index=index, error=why.error))
             outcomes[(valid[i]["type"], "rejected")] += 1
             refusals[why.reason] += 1
-            dead.append(
-                {
-                    "received_at": now,
-                    "source": source,
-                    "api_key_id": api_key_id,
-                    "raw": raw_text,
-                    "error": why.error,
-                }
-            )
+            dead.append({"raw": raw_text, "error": why.error})
         if refused:
             valid = [e for i, e in enumerate(valid) if i not in refused]
             rejected.sort(key=lambda r: r.index)
         # privacy mode: settled text of a no_train key or rollout is never stored (nor refused
         # text in dead_letters)
         valid, dead = withhold_settled_texts(conn, valid, dead, key_no_train=no_train)
-        if valid:
+        inserted: set[str] = set()
+        if valid or dead:
             store = _store_postgresql if conn.dialect.name == "postgresql" else _store_portable
-            inserted = store(conn, valid, now=now, embedded=embedded)
-        if dead:
-            conn.execute(dead_letters.insert(), dead)
+            inserted = store(conn, _Batch(valid, dead, now, source, api_key_id, embedded))
 
     for ev in valid:
         outcomes[(ev["type"], "accepted" if ev["event_id"] in inserted else "duplicate")] += 1
