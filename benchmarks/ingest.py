@@ -2,10 +2,14 @@
 
     python benchmarks/ingest.py [--duration 15] [--connections 16] [--workers 1]
                                 [--modes embedded,full,naive] [--profile DIR]
+                                [--users 10000] [--person-share F]
+                                [--compare REF [--rounds 2]]
 
 Everything runs on this machine, on 127.0.0.1 only. The servers are separate processes started
 here; this process only generates load (benchmarks/loadgen.py: 100-event batches of the five
-types over 10,000 users, every event_id fresh). Per mode, after a warm-up:
+types over `--users` people, every event_id fresh; `--person-share` sets the share of
+model_switch and churn, which name a person and are checked against the rollouts). Per mode,
+after a warm-up:
 
 1. peak: `--connections` connections posting back to back (closed loop) for `--duration`
    seconds (or `--max-requests` batches): events/s accepted, batch latency p50/p99;
@@ -21,6 +25,14 @@ Modes:
   the outbox;
 - naive: benchmarks/naive_ingest.py on the same PostgreSQL and broker (per event: one ORM
   insert + commit and one synchronous Kafka send). The full / naive ratio is the headline.
+
+After each embedded and full run, every accepted event is checked to be stored once (the events
+table) and, in full mode, published once (the feedback topic, read back from the broker).
+
+`--compare REF` measures a checkout of the git revision REF (`git archive`, run from its own
+directory with its own code and migrations) against the working tree in one run: `--rounds`
+rounds of each mode, the two trees alternating (REF first in odd rounds, the working tree first
+in even ones), each run on a fresh database and, in full mode, a fresh broker; both are printed.
 
 The per-key rate limit is lifted for the run (TABLOOP_RATE_LIMIT_PER_S / _BURST). CPU use of
 every process during the peak phase is printed, with what the rest of the machine used
@@ -44,12 +56,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
+
+import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.loadgen import BATCH, HOST, Stats, closed_loop, open_loop  # noqa: E402
+from benchmarks.loadgen import BATCH, HOST, USERS, Load, Stats, closed_loop, open_loop  # noqa: E402
 
 NAIVE = Path(__file__).resolve().parent / "naive_ingest.py"
 
@@ -90,12 +105,12 @@ def sim_reward_spec(pairs: list[str]) -> dict[str, Any]:
         raise SystemExit(f"--reward: {e}") from e
 
 
-def tabloop(*args: str, env: dict[str, str]) -> str:
-    """Run a short `tabloop` command; its stdout."""
+def tabloop(*args: str, env: dict[str, str], tree: Path = ROOT) -> str:
+    """Run a short `tabloop` command of the code in `tree`; its stdout."""
     done = subprocess.run(
         [sys.executable, "-m", "tabloop.cli", *args],
         env=env,
-        cwd=ROOT,
+        cwd=tree,
         capture_output=True,
         text=True,
         timeout=120,
@@ -109,14 +124,16 @@ def tabloop(*args: str, env: dict[str, str]) -> str:
 class Proc:
     """A server process in its own process group, logging to a file."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: Path = ROOT
+    ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 argv,
                 env=env,
-                cwd=ROOT,
+                cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -245,6 +262,40 @@ def free_port() -> int:
 # -- the run -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Tree:
+    """The code a run measures: the working tree, or a checkout of a git revision."""
+
+    label: str
+    path: Path
+
+
+WORK = Tree("working tree", ROOT)
+
+
+def checkout(ref: str, into: Path) -> Tree:
+    """The tree of git revision `ref` (`git archive`), unpacked under `into`."""
+    sha = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--short", f"{ref}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if sha.returncode != 0:
+        raise SystemExit(f"--compare: {ref!r} is not a commit of this repository")
+    path = into / f"ref-{sha.stdout.strip()}"
+    path.mkdir(parents=True)
+    archive = subprocess.Popen(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", sha.stdout.strip()],
+        stdout=subprocess.PIPE,
+    )
+    subprocess.run(["tar", "-x", "-C", str(path)], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise SystemExit(f"--compare: git archive {ref} failed")
+    short = sha.stdout.strip()
+    return Tree(ref if short.startswith(ref) or ref.startswith(short) else f"{ref} ({short})", path)
+
+
 @dataclass
 class Result:
     mode: str
@@ -252,6 +303,9 @@ class Result:
     cpu: dict[str, float]  # component -> share of one core during the peak phase, percent
     at70: Stats | None = None
     notes: list[str] = field(default_factory=list)
+    # full mode: the peak phase's events over the time until the relay had published them all
+    end_to_end: float | None = None
+    tree: str = WORK.label
 
     def per_event(self, component: str) -> float:
         """CPU microseconds per accepted event during the peak phase."""
@@ -267,11 +321,15 @@ class Bench:
         self.procs: list[Proc] = []
         self.pg: Any = None
         self.broker: Any = None
-        self.checkpoint: Path | None = None
+        self.stand_in: Path | None = None
         self.seed = 0
+        self.runs = 0  # embedded and full runs so far: each gets its own database
+        self.accepted = 0  # events the servers answered as accepted in the current run
+        self.loadmix = Load(args.users, args.person_share)
 
     def pg_and_broker(self) -> tuple[Any, Any]:
-        """PostgreSQL with durable commits and a Tansu broker, shared by full and naive."""
+        """PostgreSQL with durable commits and a Tansu broker (the naive mode's; a full run
+        starts its own)."""
         from tests.support.kafka import KafkaBroker
         from tests.support.postgres import PostgresServer
 
@@ -283,8 +341,8 @@ class Bench:
             self.broker = KafkaBroker(self.base / "kafka", durable=False).start()
         return self.pg, self.broker
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
-        p = Proc(name, argv, env, self.base)
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], tree: Tree = WORK) -> Proc:
+        p = Proc(name, argv, env, self.base, cwd=tree.path)
         self.procs.append(p)
         return p
 
@@ -298,14 +356,25 @@ class Bench:
         for d in self.cleanup:
             shutil.rmtree(d, ignore_errors=True)
 
-    def tabloop_env(self, **extra: str) -> dict[str, str]:
-        if self.checkpoint is None:
-            self.checkpoint = base_checkpoint(self.base)
+    def checkpoint(self, tree: Tree) -> Path:
+        """The tree's own shipped base policy, else a tiny stand-in (see base_checkpoint)."""
+        from service.policy.checkpoint import MANIFEST_FILE
+
+        shipped = tree.path / "service" / "policy" / "base"
+        if tree != WORK and (shipped / MANIFEST_FILE).is_file():
+            return shipped
+        if self.stand_in is None:
+            self.stand_in = base_checkpoint(self.base)
+        return self.stand_in
+
+    def tabloop_env(self, tree: Tree, **extra: str) -> dict[str, str]:
+        """The environment of the tree's `tabloop` processes: its code first on the path."""
         return clean_env(
+            PYTHONPATH=str(tree.path),
             TABLOOP_RATE_LIMIT_PER_S="1000000",
             TABLOOP_RATE_LIMIT_BURST="1000000",
             TABLOOP_LOG_LEVEL="WARNING",
-            TABLOOP_BASE_CHECKPOINT=str(self.checkpoint),
+            TABLOOP_BASE_CHECKPOINT=str(self.checkpoint(tree)),
             **extra,
         )
 
@@ -315,12 +384,26 @@ class Bench:
         a = self.args
         self.seed += 1
         if rate_rps is None:
-            return asyncio.run(
-                closed_loop(port, token, a.connections, duration, a.max_requests, self.seed)
+            stats = asyncio.run(
+                closed_loop(
+                    port, token, a.connections, duration, a.max_requests, self.seed, self.loadmix
+                )
             )
-        return asyncio.run(
-            open_loop(port, token, a.connections, rate_rps, duration, a.max_requests, self.seed)
-        )
+        else:
+            stats = asyncio.run(
+                open_loop(
+                    port,
+                    token,
+                    a.connections,
+                    rate_rps,
+                    duration,
+                    a.max_requests,
+                    self.seed,
+                    self.loadmix,
+                )
+            )
+        self.accepted += stats.accepted
+        return stats
 
     def measure(
         self,
@@ -387,43 +470,77 @@ class Bench:
                 after_phase("70%", result)
         return result
 
+    def check_stored(self, result: Result, stored: int, distinct: int, where: str) -> None:
+        """Every event answered as accepted is in `where` once; a note, and a loud line if not."""
+        ok = stored == distinct == self.accepted
+        note = f"{where}: {stored:,} events, {distinct:,} distinct, {self.accepted:,} accepted" + (
+            "" if ok else " -- MISMATCH"
+        )
+        result.notes.append(note)
+        print(f"  {note}", flush=True)
+
     # -- modes
 
-    def embedded(self) -> Result:
-        env = self.tabloop_env(TABLOOP_DATA_DIR=str(self.base / "embedded"))
-        tabloop("db", "upgrade", env=env)
-        token = tabloop("keys", "create", "--scope", "ingest", "--name", "bench", env=env).strip()
+    def embedded(self, tree: Tree = WORK) -> Result:
+        import sqlite3
+
+        self.runs += 1
+        self.accepted = 0
+        data = self.base / f"embedded-{self.runs}"
+        env = self.tabloop_env(tree, TABLOOP_DATA_DIR=str(data))
+        tabloop("db", "upgrade", env=env, tree=tree.path)
+        token = tabloop(
+            "keys", "create", "--scope", "ingest", "--name", "bench", env=env, tree=tree.path
+        ).strip()
         port = free_port()
         server = self.spawn(
-            "embedded", [sys.executable, "-m", "tabloop.cli", "serve", "--port", str(port)], env
+            "embedded",
+            [sys.executable, "-m", "tabloop.cli", "serve", "--port", str(port)],
+            env,
+            tree,
         )
         wait_ready(port, "/readyz", server)
         result = self.measure("embedded", port, token, {"server": server.pid}, at70=True)
         server.stop()
+        with contextlib.closing(sqlite3.connect(data / "tabloop.db")) as db:
+            stored, distinct = db.execute(
+                "SELECT count(*), count(DISTINCT event_id) FROM events"
+            ).fetchone()
+        self.check_stored(result, stored, distinct, "database")
         return result
 
-    def full(self) -> Result:
-        pg, broker = self.pg_and_broker()
-        url = pg.create_database("tabloop_bench")
+    def full(self, tree: Tree = WORK) -> Result:
+        from service.stream.topics import FEEDBACK
+        from tests.support.kafka import KafkaBroker, consume_all
+
+        pg, _ = self.pg_and_broker()
+        self.runs += 1
+        self.accepted = 0
+        name = f"tabloop_bench_{self.runs}"
+        url = pg.create_database(name)
+        broker = KafkaBroker(self.base / f"kafka-{self.runs}", durable=False).start()
         env = self.tabloop_env(
+            tree,
             TABLOOP_DATABASE_URL=url,
             TABLOOP_KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap,
-            TABLOOP_DATA_DIR=str(self.base / "full"),
+            TABLOOP_DATA_DIR=str(self.base / f"full-{self.runs}"),
             TABLOOP_WORKERS=str(self.args.workers),
         )
-        tabloop("db", "upgrade", env=env)
-        token = tabloop("keys", "create", "--scope", "ingest", "--name", "bench", env=env).strip()
+        tabloop("db", "upgrade", env=env, tree=tree.path)
+        token = tabloop(
+            "keys", "create", "--scope", "ingest", "--name", "bench", env=env, tree=tree.path
+        ).strip()
         port = free_port()
         server = self.spawn(
-            "serve", [sys.executable, "-m", "tabloop.cli", "serve", "--port", str(port)], env
+            "serve", [sys.executable, "-m", "tabloop.cli", "serve", "--port", str(port)], env, tree
         )
-        relay = self.spawn("relay", [sys.executable, "-m", "tabloop.cli", "relay"], env)
+        relay = self.spawn("relay", [sys.executable, "-m", "tabloop.cli", "relay"], env, tree)
         wait_ready(port, "/readyz", server)
         state: dict[str, Any] = {}
 
         def outbox() -> tuple[int, int]:
             """(rows waiting for the relay, highest outbox id)"""
-            with pg.connect("tabloop_bench", autocommit=True) as conn:
+            with pg.connect(name, autocommit=True) as conn:
                 row = conn.execute(
                     "SELECT count(*) FILTER (WHERE published_at IS NULL), "
                     "coalesce(max(id), 0) FROM outbox"
@@ -434,7 +551,7 @@ class Bench:
             """Wait for the relay to empty the outbox (it has the machine to itself meanwhile)."""
             t0, (left0, _) = time.monotonic(), outbox()
             while (left := outbox()[0]) > 0 and time.monotonic() - t0 < timeout_s:
-                time.sleep(0.25)
+                time.sleep(0.1)
             if left0 > 10_000:
                 state["drain"] = (left0 - left) / (time.monotonic() - t0)
             if left:
@@ -455,6 +572,12 @@ class Bench:
                 f"{waiting1} rows waiting at the end"
             )
             print(f"  {result.notes[-1]}", flush=True)
+            if phase == "peak":  # stored and published: the peak's events, once all are out
+                t1 = time.monotonic()
+                drain()
+                s = result.peak
+                result.end_to_end = s.accepted / (s.elapsed + time.monotonic() - t1)
+                print(f"  peak, end to end: {result.end_to_end:,.0f} events/s", flush=True)
 
         components = {
             "server": server.pid,
@@ -475,10 +598,22 @@ class Bench:
         if "drain" in state:
             result.notes.append(f"relay alone (no load) drained {state['drain']:,.0f} rows/s")
         server.stop()
+        drain()
         relay.stop()
+        with pg.connect(name, autocommit=True) as conn:
+            stored, distinct = conn.execute(
+                "SELECT count(*), count(DISTINCT event_id) FROM events"
+            ).fetchone()
+        self.check_stored(result, stored, distinct, "PostgreSQL")
+        published = [
+            orjson.loads(r.value)["event_id"]
+            for r in consume_all(broker.bootstrap, FEEDBACK, timeout_s=300)
+        ]
+        self.check_stored(result, len(published), len(set(published)), f"topic {FEEDBACK}")
+        broker.close()
         return result
 
-    def naive(self) -> Result:
+    def naive(self, tree: Tree = WORK) -> Result:
         from tests.support.kafka import create_topics
 
         pg, broker = self.pg_and_broker()
@@ -517,7 +652,7 @@ class Bench:
                     "--format",
                     "raw",
                     "-o",
-                    str(out / f"{name}.txt"),
+                    str(out / f"{name}-{self.runs}.txt"),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -545,14 +680,20 @@ def machine() -> str:
 def report(results: list[Result], args: argparse.Namespace) -> None:
     print()
     print(f"machine: {machine()}")
+    mix = Load(args.users, args.person_share)
+    person = sum(w for k, w in mix.mix.items() if k in ("model_switch", "churn"))
     print(
-        f"load: {BATCH}-event batches, {args.connections} connections, {args.duration:.0f} s per "
-        f"phase, loopback. full: PostgreSQL fsync=on synchronous_commit=on (durable), Tansu "
+        f"load: {BATCH}-event batches from {args.users:,} people "
+        f"({person:.0%} model_switch/churn), "
+        f"{args.connections} connections, {args.duration:.0f} s or {args.max_requests:,} batches "
+        f"per phase, loopback. full: PostgreSQL fsync=on synchronous_commit=on (durable), Tansu "
         f"in-memory, TABLOOP_WORKERS={args.workers}"
     )
+    trees = list(dict.fromkeys(r.tree for r in results))
+    width = max(len(t) for t in trees) + 2 if len(trees) > 1 else 0
     head = (
-        f"{'mode':<10}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'70% ev/s':>10}"
-        f"{'70% p50':>9}{'70% p99':>9}  non-202"
+        f"{'mode':<10}{'code':<{width}}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'e2e ev/s':>10}"
+        f"{'70% ev/s':>10}{'70% p50':>9}{'70% p99':>9}  non-202"
     )
     print(head)
     print("-" * len(head))
@@ -564,22 +705,43 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
             if t
             else f"{'-':>10}{'-':>9}{'-':>9}"
         )
+        code = r.tree if width else ""
+        e2e = f"{r.end_to_end:>10,.0f}" if r.end_to_end is not None else f"{'-':>10}"
         print(
-            f"{r.mode:<10}{s.rate:>10,.0f}{s.pct(0.5):>9.1f}{s.pct(0.99):>9.1f}{cells}  "
-            f"{errors or '-'}"
+            f"{r.mode:<10}{code:<{width}}{s.rate:>10,.0f}{s.pct(0.5):>9.1f}{s.pct(0.99):>9.1f}"
+            f"{e2e}{cells}  {errors or '-'}"
         )
-    by_mode = {r.mode: r for r in results}
+    if len(trees) > 1:
+        for mode in dict.fromkeys(r.mode for r in results if r.mode != "naive"):
+            runs = [r for r in results if r.mode == mode]
+            for label, value in (("peak", lambda r: r.peak.rate), ("e2e", lambda r: r.end_to_end)):
+                rates = {t: [value(r) for r in runs if r.tree == t] for t in trees}
+                if any(x is None for xs in rates.values() for x in xs):
+                    continue
+                print(
+                    f"{mode} {label} events/s by run: "
+                    + "; ".join(
+                        f"{t}: "
+                        + ", ".join(f"{x:,.0f}" for x in xs)
+                        + f" (median {median(xs):,.0f})"
+                        for t, xs in rates.items()
+                    )
+                )
+    by_mode = {r.mode: r for r in results if r.tree == WORK.label}
     if "full" in by_mode and "naive" in by_mode and by_mode["naive"].peak.rate:
         print(f"full / naive: {by_mode['full'].peak.rate / by_mode['naive'].peak.rate:.1f}x")
     for r in results:
+        label = f"{r.mode}" + (f" [{r.tree}]" if width else "")
         print(
-            f"{r.mode} peak, cpu % of one core: "
+            f"{label} peak, cpu % of one core: "
             + ", ".join(f"{k} {v:.0f}" for k, v in r.cpu.items())
             + "; µs/event: "
             + ", ".join(f"{k} {r.per_event(k):.0f}" for k in r.cpu if k != "other")
         )
         for note in r.notes:
-            print(f"{r.mode}: {note}")
+            print(f"{label}: {note}")
+    if any("MISMATCH" in note for r in results for note in r.notes):
+        print("an accepted event is missing or stored twice: see the MISMATCH lines above")
 
 
 def main() -> None:
@@ -594,6 +756,21 @@ def main() -> None:
         default="embedded,full,naive",
         help="comma-separated, among embedded, full, naive",
     )
+    p.add_argument("--users", type=int, default=USERS, help="people who send the events")
+    p.add_argument(
+        "--person-share",
+        type=float,
+        metavar="F",
+        help="share of model_switch and churn events, 0 to 1 (default: 3%%, the usual mix)",
+    )
+    p.add_argument(
+        "--compare",
+        metavar="REF",
+        help="also measure git revision REF, alternating with the working tree",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=2, help="with --compare: runs of each tree per mode"
+    )
     p.add_argument(
         "--quiet-wait",
         type=float,
@@ -604,18 +781,38 @@ def main() -> None:
     p.add_argument(
         "--profile",
         metavar="DIR",
-        help="py-spy the full-mode server and relay during the peak phase",
+        help="py-spy the full-mode server and relay during the peak phase (DIR/NAME-RUN.txt)",
     )
     args = p.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := set(modes) - {"embedded", "full", "naive"}:
         p.error(f"unknown modes {sorted(unknown)}")
+    try:
+        Load(args.users, args.person_share)
+    except ValueError as e:
+        p.error(str(e))
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     bench = Bench(args)
     results = []
     try:
-        for mode in modes:
-            print(f"{mode}:", flush=True)
-            results.append(getattr(bench, mode)())
+        runs: list[tuple[str, Tree]] = []
+        if args.compare:
+            ref = checkout(args.compare, bench.base)
+            for mode in modes:
+                if mode == "naive":  # no tabloop code: once
+                    runs.append((mode, WORK))
+                    continue
+                for n in range(args.rounds):
+                    pair = (ref, WORK) if n % 2 == 0 else (WORK, ref)
+                    runs.extend((mode, tree) for tree in pair)
+        else:
+            runs = [(mode, WORK) for mode in modes]
+        for mode, tree in runs:
+            print(f"{mode}" + (f" [{tree.label}]" if args.compare else "") + ":", flush=True)
+            result = getattr(bench, mode)(tree)
+            result.tree = tree.label
+            results.append(result)
     finally:
         bench.close()
     report(results, args)

@@ -26,14 +26,40 @@ USERS = 10_000
 MIX = {"reject": 0.50, "accept": 0.16, "code_retained": 0.31, "model_switch": 0.02, "churn": 0.01}
 MODELS = ("tabloop", "copilot", "other")
 CHURN_REASONS = ("cancelled", "inactive", "too_noisy")
+PERSON = ("model_switch", "churn")  # events that name a person, not a suggestion
 
 
-def make_event(rng: random.Random, now: str) -> dict[str, Any]:
-    kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+@dataclass(frozen=True)
+class Load:
+    """Who sends the batches and what they hold: `users` people, and `person_share` of the
+    events a model_switch or churn (None: MIX as it is; otherwise the two keep their ratio, and
+    so do the suggestion events)."""
+
+    users: int = USERS
+    person_share: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.users < 1:
+            raise ValueError("users must be at least 1")
+        if self.person_share is not None and not 0 <= self.person_share <= 1:
+            raise ValueError("person_share must be between 0 and 1")
+
+    @property
+    def mix(self) -> dict[str, float]:
+        if self.person_share is None:
+            return MIX
+        person = sum(MIX[k] for k in PERSON)
+        scale = {True: self.person_share / person, False: (1 - self.person_share) / (1 - person)}
+        return {k: w * scale[k in PERSON] for k, w in MIX.items()}
+
+
+def make_event(rng: random.Random, now: str, load: Load = Load()) -> dict[str, Any]:
+    mix = load.mix
+    kind = rng.choices(list(mix), weights=list(mix.values()))[0]
     ev: dict[str, Any] = {
         "event_id": str(uuid.uuid4()),
         "type": kind,
-        "user_id": f"u-{rng.randrange(USERS)}",
+        "user_id": f"u-{rng.randrange(load.users)}",
         "occurred_at": now,
     }
     if kind in ("accept", "reject", "code_retained"):
@@ -50,9 +76,9 @@ def make_event(rng: random.Random, now: str) -> dict[str, Any]:
     return ev
 
 
-def make_body(rng: random.Random, batch: int = BATCH) -> bytes:
+def make_body(rng: random.Random, batch: int = BATCH, load: Load = Load()) -> bytes:
     now = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    return orjson.dumps({"events": [make_event(rng, now) for _ in range(batch)]})
+    return orjson.dumps({"events": [make_event(rng, now, load) for _ in range(batch)]})
 
 
 class Conn:
@@ -131,7 +157,13 @@ async def _send(conn: Conn, body: bytes, stats: Stats, start: float) -> None:
 
 
 async def closed_loop(
-    port: int, token: str | None, connections: int, duration: float, max_requests: int, seed: int
+    port: int,
+    token: str | None,
+    connections: int,
+    duration: float,
+    max_requests: int,
+    seed: int,
+    load: Load = Load(),
 ) -> Stats:
     """`connections` clients posting back to back until the time or request budget runs out."""
     stats = Stats()
@@ -144,7 +176,7 @@ async def closed_loop(
         try:
             while time.perf_counter() < deadline and stats.sent < max_requests:
                 stats.sent += 1
-                body = make_body(rng)
+                body = make_body(rng, load=load)
                 await _send(conn, body, stats, time.perf_counter())
         finally:
             conn.close()
@@ -162,6 +194,7 @@ async def open_loop(
     duration: float,
     max_requests: int,
     seed: int,
+    load: Load = Load(),
 ) -> Stats:
     """Batches started on a fixed schedule, whatever the server's pace; a batch waiting for a
     free connection is late, and its latency counts from when it should have been sent."""
@@ -183,7 +216,7 @@ async def open_loop(
     t0 = time.perf_counter()
     for i in range(n):
         scheduled = t0 + i / rate_rps
-        body = make_body(rng)
+        body = make_body(rng, load=load)
         delay = scheduled - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
