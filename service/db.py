@@ -26,8 +26,14 @@ def _json_dumps(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
+def json_array(items: list[str] | list[int]) -> str:
+    """The value of a `json_rows` parameter (UTF-8 text as it is: no escapes that a database in
+    another encoding could not read back)."""
+    return orjson.dumps(items).decode()
+
+
 def json_rows(dialect: str, name: str) -> Any:
-    """The bound parameter `name`, a JSON array of strings (`json.dumps(ids)`), as a one-column
+    """The bound parameter `name`, a JSON array of strings (`json_array(ids)`), as a one-column
     table (`.c.value`), in `dialect`. A statement that reads ids this way instead of through
     `IN (...)` has the same text for any number of them: built once, it is compiled once and
     prepared by the database, and it knows no bound-parameter limit."""

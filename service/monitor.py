@@ -23,13 +23,15 @@ from service.retention import RetentionJob
 log = logging.getLogger(__name__)
 
 
-def check_database(engine: sa.Engine, health: Health, *, full_mode: bool) -> None:
+def check_database(engine: sa.Engine, health: Health, *, backlog_limit: int | None) -> None:
+    """Is the database there, and (full mode: `backlog_limit`, the admission limit) how far
+    behind is the relay."""
     health.db_check_started = time.monotonic()  # a check that never returns is a stall
     try:
         with engine.connect() as conn:
             conn.execute(sa.text("SELECT 1"))
-            if full_mode:
-                b = backlog(conn)
+            if backlog_limit is not None:
+                b = backlog(conn, count_from=backlog_limit)
                 health.backlog_rows, health.backlog_age_s = b.rows, b.oldest_age_s
                 OUTBOX_BACKLOG.set(b.rows)
                 OUTBOX_LAG.set(b.oldest_age_s)
@@ -93,7 +95,9 @@ class Monitor:
         )
 
     def check_once(self) -> None:
-        check_database(self.engine, self.health, full_mode=not self.settings.embedded)
+        settings = self.settings
+        limit = None if settings.embedded else settings.outbox_backlog_limit
+        check_database(self.engine, self.health, backlog_limit=limit)
 
     def start(self) -> None:
         self.check_once()

@@ -34,14 +34,15 @@ class Backlog:
     oldest_age_s: float  # age of the oldest unpublished row; 0 when there is none
 
 
-def backlog(conn: sa.Connection) -> Backlog:
+def backlog(conn: sa.Connection, *, count_from: int | None = None) -> Backlog:
     """How far the relay is behind: the rows from the oldest unpublished one to the newest, and
     how long the oldest has waited. Two index probes (the partial index of unpublished rows, then
     the primary key), whatever the backlog: counting the unpublished rows cost a scan of them, run
     twice a second by every API process, and slowed the database most when the relay was already
     behind. The relay publishes in id order, so this is the number of unpublished rows, give or
     take ids a rolled-back transaction never used and rows published out of turn (an upper bound
-    either way)."""
+    either way). From `count_from` rows on (the admission limit), the unpublished rows are
+    counted instead, so that one row stuck behind published ones never turns ingestion away."""
     oldest = conn.execute(
         sa.select(outbox.c.id, outbox.c.created_at)
         .where(outbox.c.published_at.is_(None))
@@ -51,5 +52,10 @@ def backlog(conn: sa.Connection) -> Backlog:
     if oldest is None:
         return Backlog(0, 0.0)
     newest = conn.execute(sa.select(sa.func.max(outbox.c.id))).scalar_one()
+    rows = int(newest) - int(oldest.id) + 1
+    if count_from is not None and rows >= count_from:
+        rows = conn.execute(
+            sa.select(sa.func.count()).where(outbox.c.published_at.is_(None))
+        ).scalar_one()
     age = (utcnow() - oldest.created_at).total_seconds()
-    return Backlog(int(newest) - int(oldest.id) + 1, max(0.0, age))
+    return Backlog(rows, max(0.0, age))

@@ -33,7 +33,7 @@ from fastapi import Depends, Header
 
 from service.auth.keys import ApiKey
 from service.completions.schemas import CompleteRequest
-from service.db import json_rows
+from service.db import json_array, json_rows
 from service.tables import rollouts
 
 NO_TRAIN_HEADER = "X-Tabloop-No-Train"
@@ -157,7 +157,7 @@ def private_rollouts(conn: sa.Connection, suggestion_ids: Iterable[str]) -> set[
     if not ids:
         return set()
     query = _private_query(conn.dialect.name)
-    return set(conn.execute(query, {"suggestion_ids": json.dumps(ids)}).scalars())
+    return set(conn.execute(query, {"suggestion_ids": json_array(ids)}).scalars())
 
 
 def _suggestion_of(raw: str) -> str | None:

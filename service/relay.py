@@ -12,7 +12,6 @@ Run one relay per database: on PostgreSQL an advisory lock makes extra replicas 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 from datetime import UTC, datetime, timedelta
@@ -23,7 +22,7 @@ from kafka import TopicPartition
 from kafka.errors import KafkaError
 
 from service.config import Settings
-from service.db import StandbyLock, json_rows
+from service.db import StandbyLock, json_array, json_rows
 from service.metrics import RELAY_ERRORS, RELAY_PUBLISHED, RELAY_RECONCILED
 from service.stream.kafka import ensure_topics, make_producer, make_reader, read_to_end
 from service.stream.topics import ALL_TOPICS
@@ -52,7 +51,7 @@ def _stamp_query(dialect: str) -> sa.Update:
 def stamp_published(conn: sa.Connection, ids: list[int]) -> int:
     """Mark outbox rows published, now; the number of rows stamped."""
     query = _stamp_query(conn.dialect.name)
-    return conn.execute(query, {"ids": json.dumps(ids), "stamped_at": utcnow()}).rowcount
+    return conn.execute(query, {"ids": json_array(ids), "stamped_at": utcnow()}).rowcount
 
 
 class Relay:

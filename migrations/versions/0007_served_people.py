@@ -17,7 +17,7 @@ depends_on = None
 
 def upgrade() -> None:
     # ingestion checks each person a model_switch or churn names against the sending key
-    # (service/events/trust.served_people): with this index a key that never served the person
+    # (service/events/trust.lookup): with this index a key that never served the person
     # costs a probe, not a walk through everything the person was ever served
     op.create_index("ix_rollouts_user_id_api_key_id", "rollouts", ["user_id", "api_key_id"])
 

@@ -25,7 +25,6 @@ reads the rollouts the batch names with the current reward spec, and answers for
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.db import json_rows
+from service.db import json_array, json_rows
 from service.rewards.core import CLOCK_SKEW_S
 from service.rewards.store import default_spec
 from service.tables import reward_specs, rollouts
@@ -148,13 +147,14 @@ def lookup(
 ) -> Known:
     """What the checks need of a batch, in one statement for any number of suggestions and
     people (their ids travel as two JSON arrays). `user_ids`: the people whose model_switch and
-    churn are checked against `api_key_id`."""
-    ids, users = list(dict.fromkeys(suggestion_ids)), list(dict.fromkeys(user_ids))
+    churn are checked against `api_key_id`; without a key (an internal caller) none are."""
+    ids = list(dict.fromkeys(suggestion_ids))
+    users = list(dict.fromkeys(user_ids)) if api_key_id is not None else []
     named: dict[str, Owned] = {}
     served: dict[str, bool] = {}
     spec = None
     if ids or users:
-        params = {"suggestion_ids": json.dumps(ids), "user_ids": json.dumps(users)}
+        params = {"suggestion_ids": json_array(ids), "user_ids": json_array(users)}
         for r in conn.execute(_lookup(conn.dialect.name), {**params, "api_key_id": api_key_id}):
             if r.person:
                 served[r.id] = bool(r.served)
@@ -236,7 +236,9 @@ def screen(
     a person's model_switch and churn through a key that never served them."""
     out: dict[int, Refusal] = {}
     person_events = [
-        (i, e) for i, e in enumerate(events) if e["type"] in PERSON_EVENTS and api_key_id
+        (i, e)
+        for i, e in enumerate(events)
+        if e["type"] in PERSON_EVENTS and api_key_id is not None
     ]
     known = lookup(
         conn,

@@ -316,6 +316,54 @@ def test_the_backlog_spans_the_oldest_unpublished_row_to_the_newest(
         assert 59 < backlog(conn).oldest_age_s < 90
         conn.execute(outbox.update().where(outbox.c.id != ids[1]).values(published_at=now))
         assert backlog(conn).rows == 3  # an upper bound: the rows after it, published or not
+        assert backlog(conn, count_from=3).rows == 1  # at the admission limit: counted
+        assert backlog(conn, count_from=4).rows == 3
         conn.execute(outbox.update().values(published_at=now))
         assert backlog(conn) == Backlog(0, 0.0)
+    engine.dispose()
+
+
+def test_ingestion_answers_503_while_the_backlog_is_at_its_limit(
+    tmp_path: Path, pg_url: str, kafka_broker: Any, service_factory: Any
+) -> None:
+    """No relay runs: once TABLOOP_OUTBOX_BACKLOG_LIMIT rows wait, a batch gets 503 with
+    Retry-After. A single row stuck behind published ones does not count as the span it opens:
+    at the limit the rows are counted, and ingestion takes batches again."""
+    from service.auth.keys import create_key
+    from service.db import upgrade
+
+    settings = make_settings(
+        tmp_path, pg_url=pg_url, bootstrap=kafka_broker.bootstrap, outbox_backlog_limit=30
+    )
+    upgrade(settings)
+    engine = make_engine(settings)
+    with engine.begin() as conn:
+        token = create_key(conn, name="t", scopes=frozenset({"ingest"}))[1]
+    svc = service_factory(settings)
+
+    def post(n: int) -> httpx.Response:
+        with httpx.Client(base_url=svc.url, timeout=30) as c:
+            return c.post(
+                "/v1/events",
+                json={"events": [event("reject") for _ in range(n)]},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+
+    def answer_becomes(status: int) -> httpx.Response:
+        deadline = time.monotonic() + 10  # the monitor reads the backlog twice a second
+        while (r := post(1)).status_code != status:
+            assert time.monotonic() < deadline, f"still {r.status_code}, not {status}"
+            time.sleep(0.1)
+        return r
+
+    assert post(40).status_code == 202
+    r = answer_becomes(503)
+    assert r.headers["Retry-After"] == "1"
+    assert "wait for the broker" in r.json()["error"]["message"]
+    with engine.begin() as conn:  # the relay published all but the oldest row
+        oldest = conn.execute(sa.select(sa.func.min(outbox.c.id))).scalar_one()
+        conn.execute(
+            outbox.update().where(outbox.c.id != oldest).values(published_at=sa.func.now())
+        )
+    answer_becomes(202)
     engine.dispose()
