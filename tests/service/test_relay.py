@@ -38,6 +38,21 @@ def full_settings(tmp_path: Path, pg_url: str, kafka_broker: Any) -> Settings:
     return s
 
 
+def keyed_full_settings(
+    tmp_path: Path, pg_url: str, bootstrap: str, **overrides: Any
+) -> tuple[Settings, sa.Engine, str]:
+    """Migrated full-mode settings with `overrides`, an engine on them and an ingest key."""
+    from service.auth.keys import create_key
+    from service.db import upgrade
+
+    settings = make_settings(tmp_path, pg_url=pg_url, bootstrap=bootstrap, **overrides)
+    upgrade(settings)
+    engine = make_engine(settings)
+    with engine.begin() as conn:
+        token = create_key(conn, name="t", scopes=frozenset({"ingest"}))[1]
+    return settings, engine, token
+
+
 @contextmanager
 def relay_running(settings: Settings) -> Iterator[Relay]:
     stop = threading.Event()
@@ -151,16 +166,9 @@ def test_lost_acknowledgement_is_reconciled_not_resent(
 def test_broker_outage_loses_nothing_and_duplicates_nothing(
     tmp_path: Path, pg_url: str, durable_kafka: Any, service_factory: Any
 ) -> None:
-    from service.auth.keys import create_key
-    from service.db import upgrade
-
-    settings = make_settings(
-        tmp_path, pg_url=pg_url, bootstrap=durable_kafka.bootstrap, kafka_topic_partitions=3
+    settings, engine, token = keyed_full_settings(
+        tmp_path, pg_url, durable_kafka.bootstrap, kafka_topic_partitions=3
     )
-    upgrade(settings)
-    engine = make_engine(settings)
-    with engine.begin() as conn:
-        token = create_key(conn, name="t", scopes=frozenset({"ingest"}))[1]
     svc = service_factory(settings)
     with (
         httpx.Client(
@@ -329,16 +337,9 @@ def test_ingestion_answers_503_while_the_backlog_is_at_its_limit(
     """No relay runs: once TABLOOP_OUTBOX_BACKLOG_LIMIT rows wait, a batch gets 503 with
     Retry-After. A single row stuck behind published ones does not count as the span it opens:
     at the limit the rows are counted, and ingestion takes batches again."""
-    from service.auth.keys import create_key
-    from service.db import upgrade
-
-    settings = make_settings(
-        tmp_path, pg_url=pg_url, bootstrap=kafka_broker.bootstrap, outbox_backlog_limit=30
+    settings, engine, token = keyed_full_settings(
+        tmp_path, pg_url, kafka_broker.bootstrap, outbox_backlog_limit=30
     )
-    upgrade(settings)
-    engine = make_engine(settings)
-    with engine.begin() as conn:
-        token = create_key(conn, name="t", scopes=frozenset({"ingest"}))[1]
     svc = service_factory(settings)
 
     def post(n: int) -> httpx.Response:
