@@ -16,5 +16,5 @@ echo "==> ruff format --check"
 echo "==> mypy"
 .venv/bin/mypy service trainer tabloop simulator benchmarks
 echo "==> mypy --strict (the shared core)"
-.venv/bin/mypy --strict --follow-imports=silent service/policy service/rewards/core.py \
+.venv/bin/mypy --strict --follow-imports=silent tabloop/core service/policy service/rewards/core.py \
   service/tables.py service/stream service/training/status.py trainer/corpus.py trainer/caps.py

@@ -38,6 +38,7 @@ from service.rewards import endpoints as reward_endpoints
 from service.tabby import endpoints as tabby_endpoints
 from service.training import endpoints as training_endpoints
 from service.users import endpoints as user_endpoints
+from service.workspace.memory import WorkspaceMemory
 
 try:  # the installed package's version (pyproject.toml), the one place it is written
     VERSION = importlib.metadata.version("tabloop")
@@ -89,6 +90,12 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
             settings.inference_batch_wait_ms,
         ),
         keys=KeyCache(settings.auth_cache_ttl_s),
+        memory=WorkspaceMemory(
+            engine,
+            refresh_s=settings.memory_refresh_s,
+            person_bytes=settings.memory_person_bytes,
+            workspace_bytes=settings.memory_workspace_bytes,
+        ),
     )
     monitor = Monitor(settings, engine, ctx.health)
 
@@ -96,9 +103,11 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         monitor.start()
         ctx.policies.start()
+        ctx.memory.start()
         try:
             yield
         finally:
+            ctx.memory.close()
             ctx.policies.stop()
             monitor.stop()
             ctx.inference.close()

@@ -87,6 +87,15 @@ class Settings(BaseSettings):
     stop_logprob: float = Field(DEFAULT_STOP_LOGPROB, le=0)
     max_prefix_chars: int = Field(4096, ge=16)
     max_suffix_chars: int = Field(1024, ge=0)
+    # what the copy proposals search (tabloop.core.recall): the last this many characters of the
+    # prefix, and this many of the suffix and of the snippets together; the model itself reads
+    # only max_prefix_chars and max_suffix_chars of them
+    max_recall_chars: int = Field(200_000, ge=0)
+    # the workspace memory (service/workspace/memory.py): how often each API process checks for
+    # changed documents, and what one person's and one workspace's newest documents may fill
+    memory_refresh_s: float = Field(2.0, gt=0)
+    memory_person_bytes: int = Field(4_000_000, ge=0)
+    memory_workspace_bytes: int = Field(64_000_000, ge=0, le=1_500_000_000)
     max_new_tokens_limit: int = Field(64, ge=1, le=256)
     # Threads running inference (each uses torch_threads cores); ingestion keeps its own pool.
     inference_threads: int = Field(2, ge=1, le=64)

@@ -21,6 +21,7 @@ from service.completions.serving import PolicyServer
 from service.config import Settings
 from service.errors import Forbidden, RateLimited, Unauthorized, Unavailable
 from service.logs import current_request
+from service.workspace.memory import WorkspaceMemory
 
 # Longer than the pool's checkout wait (db_pool_timeout_s, 2 s by default), so a busy pool is
 # never taken for a stalled database; a healthy check takes milliseconds.
@@ -58,6 +59,7 @@ class AppContext:
     policies: PolicyServer
     inference: Batcher  # runs the model off the event loop and off ingestion's pool, batched
     keys: KeyCache  # recently authenticated keys (see KeyCache for how revocation stays prompt)
+    memory: WorkspaceMemory  # the workspaces' code the policy copies from
 
 
 async def get_ctx(request: Request) -> AppContext:

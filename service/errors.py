@@ -92,7 +92,9 @@ def error_response(
 
 
 def _jsonable_loc(loc: Any) -> str:
-    return ".".join(str(p) for p in loc if p != "body") or "body"
+    # FastAPI puts "body" first for the request body; a field may be called "body" too
+    parts = loc[1:] if loc and loc[0] == "body" else loc
+    return ".".join(str(p) for p in parts) or "body"
 
 
 def install_handlers(app: FastAPI, retry_after_s: int) -> None:

@@ -47,7 +47,7 @@ SETTLED = "code_settled"
 def rollout_code_blank() -> dict[str, Any]:
     """A rollout's code fields, blank (new lists each time: a record may be changed later).
     `text_chars` keeps what the reward needs of the text."""
-    return {"context_token_ids": [], "heal_text": "", "token_ids": [], "text": ""}
+    return {"context_token_ids": [], "heal_text": "", "token_ids": [], "text": "", "recall": None}
 
 
 def parse_no_train(value: str | None) -> bool:

@@ -51,6 +51,7 @@ from service.tables import (
     trainer_state,
     utcnow,
 )
+from service.workspace.memory import expire as expire_memory
 
 log = logging.getLogger(__name__)
 
@@ -305,8 +306,9 @@ def expire_code(
     stop: threading.Event | None = None,
 ) -> dict[str, int] | None:
     """Blank the code text written before `cutoff`, table by table, `batch_rows` per
-    transaction (`stop` ends it between two). Returns the rows blanked per table, or None when
-    another process holds the walk (it is running the job)."""
+    transaction (`stop` ends it between two), then delete the workspace memory's documents not
+    written since. Returns the rows blanked (deleted) per table, or None when another process
+    holds the walk (it is running the job)."""
     _ensure_state(engine)
     counts = dict.fromkeys(TABLES, 0)
     for name in TABLES:
@@ -327,6 +329,8 @@ def expire_code(
                     }
                 _save_state(conn, state)
             counts[name] += n
+    with engine.begin() as conn:  # the workspace memory's documents not written since
+        counts["workspace_code"] = expire_memory(conn, cutoff)
     return counts
 
 
@@ -384,12 +388,13 @@ def run_retention(
         return None
     log.info(
         "code retention: blanked code text written before %s: %d rollouts, %d settled events, "
-        "%d dead letters, %d outbox messages",
+        "%d dead letters, %d outbox messages; deleted %d workspace memory documents",
         cutoff.isoformat(),
         counts["rollouts"],
         counts["events"],
         counts["dead_letters"],
         counts["outbox"],
+        counts["workspace_code"],
         extra={"cutoff": cutoff.isoformat(), "blanked": counts},
     )
     return counts

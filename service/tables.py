@@ -70,6 +70,29 @@ api_keys = sa.Table(
     # privacy mode: the key's requests are served, but no code text of them is stored and none
     # of their rollouts or feedback is trained on. NULL: false.
     sa.Column("no_train", sa.Boolean(), nullable=True),
+    # the workspace whose memory its requests read and feed (tabloop/core/memory.py); NULL: the
+    # key's own (its id)
+    sa.Column("workspace", sa.String(200), nullable=True),
+)
+
+# The workspace memory: the code each person's editor sent, as it last stood, per document
+# (tabloop/core/memory.py). Code text: never written for a no_train key or request, deleted
+# with the person, aged out by TABLOOP_CODE_RETENTION_DAYS.
+workspace_code = sa.Table(
+    "workspace_code",
+    metadata,
+    sa.Column("id", BigIntPK, primary_key=True, autoincrement=True),
+    sa.Column("workspace", sa.String(200), nullable=False),  # the key's workspace
+    # what the client named: a request's workspace_id (Tabby: git_url), "" when none; a memory
+    # narrowed to it reads only these rows
+    sa.Column("scope", sa.String(256), nullable=False),
+    sa.Column("user_id", sa.String(256), nullable=False),
+    sa.Column("document", sa.String(1024), nullable=False),  # the file path ("" when none)
+    sa.Column("text", sa.Text(), nullable=False),  # the document as it stood (prefix + suffix)
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.UniqueConstraint("workspace", "scope", "user_id", "document", name="uq_workspace_code"),
+    sa.Index("ix_workspace_code_workspace_updated_at", "workspace", "updated_at"),
+    sa.Index("ix_workspace_code_user_id", "user_id"),
 )
 
 events = sa.Table(
@@ -157,6 +180,9 @@ rollouts = sa.Table(
     # NULL (older rows): len(text).
     sa.Column("text_chars", sa.Integer(), nullable=True),
     sa.Column("shown", sa.Boolean(), nullable=False),
+    # the copy proposal and the copy head's draw (service.policy.sampling.Completion.recall);
+    # NULL where the request had none. Code: blanked like `text` (service/privacy.py)
+    sa.Column("recall", JSONType, nullable=True),
     sa.Column("gate_prob_show", sa.Float(), nullable=False),
     sa.Column("decision_logprob", sa.Float(), nullable=False),
     sa.Column("logprob_total", sa.Float(), nullable=False),

@@ -388,13 +388,21 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
         return 2
 
     def create(c: sa.Connection) -> tuple[ApiKey, str]:
-        key, token = create_key(c, name=args.name, scopes=scopes, no_train=args.no_train)
+        key, token = create_key(
+            c, name=args.name, scopes=scopes, no_train=args.no_train, workspace=args.workspace
+        )
         audit.record_key(c, audit.CLI, "key.create", key)  # in the same transaction
         return key, token
 
     _key, token = _with_engine(settings, create)
     print(token, flush=True)  # alone on stdout, so scripts can capture it
     return 0
+
+
+def _workspace_name(value: str) -> str:
+    if not 1 <= len(value) <= 200 or "\x00" in value:
+        raise argparse.ArgumentTypeError("a workspace name has 1 to 200 characters, no NUL")
+    return value
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
@@ -405,7 +413,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     for k in keys:
         state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
         privacy = "no-train" if k.no_train else "-"
-        print(f"{k.id}\t{k.name}\t{','.join(sorted(k.scopes))}\t{state}\t{privacy}")
+        scopes = ",".join(sorted(k.scopes))
+        print(f"{k.id}\t{k.name}\t{scopes}\t{state}\t{privacy}\tworkspace {k.workspace}")
     return 0
 
 
@@ -495,6 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="privacy mode: its requests are served, but none of their code is stored and "
         "they are never trained on (docs/PRIVACY.md)",
+    )
+    kc.add_argument(
+        "--workspace",
+        type=_workspace_name,
+        help="the workspace the key belongs to: its requests read and feed that workspace's "
+        "memory of code, and no other (default: the key's own)",
     )
     kc.set_defaults(fn=cmd_keys_create)
     keys.add_parser("list", help="list keys (never their secrets)").set_defaults(fn=cmd_keys_list)

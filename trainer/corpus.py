@@ -279,3 +279,35 @@ def cursors_from(paths: Iterable[Path], n: int, seed: int) -> list[Cursor]:
         if cur is not None:
             out.append(cur)
     return out
+
+
+def writing_cursors(paths: Sequence[Path], n: int, seed: int) -> list[tuple[Cursor, bool]]:
+    """Cursors of people writing `paths` top to bottom, in that order, with no suffix, each with
+    whether its line was sent before.
+
+    Every non-blank line is a candidate: nobody sent the cursor's line at this place before.
+    A line whose text (stripped) is a line of an earlier file or of the file above is marked
+    `True` (repeated): a memory could recall it; the others were never sent in any form. Each
+    cursor is at a random column inside its line (`cursor_in_line`); its prefix is the file
+    above and the line up to the cursor, its suffix empty. About `n` cursors, spread over the
+    files in proportion to their lines (seeded), in writing order."""
+    seen: set[str] = set()
+    candidates: list[tuple[CorpusLine, bool]] = []
+    for path in paths:
+        lines = tuple(read_text(path).split("\n"))
+        for i, line in enumerate(lines):
+            key = line.strip()
+            if key:
+                candidates.append((CorpusLine(path, i, lines), key in seen))
+            seen.add(key)
+    rng = random.Random(seed)
+    share = min(1.0, n / max(1, len(candidates)))
+    out: list[tuple[Cursor, bool]] = []
+    for cl, repeated in candidates:
+        if rng.random() < share:
+            cur = cursor_in_line(cl, rng)
+            if cur is not None:
+                out.append(
+                    (Cursor(cur.path, cur.line_no, cur.prefix, "", cur.rest_of_line), repeated)
+                )
+    return out

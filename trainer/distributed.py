@@ -163,6 +163,7 @@ class Logged:
     temperature: float
     top_p: float | None
     shown: bool
+    recall: dict[str, Any] | None = None  # the copy proposal's record (service.policy.sampling)
 
     @classmethod
     def of(cls, a: Any) -> Logged:
@@ -173,6 +174,7 @@ class Logged:
             float(a.temperature),
             None if a.top_p is None else float(a.top_p),
             bool(a.shown),
+            a.recall,
         )
 
 

@@ -34,6 +34,7 @@ ROLLOUT_ROWS = (
         rollouts.c.temperature,
         rollouts.c.top_p,
         rollouts.c.shown,
+        rollouts.c.recall,
         rollouts.c.logprob_total,
         rollouts.c.token_logprobs,
         rollouts.c.decision_logprob,

@@ -48,7 +48,7 @@ from torch.nn import functional as F
 
 from service.policy.device import compute, model_device
 from service.policy.model import GPT
-from service.policy.sampling import Action, score_actions
+from service.policy.sampling import Action, score_actions, was_copied
 from service.policy.tokenizer import CodeTokenizer
 from trainer.settled import settled_passes
 
@@ -328,7 +328,7 @@ def pg_loss(
     with torch.no_grad():
         ref = score_actions(ref_model, tokenizer, batch.actions).total
     # the decision's entropy counts only where it was sampled (score_actions: 0 = deterministic)
-    sampled = new.decision != 0
+    sampled = new.gate_decision != 0
     entropy = new.entropy + torch.where(sampled, bernoulli_entropy(new.gate_logit), 0.0)
 
     if batch.behaviour_token_logp is not None and batch.behaviour_decision_logp is not None:
@@ -573,7 +573,7 @@ def gate_inputs(
     chunk: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gate's inputs for `actions`, without gradient: the hidden states (B, C), the
-    confidence features (B, 4) and the decisions' log-probs (B,) (score_actions), `chunk`
+    confidence features (B, 4) and the gate's decisions' log-probs (B,) (score_actions), `chunk`
     actions per forward pass. With a `group` each rank scores its share and all get them all."""
     n = len(actions)
     mine = list(range(n)) if group is None else group.shard(torch.arange(n)).tolist()
@@ -582,7 +582,7 @@ def gate_inputs(
     with torch.no_grad():
         for i in range(0, len(mine), chunk):
             s = score_actions(model, tokenizer, [actions[j] for j in mine[i : i + chunk]])
-            rows.append(torch.cat([s.gate_hidden, s.gate_inputs, s.decision[:, None]], 1))
+            rows.append(torch.cat([s.gate_hidden, s.gate_inputs, s.gate_decision[:, None]], 1))
     both = torch.cat(rows) if group is None else group.gather_rows(torch.cat(rows), n)
     return both[:, : model.config.n_embd], both[:, model.config.n_embd : width], both[:, width]
 
@@ -609,9 +609,12 @@ def gate_passes(
     With a `group` the ranks share the forward pass; the steps, on the gathered inputs, are
     every rank's own (a few small matrix products).
     """
-    old = batch.behaviour_decision_logp
-    if old is None:
+    if batch.behaviour_decision_logp is None:
         return {}
+    # the gate's part of the logged decision: without the copy draw's (service.policy.sampling)
+    old = batch.behaviour_decision_logp - torch.tensor(
+        [float(a.recall["logprob"]) if a.recall else 0.0 for a in batch.actions]
+    )
     n = len(batch.actions)
     hidden, feats, decision = gate_inputs(model, tokenizer, batch.actions, group, chunk=n)
     sampled = decision != 0  # score_actions: 0 where the decision was not sampled
@@ -686,8 +689,10 @@ def fit_gate_to_rewards(
         else torch.cat([batch.row_weights(), replay.row_weights()])
     )
     in_batch = torch.arange(len(actions)) < len(batch.actions)
-    shown = torch.tensor([bool(a.shown) for a in actions])  # never empty: the server hides those
-    abstained = in_batch & ~shown
+    # the gate's verdicts: shown by it (a shown copy was the copy head's choice, not the gate's);
+    # never empty: the server hides those
+    shown = torch.tensor([bool(a.shown) and not was_copied(a) for a in actions])
+    abstained = in_batch & ~torch.tensor([bool(a.shown) for a in actions])
     r0 = 0.0
     if abstained.any() and float(row_w[abstained].sum()) > 0:
         r0 = float((rewards[abstained] * row_w[abstained]).sum() / row_w[abstained].sum())

@@ -46,7 +46,12 @@ def key_actor(key: ApiKey) -> Actor:
 
 def key_detail(key: ApiKey) -> dict[str, Any]:
     """What a key.create or key.revoke row says of the key: never its token or hash."""
-    return {"name": key.name, "scopes": sorted(key.scopes), "no_train": key.no_train}
+    return {
+        "name": key.name,
+        "scopes": sorted(key.scopes),
+        "no_train": key.no_train,
+        "workspace": key.workspace,
+    }
 
 
 def record_key(conn: sa.Connection, actor: Actor, action: str, key: ApiKey) -> None:

@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from pydantic.config import JsonDict
 
 from service.audit.recorder import AuditEntry
@@ -14,6 +14,7 @@ from service.audit.store import key_detail
 from service.auth.keys import SCOPES, ApiKey, create_key, list_keys, parse_scopes, revoke_key
 from service.deps import ADMIN, AdminKey, CtxDep, audited
 from service.errors import NotFound, Unprocessable
+from service.events.schemas import NoNul
 from service.openapi import error_responses
 
 router = APIRouter(prefix="/admin/keys", tags=["admin: keys"])
@@ -26,6 +27,7 @@ _KEY: JsonDict = {
     "created_at": "2026-11-29T12:00:00Z",
     "revoked_at": None,
     "no_train": False,
+    "workspace": "9f2c4e1a0b3d5c7e",
 }
 
 
@@ -43,6 +45,13 @@ class KeyCreate(BaseModel):
         description="Privacy mode for every request made with the key: served, but none "
         "of its code is stored and it is never trained on (docs/PRIVACY.md). Set for good.",
     )
+    workspace: Annotated[StrictStr, Field(min_length=1, max_length=200), NoNul] | None = Field(
+        None,
+        description="The workspace the key belongs to: its requests read and feed that "
+        "workspace's memory of code, and no other (docs/MODEL.md). Default: the key's own. "
+        "Set for good.",
+        examples=["team-payments"],
+    )
 
 
 class KeyOut(BaseModel):
@@ -56,6 +65,7 @@ class KeyOut(BaseModel):
     no_train: bool = Field(
         description="Privacy mode: its requests' code is never stored or trained on"
     )
+    workspace: str = Field(description="The workspace whose memory its requests read and feed")
 
     @classmethod
     def of(cls, key: ApiKey) -> KeyOut:
@@ -66,6 +76,7 @@ class KeyOut(BaseModel):
             created_at=key.created_at,
             revoked_at=key.revoked_at,
             no_train=key.no_train,
+            workspace=key.workspace,
         )
 
 
@@ -88,7 +99,13 @@ def post_key(
     except ValueError as e:
         raise Unprocessable(str(e)) from None
     with ctx.engine.begin() as conn:
-        key, token = create_key(conn, name=body.name, scopes=scopes, no_train=body.no_train)
+        key, token = create_key(
+            conn,
+            name=body.name,
+            scopes=scopes,
+            no_train=body.no_train,
+            workspace=body.workspace,
+        )
         audit.record(conn, target=key.id, detail=key_detail(key))  # never the token
     return KeyCreated(**KeyOut.of(key).model_dump(), token=token)
 

@@ -31,6 +31,13 @@ class ApiKey:
     created_at: datetime
     revoked_at: datetime | None = None
     no_train: bool = False  # privacy mode for every request it makes (service/privacy.py)
+    workspace_name: str | None = None  # as made; None: the key's own
+
+    @property
+    def workspace(self) -> str:
+        """The workspace whose memory the key's requests read and feed: named at creation, or
+        the key's own (its id). Nothing crosses workspaces (tabloop/core/memory.py)."""
+        return self.workspace_name or self.id
 
 
 def _sha256(text: str) -> str:
@@ -53,11 +60,17 @@ def parse_scopes(values: Sequence[str] | str) -> frozenset[str]:
 
 
 def create_key(
-    conn: sa.Connection, *, name: str, scopes: frozenset[str], no_train: bool = False
+    conn: sa.Connection,
+    *,
+    name: str,
+    scopes: frozenset[str],
+    no_train: bool = False,
+    workspace: str | None = None,
 ) -> tuple[ApiKey, str]:
     """Insert a key and return it with its token; the token is not recoverable afterwards.
     `no_train`: every request made with it is in privacy mode (its code is never stored or
-    trained on); set for good at creation."""
+    trained on); `workspace`: the workspace it belongs to (None: its own); both set for good
+    at creation."""
     key_id = secrets.token_hex(8)
     secret = secrets.token_urlsafe(32)
     now = utcnow()
@@ -69,9 +82,11 @@ def create_key(
             secret_sha256=_sha256(secret),
             created_at=now,
             no_train=no_train,
+            workspace=workspace,
         )
     )
-    return ApiKey(key_id, name, scopes, now, no_train=no_train), f"{PREFIX}{key_id}_{secret}"
+    key = ApiKey(key_id, name, scopes, now, no_train=no_train, workspace_name=workspace)
+    return key, f"{PREFIX}{key_id}_{secret}"
 
 
 def authenticate(conn: sa.Connection, token: str) -> ApiKey | None:
@@ -98,6 +113,7 @@ def _to_key(row: sa.Row) -> ApiKey:
         row.created_at,
         row.revoked_at,
         no_train=bool(row.no_train),  # NULL (older keys): false
+        workspace_name=row.workspace,
     )
 
 

@@ -29,7 +29,9 @@ async def post_complete(
     """Sample the rest of the line (or abstain: `shown` false, `text` empty). Every call is a
     rollout, recorded before the answer with the behaviour log-probabilities (in privacy mode
     without its code: docs/PRIVACY.md)."""
-    served = await serve(ctx, in_privacy_mode(req, key, no_train), api_key_id=key.id)
+    served = await serve(
+        ctx, in_privacy_mode(req, key, no_train), api_key_id=key.id, workspace=key.workspace
+    )
     return CompleteResponse(
         suggestion_id=served.suggestion_id,
         policy_version=served.policy_version,

@@ -25,6 +25,20 @@ def _integral(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+class Snippet(BaseModel):
+    """Code from elsewhere in the workspace that the editor sends with a request (Tabby's
+    `declarations` and `relevant_snippets_from_changed_files`): the policy copies from it
+    (tabloop.core.recall)."""
+
+    model_config = ConfigDict(extra="ignore")  # Tabby adds `score`, ranges, ...
+
+    filepath: Annotated[StrictStr, Field(max_length=1024), NoNul] | None = None
+    body: Annotated[StrictStr, Field(max_length=1_000_000), NoNul]
+
+
+MAX_SNIPPETS = 64  # snippets read per request (more are refused: 422)
+
+
 class CompleteRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -52,6 +66,13 @@ class CompleteRequest(BaseModel):
     # Editors send what they have; the service keeps the last TABLOOP_MAX_PREFIX_CHARS.
     prefix: Annotated[StrictStr, Field(max_length=1_000_000), NoNul]
     suffix: Annotated[StrictStr, Field(max_length=1_000_000), NoNul] = ""
+    snippets: list[Snippet] = Field(
+        default_factory=list,
+        max_length=MAX_SNIPPETS,
+        description="Code from elsewhere in the workspace (other files, declarations, the "
+        "clipboard) the policy may copy from; the service reads the first "
+        "TABLOOP_MAX_SNIPPET_CHARS characters of them in all",
+    )
     max_new_tokens: Annotated[StrictInt, BeforeValidator(_integral)] = Field(32, ge=1)
     reports_views: StrictBool = Field(
         False,

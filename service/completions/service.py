@@ -18,22 +18,44 @@ from service.deps import AppContext
 from service.errors import Unavailable, Unprocessable
 from service.metrics import COMPLETIONS, UNSUPPORTED_LANGUAGE
 from service.outbox import outbox_row
+from service.policy.context import following_lines
 from service.policy.languages import metric_label, request_language, supports
 from service.policy.sampling import Completion, Prompt, unsupported_language
 from service.privacy import rollout_without_code
 from service.stream.topics import ROLLOUTS
 from service.tables import outbox, rollouts, utcnow
+from service.workspace.memory import remember
+from tabloop.core.recall import Text, propose
 
 
-def prompt_of(req: CompleteRequest, settings: Settings) -> Prompt:
+def prompt_of(req: CompleteRequest, settings: Settings, memory: Text | None = None) -> Prompt:
     """The request as the policy reads it: the bounded prefix and suffix, the token budget,
-    and a generator of its own."""
+    a generator of its own, and the copy proposal from all of the request's text and from the
+    workspace `memory`."""
     return Prompt(
         prefix=req.prefix[-settings.max_prefix_chars :],
         suffix=req.suffix[: settings.max_suffix_chars],
         max_new_tokens=min(req.max_new_tokens, settings.max_new_tokens_limit),
         generator=torch.Generator().manual_seed(int.from_bytes(uuid.uuid4().bytes[:8], "big")),
+        proposal=propose(
+            req.prefix[-settings.max_recall_chars :],
+            request_context(req, settings.max_recall_chars),
+            memory,
+        ),
     )
+
+
+def request_context(req: CompleteRequest, budget: int) -> list[str]:
+    """The request's text besides the prefix that a proposal may copy from, `budget` characters
+    at most: the lines after the cursor's line, then the snippets in the order sent."""
+    out = []
+    for text in (following_lines(req.suffix), *(s.body for s in req.snippets)):
+        if budget <= 0:
+            break
+        if text:
+            out.append(text[:budget])
+            budget -= len(out[-1])
+    return out
 
 
 def abstain_for_language(language: str | None, settings: Settings) -> tuple[Completion, float]:
@@ -88,6 +110,7 @@ def rollout_record(
         "text": stored,
         "text_chars": len(stored),
         "shown": c.shown,
+        "recall": None if c.recall is None else {**c.recall, "text": _storable(c.recall["text"])},
         "gate_prob_show": c.gate_prob_show,
         "decision_logprob": c.decision_logprob,
         "logprob_total": c.logprob_total,
@@ -101,14 +124,50 @@ def rollout_record(
     }
 
 
-def record_rollout(engine: sa.Engine, record: dict[str, Any], *, embedded: bool) -> None:
-    """Store the rollout and its `tabloop.rollouts` message in one transaction; in privacy mode
-    both without its code (service/privacy.py)."""
+@dataclass(frozen=True)
+class Document:
+    """What a request leaves in its workspace's memory (service/workspace/memory.py)."""
+
+    workspace: str
+    scope: str | None
+    document: str | None
+    text: str
+
+
+def document_of(req: CompleteRequest, workspace: str | None, settings: Settings) -> Document | None:
+    """The request's document as it stands, for its key's workspace; None in privacy mode or
+    without a workspace (no key)."""
+    if workspace is None or req.no_train:
+        return None
+    cap = settings.max_recall_chars
+    text = req.prefix[-cap:] + req.suffix[:cap]
+    return Document(workspace, req.workspace_id, req.file_path, text)
+
+
+def record_rollout(
+    engine: sa.Engine,
+    record: dict[str, Any],
+    *,
+    embedded: bool,
+    document: Document | None = None,
+) -> None:
+    """Store the rollout and its `tabloop.rollouts` message in one transaction, with the
+    request's `document` in its workspace's memory; in privacy mode the rollout without its
+    code and no document (service/privacy.py)."""
     if record.get("no_train"):
-        record = rollout_without_code(record)
+        record, document = rollout_without_code(record), None
     now = utcnow()
     with engine.begin() as conn:
         conn.execute(rollouts.insert().values(created_at=now, **record))
+        if document is not None:
+            remember(
+                conn,
+                workspace=document.workspace,
+                scope=document.scope,
+                user_id=record["user_id"],
+                document=document.document,
+                text=document.text,
+            )
         conn.execute(
             outbox.insert(),
             [
@@ -149,6 +208,7 @@ async def serve(
     *,
     stop: Sequence[str] = (),
     api_key_id: str | None = None,
+    workspace: str | None = None,
 ) -> Served:
     """One rollout of the policy routed for `req.user_id` (live or canary), recorded with its
     outbox row before it is answered. The native, Tabby and OpenAI-style APIs all end here.
@@ -158,7 +218,9 @@ async def serve(
     reward measures. The tokens and their log-probabilities are recorded whole.
 
     `api_key_id`: the requesting key, recorded with the rollout: the suggestion belongs to it,
-    and feedback about it counts only through it (service/events/trust.py)."""
+    and feedback about it counts only through it (service/events/trust.py). `workspace`: the
+    key's workspace, whose memory the policy copies from and the request's document joins
+    (service/workspace/memory.py)."""
     settings = ctx.settings
     if req.max_new_tokens > settings.max_new_tokens_limit:
         raise Unprocessable(f"max_new_tokens: at most {settings.max_new_tokens_limit}")
@@ -169,7 +231,9 @@ async def serve(
     policy = ctx.policies.route(req.user_id)
     language = request_language(req.language, req.file_path)
     if supports(policy.languages, language):
-        completion, latency_ms = await ctx.inference.sample(policy, prompt_of(req, settings))
+        memory = None if workspace is None else ctx.memory.lookup(workspace, req.workspace_id)
+        prompt = prompt_of(req, settings, memory)
+        completion, latency_ms = await ctx.inference.sample(policy, prompt)
     else:
         completion, latency_ms = abstain_for_language(language, settings)
     suggestion_id = str(uuid.uuid4())
@@ -177,7 +241,13 @@ async def serve(
     record = rollout_record(
         suggestion_id, req, policy.version, completion, latency_ms, text, api_key_id=api_key_id
     )
-    await run_in_threadpool(record_rollout, ctx.engine, record, embedded=settings.embedded)
+    await run_in_threadpool(
+        record_rollout,
+        ctx.engine,
+        record,
+        embedded=settings.embedded,
+        document=document_of(req, workspace, settings),
+    )
     return Served(
         suggestion_id=suggestion_id,
         policy_version=policy.version,

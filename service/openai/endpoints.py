@@ -64,7 +64,9 @@ async def post_completions(
     (`user`, or the key's name). An abstention is one choice with empty text and finish_reason
     "stop". Privacy mode: a `no_train` key, `"no_train": true`, or `X-Tabloop-No-Train: 1`."""
     native = in_privacy_mode(native_request(req, key, ctx.settings), key, no_train)
-    served = await serve(ctx, native, stop=req.stop or (), api_key_id=key.id)
+    served = await serve(
+        ctx, native, stop=req.stop or (), api_key_id=key.id, workspace=key.workspace
+    )
     response = answer(served)
     if not req.stream:
         return response

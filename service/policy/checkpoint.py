@@ -44,6 +44,7 @@ WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
 FIM_FORMAT = "psm"  # <|fim_prefix|> prefix <|fim_suffix|> following lines <|fim_middle|>
+COPY_HEAD = frozenset({"gate.copy.weight", "gate.copy.bias"})
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -229,8 +230,12 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
     except Exception as e:  # safetensors/tokenizers raise their own or bare Exception types
         raise CheckpointError(f"cannot read checkpoint {d}: {e}") from e
     model = GPT(config)
+    weights = {k: v.to(torch.float32) for k, v in state.items()}
+    if not COPY_HEAD & weights.keys():
+        # made before the gate's copy head: that head starts as fit offline (init_copy)
+        weights.update({k: v for k, v in model.state_dict().items() if k in COPY_HEAD})
     try:
-        model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+        model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"weights in {d} do not fit the manifest's config: {e}") from e
     if tokenizer.vocab_size != config.vocab_size:

@@ -5,7 +5,9 @@ output embeddings). The gate is a logistic head that decides, *after* a completi
 sampled, whether to show it. It reads the final hidden state at the completion's last token and
 a few confidence features (the completion's summed and mean log-probability under the sampling
 distribution, and its length), so the decision is conditioned on both the completion and how sure
-the model was of it. See docs/MODEL.md.
+the model was of it. The gate's copy head decides, before that, whether to show a copy proposal
+instead (tabloop.core.recall): a logistic head on the proposal's evidence and on how the sampled
+completion agrees with it. See docs/MODEL.md.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from service.policy.device import activation_dtype
+from tabloop.core.recall import COPY_INIT, RECALL_INPUTS
 
 # Gate inputs besides the hidden state, in this order (see `gate_features`).
 GATE_FEATURES = ("mean_logprob", "sum_logprob", "log1p_tokens", "log1p_bytes")
@@ -190,6 +193,8 @@ class Gate(nn.Module):
         super().__init__()
         self.hidden = nn.Linear(config.n_embd, 1, bias=False)
         self.features = nn.Linear(len(GATE_FEATURES), 1)
+        # logit p(copy) from tabloop.core.recall.recall_inputs (a proposal's evidence)
+        self.copy = nn.Linear(len(RECALL_INPUTS), 1)
 
     def forward(self, h: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = (self.hidden(h) + self.features(features)).squeeze(-1)
@@ -278,6 +283,16 @@ def init_gate(gate: Gate, scale: float, threshold: float) -> None:
         gate.features.weight.zero_()
         gate.features.weight[0, GATE_FEATURES.index("mean_logprob")] = scale
         gate.features.bias.fill_(-scale * threshold)
+        init_copy(gate)
+
+
+def init_copy(gate: Gate) -> None:
+    """The copy head as fit offline (tabloop.core.recall.COPY_INIT): a checkpoint made before
+    the copy head had none, and starts from this."""
+    with torch.no_grad():
+        *weights, bias = COPY_INIT
+        gate.copy.weight.copy_(torch.tensor([weights]))
+        gate.copy.bias.fill_(bias)
 
 
 def gate_features(

@@ -16,6 +16,19 @@ and at temperature 0 tokens are argmax and the gate shows iff p(show) >= 1/2 (gr
 only; RL needs temperature > 0). The nucleus always keeps the token being scored, so a logged
 token can never get -inf under an updated policy (identical for the sampling policy itself).
 
+A request can come with a copy proposal (tabloop.core.recall: what followed the longest earlier
+match of the text before the cursor, in the request or the workspace's memory). Then the action
+has one more part, drawn after the tokens and before the gate: copy, with probability
+sigmoid(copy logit) from the gate's copy head on the proposal's evidence and on how the sampled
+completion agrees with it. A copy is shown as is (the gate is not drawn); otherwise the gate
+decides on the sampled completion as without a proposal. So
+
+    log pi(action) = sum_t log q_t(token_t) + log p(copy or not) + log p(decision | not copied)
+
+and the decision's part of a rollout (`decision_logprob`) is the last two together. The rollout
+logs the proposal's text and the copy head's inputs (`recall`), so rescoring it never searches
+again.
+
 The gate reads the completion's *model* log-probs (temperature 1, healing constraint applied, no
 top-p) so its confidence features do not depend on the sampling temperature; they are inputs
 (detached), the gradient of log p(decision) flows through the gate and the hidden state.
@@ -30,7 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.nn import functional as F
@@ -46,6 +59,7 @@ from service.policy.defaults import (
 from service.policy.device import compute, model_device
 from service.policy.model import GPT, KVCache, RaggedKVCache, gate_features
 from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.recall import Proposal, recall_inputs
 
 NEG_INF = float("-inf")
 
@@ -67,10 +81,17 @@ class Completion:
     logprob_total: float  # sum(token_logprobs) + decision_logprob
     stop_reason: str  # "newline", "eof", "length", "confidence" or STOP_LANGUAGE
     model_logprobs: list[float] = field(default_factory=list)  # T=1 log-probs fed to the gate
+    # the copy proposal, when there was one: {"text", "inputs" (the copy head's), "copied",
+    # "logprob" (of copying or not)}; `text` above is the proposal's when copied
+    recall: dict[str, Any] | None = None
 
     @property
     def shown_text(self) -> str:
         return self.text if self.shown else ""
+
+    @property
+    def copied(self) -> bool:
+        return bool(self.recall and self.recall["copied"])
 
 
 class Action(Protocol):
@@ -88,6 +109,13 @@ class Action(Protocol):
     def top_p(self) -> float | None: ...
     @property
     def shown(self) -> bool: ...
+    @property
+    def recall(self) -> dict[str, Any] | None: ...
+
+
+def was_copied(action: Action) -> bool:
+    """The action showed its copy proposal (the gate was not drawn)."""
+    return bool(action.recall and action.recall["copied"])
 
 
 @dataclass
@@ -96,7 +124,8 @@ class ActionScores:
 
     total: torch.Tensor  # (B,) log pi(action) = tokens + decision
     tokens: torch.Tensor  # (B,) sum of token log-probs under the sampling distribution
-    decision: torch.Tensor  # (B,) log p(decision) (0 where deterministic)
+    decision: torch.Tensor  # (B,) log p(copy or not) + log p(gate's decision) (0: deterministic)
+    gate_decision: torch.Tensor  # (B,) the gate's part (0 where it was not drawn)
     gate_logit: torch.Tensor  # (B,) logit p(show)
     token_logprobs: torch.Tensor  # (N,) every token's log-prob, rollouts concatenated
     entropy: torch.Tensor  # (B,) summed entropy of the sampling distributions over the steps
@@ -201,6 +230,7 @@ class Prompt:
     suffix: str
     max_new_tokens: int
     generator: torch.Generator | None = None
+    proposal: Proposal | None = None  # what to copy here (tabloop.core.recall.propose)
 
 
 @dataclass
@@ -231,8 +261,10 @@ def complete(
     heal: bool = True,
     max_context_tokens: int | None = DEFAULT_MAX_CONTEXT_TOKENS,
     stop_logprob: float | None = DEFAULT_STOP_LOGPROB,
+    proposal: Proposal | None = None,
 ) -> Completion:
-    """Sample the rest of the current line after `prefix`, then the show/abstain decision.
+    """Sample the rest of the current line after `prefix`, then copy `proposal` or not, then the
+    show/abstain decision.
 
     `suffix` is the text after the cursor: a checkpoint trained for fill-in-the-middle (its
     tokenizer has the sentinels) reads the lines after the cursor's line, a left-to-right one
@@ -247,7 +279,7 @@ def complete(
     return complete_batch(
         model,
         tokenizer,
-        [Prompt(prefix, suffix, max_new_tokens, generator)],
+        [Prompt(prefix, suffix, max_new_tokens, generator, proposal)],
         temperature,
         top_p,
         heal=heal,
@@ -398,25 +430,62 @@ def _complete_batch(
         torch.tensor([len(o) for o in outs]),
     )
     gate_logits = model.gate_logit(h, feats.to(device)).float().to(cpu)
+    inputs = [
+        None if r.prompt.proposal is None else recall_inputs(r.prompt.proposal, bytes_to_text(o))
+        for r, o in zip(rows, outs, strict=True)
+    ]
+    with_proposal = [x for x in inputs if x is not None]
+    copy_logits = iter(
+        model.gate.copy(torch.tensor(with_proposal, device=device)).float().to(cpu)[:, 0].tolist()
+        if with_proposal
+        else []
+    )
     return [
-        _decide(r, out, float(g), temperature, top_p)
-        for r, out, g in zip(rows, outs, gate_logits, strict=True)
+        _decide(r, out, float(g), temperature, top_p, x, None if x is None else next(copy_logits))
+        for r, out, g, x in zip(rows, outs, gate_logits, inputs, strict=True)
     ]
 
 
+def _draw(
+    logit: float, temperature: float, generator: torch.Generator | None
+) -> tuple[bool, float]:
+    """A Bernoulli draw with p = sigmoid(logit) and its log-prob; at temperature 0, p >= 1/2."""
+    if temperature == 0.0:
+        return logit >= 0.0, 0.0
+    yes = bool(torch.rand(1, generator=generator, device="cpu")[0] < 1.0 / (1.0 + math.exp(-logit)))
+    return yes, float(F.logsigmoid(torch.tensor(logit if yes else -logit)))
+
+
 def _decide(
-    r: _Row, out: bytes, gate_logit: float, temperature: float, top_p: float | None
+    r: _Row,
+    out: bytes,
+    gate_logit: float,
+    temperature: float,
+    top_p: float | None,
+    recall: list[float] | None = None,
+    copy_logit: float | None = None,
 ) -> Completion:
-    """The row's show/abstain draw (after its tokens, from its generator) and its Completion."""
+    """The row's copy draw (when it has a proposal) and show/abstain draw (after its tokens,
+    from its generator, in that order), and its Completion."""
     text = bytes_to_text(out)
     p_show = 1.0 / (1.0 + math.exp(-gate_logit))
-    if not text:
-        shown, dec_lp = False, 0.0
-    elif temperature == 0.0:
-        shown, dec_lp = p_show >= 0.5, 0.0
+    logged = None
+    copied, dec_lp = False, 0.0
+    if r.prompt.proposal is not None and recall is not None and copy_logit is not None:
+        copied, dec_lp = _draw(copy_logit, temperature, r.prompt.generator)
+        logged = {
+            "text": r.prompt.proposal.text,
+            "inputs": recall,
+            "copied": copied,
+            "logprob": dec_lp,
+        }
+    if copied:
+        text, shown = r.prompt.proposal.text if r.prompt.proposal else text, True
+    elif not text:
+        shown = False
     else:
-        shown = bool(torch.rand(1, generator=r.prompt.generator, device="cpu")[0] < p_show)
-        dec_lp = float(F.logsigmoid(torch.tensor(gate_logit if shown else -gate_logit)))
+        shown, gate_lp = _draw(gate_logit, temperature, r.prompt.generator)
+        dec_lp += gate_lp
     return Completion(
         text=text,
         token_ids=r.tokens,
@@ -431,6 +500,7 @@ def _decide(
         logprob_total=sum(r.logprobs) + dec_lp,
         stop_reason=r.stop,
         model_logprobs=r.model_lps,
+        recall=logged,
     )
 
 
@@ -522,11 +592,21 @@ def _score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Actio
     fixed = torch.tensor(
         [not bytes_to_text(o) or a.temperature == 0.0 for o, a in zip(outs, actions, strict=True)]
     )
-    dec = dec.masked_fill(fixed, 0.0)
+    copied = torch.tensor([was_copied(a) for a in actions])
+    gate_dec = dec.masked_fill(fixed | copied, 0.0)
+    source = torch.zeros(B)
+    with_recall = [i for i, a in enumerate(actions) if a.recall and a.temperature != 0.0]
+    if with_recall:
+        inputs = torch.tensor([actions[i].recall["inputs"] for i in with_recall])  # type: ignore[index]
+        z = model.gate.copy(inputs.to(h_last.device)).float()[:, 0].cpu()
+        lp = torch.where(copied[with_recall], F.logsigmoid(z), F.logsigmoid(-z))
+        source = source.index_add(0, torch.tensor(with_recall), lp)
+    dec = gate_dec + source
     return ActionScores(
         total=tok_sum + dec,
         tokens=tok_sum,
         decision=dec,
+        gate_decision=gate_dec,
         gate_logit=gate_logit,
         token_logprobs=tok_lp,
         entropy=ent_sum,

@@ -60,7 +60,7 @@ async def post_completions(
     Privacy mode: a `no_train` key, or the `X-Tabloop-No-Train: 1` header (tabby-agent's
     `server.requestHeaders`)."""
     native = in_privacy_mode(service.complete_request(req, key), key, no_train)
-    served = await serve(ctx, native, api_key_id=key.id)
+    served = await serve(ctx, native, api_key_id=key.id, workspace=key.workspace)
     return service.completion_response(served)
 
 

@@ -7,7 +7,7 @@ bounded as on `POST /v1/complete`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -19,6 +19,7 @@ from pydantic import (
     StrictStr,
 )
 
+from service.completions.schemas import MAX_SNIPPETS, Snippet
 from service.events.schemas import NoNul
 
 # The Tabby server release whose API this one answers as: tabby-agent fetches the server
@@ -47,10 +48,13 @@ class Segments(BaseModel):
     git_url: Annotated[StrictStr, Field(max_length=256), NoNul] | None = Field(
         None, description="The repository's remote URL (recorded as the rollout's workspace_id)"
     )
-    # Sent by Tabby clients for their own server's prompt; this policy does not read them.
-    declarations: list[Any] | None = None
-    relevant_snippets_from_changed_files: list[Any] | None = None
-    clipboard: StrictStr | None = None
+    # What Tabby clients send for their server's prompt: the policy copies from them
+    # (tabloop.core.recall), as it does from the prefix and the suffix.
+    declarations: list[Snippet] | None = Field(None, max_length=MAX_SNIPPETS)
+    relevant_snippets_from_changed_files: list[Snippet] | None = Field(
+        None, max_length=MAX_SNIPPETS
+    )
+    clipboard: Text | None = None
 
 
 class TabbyCompletionRequest(BaseModel):

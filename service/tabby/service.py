@@ -21,7 +21,7 @@ import torch
 from pydantic import ValidationError
 
 from service.auth.keys import ApiKey
-from service.completions.schemas import CompleteRequest
+from service.completions.schemas import MAX_SNIPPETS, CompleteRequest
 from service.completions.service import Served
 from service.deps import AppContext
 from service.errors import Unprocessable
@@ -63,6 +63,11 @@ def complete_request(req: TabbyCompletionRequest, key: ApiKey) -> CompleteReques
                 "workspace_id": seg.git_url,
                 "prefix": seg.prefix,
                 "suffix": seg.suffix or "",
+                "snippets": [
+                    *(s.model_dump() for s in seg.declarations or ()),
+                    *(s.model_dump() for s in seg.relevant_snippets_from_changed_files or ()),
+                    *([{"filepath": None, "body": seg.clipboard}] if seg.clipboard else ()),
+                ][:MAX_SNIPPETS],
                 "reports_views": True,
             }
         )

@@ -15,6 +15,9 @@ class Removed(BaseModel):
         "which never will be)"
     )
     dead_letters: int = Field(description="Rejected events whose raw JSON names the user")
+    workspace_code: int = Field(
+        description="Documents the person's requests left in their workspaces' memory"
+    )
 
 
 class PurgeOut(BaseModel):
@@ -30,6 +33,7 @@ class PurgeOut(BaseModel):
                         "rewards": 110,
                         "outbox": 207,
                         "dead_letters": 1,
+                        "workspace_code": 3,
                     },
                 }
             ]

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from service.outbox import outbox_row
 from service.stream.topics import FEEDBACK, ROLLOUTS, USER_PURGED, encode, user_purged
 from service.tables import dead_letters, events, outbox, rewards, rollouts, utcnow
+from service.workspace.memory import forget_user
 
 _sqlite_writer = threading.Lock()  # one purge at a time on SQLite, like ingestion
 USER_TOPICS = (ROLLOUTS, FEEDBACK)  # keyed by user id (tabloop.policies is keyed by version)
@@ -96,6 +97,7 @@ def purge_user(
                 ~outbox.c.payload.startswith(_tombstone_prefix(), autoescape=True),
             )
         ).rowcount
+        removed["workspace_code"] = forget_user(conn, user_id)
         dead = _dead_letter_ids(conn, user_id)
         for i in range(0, len(dead), 1000):
             conn.execute(dead_letters.delete().where(dead_letters.c.id.in_(dead[i : i + 1000])))

@@ -86,6 +86,7 @@ def test_a_rollout_without_code_keeps_everything_else() -> None:
         "token_logprobs": [-0.1, -0.2],
         "text": "turn x",
         "shown": True,
+        "recall": {"text": "turn x", "inputs": [0.0], "copied": True, "logprob": -0.1},
         "logprob_total": -0.3,
         "no_train": True,
     }
@@ -96,6 +97,7 @@ def test_a_rollout_without_code_keeps_everything_else() -> None:
         "heal_text": "",
         "token_ids": [],
         "text": "",
+        "recall": None,
         "text_chars": 6,
     }
     assert rollout_without_code(blank) == blank  # the length survives a second pass

@@ -145,12 +145,19 @@ def test_retention_blanks_old_code_everywhere_and_keeps_rows_and_rewards(
         # a pass a day and a second later: everything so far is past the retention
         caplog.set_level(logging.INFO, logger="service.retention")
         counts = run_retention(settings, engine, now=utcnow() + DAY + timedelta(seconds=1))
-        assert counts == {"rollouts": 3, "events": 3, "dead_letters": 3, "outbox": 6}, (
-            counts
-        )  # 3 rollout + 3 settled messages
+        # 3 rollout + 3 settled messages; the one document the person's requests left in the
+        # workspace memory is deleted
+        assert counts == {
+            "rollouts": 3,
+            "events": 3,
+            "dead_letters": 3,
+            "outbox": 6,
+            "workspace_code": 1,
+        }, counts
         line = next(r for r in caplog.records if r.name == "service.retention")
         assert (
-            "3 rollouts, 3 settled events, 3 dead letters, 6 outbox messages" in line.getMessage()
+            "3 rollouts, 3 settled events, 3 dead letters, 6 outbox messages; deleted 1 workspace"
+            in line.getMessage()
         )
 
         assert in_database(engine, markers, tokenizer) == {}  # no code text left anywhere
@@ -187,7 +194,7 @@ def test_retention_blanks_old_code_everywhere_and_keeps_rows_and_rewards(
         if mode == "full":
             publish(settings, engine)
         assert run_retention(settings, engine, now=utcnow()) == dict.fromkeys(
-            ("rollouts", "events", "dead_letters", "outbox"), 0
+            ("rollouts", "events", "dead_letters", "outbox", "workspace_code"), 0
         )
         assert in_database(engine, new.all, tokenizer)
         assert expire_code(engine, utcnow() + timedelta(seconds=1)) == {
@@ -195,6 +202,7 @@ def test_retention_blanks_old_code_everywhere_and_keeps_rows_and_rewards(
             "events": 3,
             "dead_letters": 3,
             "outbox": 6,
+            "workspace_code": 1,
         }
         assert in_database(engine, markers, tokenizer) == {}
         assert _state(engine)["last_run"]["blanked"]["rollouts"] == 3

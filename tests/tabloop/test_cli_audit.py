@@ -44,7 +44,12 @@ def test_keys_made_and_revoked_on_the_command_line(tmp_path: Path) -> None:
         ("key.create", key_id, None, "cli", "ok"),
         ("key.revoke", key_id, None, "cli", "ok"),
     ]
-    assert rows[0]["detail"] == {"name": "ops", "scopes": ["admin"], "no_train": False}
+    assert rows[0]["detail"] == {
+        "name": "ops",
+        "scopes": ["admin"],
+        "no_train": False,
+        "workspace": key_id,  # its own
+    }
     assert token.split("_", 2)[2] not in json.dumps(rows, default=str)
 
 

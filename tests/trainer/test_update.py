@@ -503,11 +503,14 @@ def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) ->
     assert [g["lr"] for g in (lm, hidden, threshold)] == pytest.approx([1e-4, 1e-3, 1e-2])
     g = tiny_model.gate
     assert [id(p) for p in hidden["params"]] == [id(g.hidden.weight)]
-    assert {id(p) for p in threshold["params"]} == {id(g.features.weight), id(g.features.bias)}
+    # the confidence weights and the copy head: logistic heads whose thresholds move by whole
+    # units
+    heads = (g.features.weight, g.features.bias, g.copy.weight, g.copy.bias)
+    assert {id(p) for p in threshold["params"]} == {id(p) for p in heads}
     gate_ids = {id(p) for p in g.parameters()}
     assert not gate_ids & {id(p) for p in lm["params"]}
     n = sum(1 for _ in tiny_model.parameters())
-    assert len(lm["params"]) + 3 == n
+    assert len(lm["params"]) + 5 == n
     gate_cfg = dataclasses.replace(cfg, train_gate_only=True)
     groups = make_optimizer(tiny_model, gate_cfg).param_groups
     assert len(groups) == 2 and {id(p) for gr in groups for p in gr["params"]} == gate_ids

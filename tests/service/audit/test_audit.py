@@ -189,7 +189,12 @@ def test_every_action_leaves_exactly_one_row(
     assert row["request_id"] == "audit-test-1"  # the access log's id for the request
     assert utcnow() - row["at"] < timedelta(minutes=1)
     if action == "key.create":
-        assert row["detail"] == {"name": "vscode", "scopes": ["ingest"], "no_train": False}
+        assert row["detail"] == {
+            "name": "vscode",
+            "scopes": ["ingest"],
+            "no_train": False,
+            "workspace": target,  # its own
+        }
     if action == "deploy":
         assert row["detail"]["canary_fraction"] == 0.5 and row["detail"]["canary_version"] == 2
         assert row["detail"]["reason"] == "hand canary"

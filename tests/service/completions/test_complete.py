@@ -135,3 +135,56 @@ def test_no_policy_deployed_is_503(service: Any, key_factory: Any) -> None:
         headers={"Authorization": f"Bearer {token}"},
     )
     assert r.status_code == 503 and "Retry-After" in r.headers
+
+
+SNIPPET = "def connect(host, *, port=5432, timeout=10.0, retries=3):\n    ...\n"
+
+
+def test_the_policy_copies_from_the_whole_request_and_the_rollout_says_so(
+    api: httpx.Client, served: Any
+) -> None:
+    """A proposal from text far beyond what the model reads (the start of a long prefix) and
+    from the request's snippets; the rollout logs it, and its log-prob is recomputed exactly."""
+    head = "def load(path):\n    with open(path, encoding='utf-8', errors='replace') as f:\n"
+    filler = "".join(f"value_{i} = {i}\n" for i in range(400))  # ~6 KB: past the model's context
+    cases = [
+        (head + filler + "def save(path):\n    with open(path, encoding='utf-8', err", [], "ors="),
+        ("x = connect(host, *, port", [{"filepath": "db.py", "body": SNIPPET}], "=5432, timeout="),
+    ]
+    ids: dict[str, str] = {}
+    for prefix, snippets, start in cases:
+        for i in range(8):
+            r = complete(api, user_id=f"u-{i}", prefix=prefix, suffix="", snippets=snippets)
+            assert r.status_code == 200, r.text
+            ids[r.json()["suggestion_id"]] = start
+    rows = {row.suggestion_id: row for row in _rollouts(served.settings)}
+    copied = 0
+    for sid, start in ids.items():
+        row = rows[sid]
+        assert row.recall is not None and row.recall["text"].startswith(start), row.recall
+        if row.recall["copied"]:
+            copied += 1
+            assert row.shown and row.text == row.recall["text"]
+    assert copied, "a long exact match is copied more often than not"
+    model, tokenizer, _ = load_checkpoint(served.settings.base_checkpoint)
+    with torch.no_grad():
+        scores = score_actions(model, tokenizer, [rows[sid] for sid in ids])
+    for sid, total in zip(ids, scores.total.tolist(), strict=True):
+        assert abs(total - rows[sid].logprob_total) <= 1e-4 * max(1.0, abs(rows[sid].logprob_total))
+
+
+@pytest.mark.parametrize(
+    ("snippets", "needle"),
+    [
+        ("def f(): pass", "snippets"),
+        ([{"filepath": "a.py"}], "snippets.0.body"),
+        ([{"body": 42}], "snippets.0.body"),
+        ([{"body": "x"}] * 65, "snippets"),
+    ],
+)
+def test_snippets_of_the_wrong_type_get_422_naming_the_field(
+    api: httpx.Client, snippets: Any, needle: str
+) -> None:
+    r = complete(api, snippets=snippets)
+    assert r.status_code == 422, r.text
+    assert needle in r.json()["error"]["message"]

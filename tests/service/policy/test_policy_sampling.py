@@ -20,6 +20,7 @@ from service.policy.sampling import (
     score_actions,
 )
 from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.recall import Proposal
 
 
 def _prompts(small_code: list[str], n: int, seed: int) -> list[str]:
@@ -321,3 +322,55 @@ def test_a_batch_samples_what_each_request_samples_alone(
     torch.testing.assert_close(
         scores.total, torch.tensor([c.logprob_total for c in together]), atol=1e-4, rtol=0
     )
+
+
+def _set_copy(model: GPT, bias: float) -> None:
+    with torch.no_grad():
+        model.gate.copy.weight.zero_()
+        model.gate.copy.bias.fill_(bias)
+
+
+@pytest.mark.parametrize("copy_bias", [-30.0, 0.0, 30.0], ids=["never", "mixed", "always"])
+def test_a_copy_proposal_is_part_of_the_action_and_its_logprob_is_recomputed(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str], copy_bias: float
+) -> None:
+    _set_gate(tiny_model, 0.0)
+    _set_copy(tiny_model, copy_bias)
+    proposal = Proposal("open(path) as f:", "memory", 24, 2, 2)
+    prompts = [
+        Prompt(prefix, "", 12, torch.Generator().manual_seed(i), proposal if i % 4 else None)
+        for i, prefix in enumerate(_prompts(small_code, 48, seed=5))
+    ]
+    comps = complete_batch(tiny_model, tiny_tokenizer, prompts, 0.9, 0.95)
+    with torch.no_grad():
+        scores = score_actions(tiny_model, tiny_tokenizer, comps)
+    torch.testing.assert_close(scores.total, torch.tensor([c.logprob_total for c in comps]))
+    torch.testing.assert_close(scores.decision, torch.tensor([c.decision_logprob for c in comps]))
+    copied = [c.copied for c in comps]
+    for c, p in zip(comps, prompts, strict=True):
+        assert (c.recall is None) == (p.proposal is None)
+        if c.copied:  # shown as proposed; the gate was not drawn
+            assert (c.text, c.shown) == (proposal.text, True)
+    gate_drawn = scores.gate_decision != 0
+    assert not any(g and c for g, c in zip(gate_drawn.tolist(), copied, strict=True))
+    if copy_bias > 0:
+        assert copied == [p.proposal is not None for p in prompts]
+    elif copy_bias < 0:
+        assert not any(copied)
+    else:
+        assert any(copied) and not all(
+            c for c, p in zip(copied, prompts, strict=True) if p.proposal
+        )
+    # each rollout alone samples what it sampled in the batch
+    alone = complete(
+        tiny_model,
+        tiny_tokenizer,
+        prompts[1].prefix,
+        "",
+        12,
+        0.9,
+        0.95,
+        torch.Generator().manual_seed(1),
+        proposal=proposal,
+    )
+    assert (alone.text, alone.copied) == (comps[1].text, comps[1].copied)

@@ -127,12 +127,48 @@ def test_a_completion_is_a_rollout_of_the_live_policy(tabby: httpx.Client, serve
         ({"segments": None}, "segments"),
         ({"segments": {"prefix": "x"}, "language": "p" * 65}, "language"),
         ({"segments": {"prefix": "x"}, "user": 7}, "user"),
+        ({"segments": {"prefix": "x", "declarations": "def f(): ..."}}, "declarations"),
+        ({"segments": {"prefix": "x", "declarations": [{"body": 1}]}}, "declarations.0.body"),
+        (
+            {"segments": {"prefix": "x", "relevant_snippets_from_changed_files": [{"score": 1}]}},
+            "relevant_snippets_from_changed_files.0.body",
+        ),
+        ({"segments": {"prefix": "x", "clipboard": ["y"]}}, "clipboard"),
     ],
 )
 def test_bad_completion_requests_get_422(tabby: httpx.Client, body: dict, needle: str) -> None:
     r = tabby.post("/v1/completions", json=body)
     assert r.status_code == 422, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_the_editors_snippets_and_clipboard_are_copied_from(
+    tabby: httpx.Client, served: Any
+) -> None:
+    """Tabby's `declarations`, `relevant_snippets_from_changed_files` and `clipboard` feed the
+    copy proposals (tabloop.core.recall) as the prefix and the suffix do."""
+    snippets = {
+        "declarations": [{"filepath": "a.py", "body": "def area(width, height, *, unit='cm'):"}],
+        "relevant_snippets_from_changed_files": [
+            {"filepath": "b.py", "body": "total = compute_total(items, tax_rate=0.2)", "score": 1}
+        ],
+        "clipboard": "logger.warning('retrying %s after %.1f s', url, delay)",
+    }
+    cases = {
+        "x = area(width, height, *, un": "it='cm'):",
+        "y = compute_total(items, tax_r": "ate=0.2)",
+        "    logger.warning('retrying %s af": "ter %.1f s', url, delay)",
+    }
+    answers = {}
+    for prefix, want in cases.items():
+        r = tabby.post(
+            "/v1/completions",
+            json={"language": "python", "segments": {"prefix": prefix, **snippets}},
+        )
+        assert r.status_code == 200, r.text
+        answers[r.json()["id"].removeprefix("cmpl-")] = want
+    for row in rows(served.settings, rollouts, rollouts.c.suggestion_id.in_(answers)):
+        assert row.recall is not None and row.recall["text"] == answers[row.suggestion_id]
 
 
 def test_not_json_is_400(tabby: httpx.Client) -> None:

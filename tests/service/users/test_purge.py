@@ -102,6 +102,7 @@ def test_purge_removes_one_user_only_and_sends_a_tombstone(
             "rewards": 2,
             "outbox": 5,
             "dead_letters": 1,
+            "workspace_code": 1,  # the document the person's requests left in the memory
         }
         assert _counts(engine, gone) == {
             "rollouts": 0,
@@ -194,6 +195,7 @@ def test_purge_removes_settled_text_everywhere(client: httpx.Client, engine: sa.
         "rewards": 0,
         "outbox": 1,
         "dead_letters": 1,
+        "workspace_code": 0,
     }
     assert _holding(engine, f"settled-by-{gone}") == {"events": 0, "outbox": 0, "dead_letters": 0}
     assert _holding(engine, f"settled-by-{kept}") == {"events": 1, "outbox": 1, "dead_letters": 1}

@@ -1,0 +1,238 @@
+"""Writing new code top to bottom: what each policy would give people, offline, on the same cursors.
+
+    python -m benchmarks.writing [--corpus DIR] [--n 1000] [--seeds 0,1,2]
+        [--checkpoint DIR] [--policies model,copy,served]
+
+A team writes the corpus's files in path order (the standard library's held-out files by
+default, or every non-test `*.py` under `--corpus`, e.g. a package the base never trained on).
+Each request's prefix is the file above the cursor, there is no suffix, and every cursor is on a
+line whose text was never sent before in any form (trainer.corpus.writing_cursors). The
+workspace memory holds the team's earlier files as they were written.
+
+Policies, each on the same cursors:
+- `model`: the language model alone, as served before the memory (the last tokens of the prefix,
+  sampled, confidence stop, its gate);
+- `copy`: the copy heuristic with no model at all: the longest earlier match (>= 16 bytes) of the
+  text before the cursor in the file above, then in the team's earlier files; what followed it
+  to the end of the line, always shown (tabloop.core.recall.propose);
+- `served`: the policy as served now (service.policy.sampling with the proposal).
+
+Figures per policy: useful chars per 100 requests (the characters of shown suggestions that are
+a prefix of the true rest of the line), whole rest of line (shown and exact, per request), exact
+of shown, shown per request, wrong shown per request, and p50 latency per request (one thread).
+Every seed is printed, then the mean and the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from service.policy.checkpoint import load_checkpoint
+from service.policy.sampling import complete
+from tabloop.core.recall import RECALL_INPUTS, Text, propose, recall_inputs
+from trainer.corpus import Cursor, corpus_files, directory_files, exact_match, writing_cursors
+
+DEFAULT_BASE = Path(__file__).resolve().parents[1] / "service" / "policy" / "base"
+
+
+@dataclass
+class Tally:
+    """What one policy gave on a run's cursors."""
+
+    requests: int = 0
+    shown: int = 0
+    useful_chars: int = 0
+    whole: int = 0
+    wrong: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    def add(self, shown_text: str, rest: str, seconds: float) -> None:
+        self.requests += 1
+        self.latencies.append(seconds)
+        if not shown_text:
+            return
+        self.shown += 1
+        if exact_match(shown_text, rest):
+            self.whole += 1
+            self.useful_chars += len(shown_text.rstrip())
+        elif rest.startswith(shown_text):
+            self.useful_chars += len(shown_text)
+        else:
+            self.wrong += 1
+
+    def figures(self) -> dict[str, float]:
+        n = max(1, self.requests)
+        return {
+            "useful/100": 100 * self.useful_chars / n,
+            "whole": self.whole / n,
+            "exact_of_shown": self.whole / max(1, self.shown),
+            "shown": self.shown / n,
+            "wrong/req": self.wrong / n,
+            "p50_ms": 1000 * statistics.median(self.latencies or [0.0]),
+        }
+
+
+COPY_SHARPNESS = 2.0  # the fitted logit times this in COPY_INIT
+Policy = Callable[[Cursor, Text | None, int], str]
+PARTS = ("all", "unseen", "repeated")  # every cursor; lines never sent before; the others
+
+
+def files_of(corpus: Path | None) -> list[Path]:
+    if corpus is None:
+        return sorted(corpus_files("heldout"))
+    return sorted(
+        p
+        for p in directory_files("heldout", corpus) + directory_files("train", corpus)
+        if p.suffix == ".py"
+    )
+
+
+def memories(paths: Sequence[Path]) -> dict[Path, Text]:
+    """For each file, the workspace memory when its writing starts: the earlier files."""
+    out, done = {}, b""
+    for p in paths:
+        out[p] = Text(done)
+        done += p.read_bytes().replace(b"\x00", b"") + b"\x00"
+    return out
+
+
+def run(
+    policies: dict[str, Policy], paths: Sequence[Path], n: int, seed: int
+) -> dict[tuple[str, str], Tally]:
+    cursors = writing_cursors(paths, n, seed)
+    memory = memories(paths)
+    tallies = {(name, part): Tally() for name in policies for part in PARTS}
+    for i, (cur, repeated) in enumerate(cursors):
+        for name, policy in policies.items():
+            t0 = time.perf_counter()
+            text = policy(cur, memory[cur.path], seed * 1_000_003 + i)
+            seconds = time.perf_counter() - t0
+            tallies[name, "all"].add(text, cur.rest_of_line, seconds)
+            tallies[name, "repeated" if repeated else "unseen"].add(text, cur.rest_of_line, seconds)
+        if (i + 1) % 200 == 0:
+            print(f"  seed {seed}: {i + 1}/{len(cursors)} cursors", file=sys.stderr)
+    return tallies
+
+
+def fit(model_policy: Policy, paths: Sequence[Path], n: int, seed: int) -> int:
+    """Fit the copy head, p(the proposal is a prefix of the true rest of the line), by logistic
+    regression on the corpus's cursors with a proposal, each weighted by the characters it
+    proposes (a long right proposal is worth more, a long wrong one costs more reading); print
+    it as COPY_INIT."""
+    memory = memories(paths)
+    xs, ys, ws = [], [], []
+    for i, (cur, _) in enumerate(writing_cursors(paths, n, seed)):
+        p = propose(cur.prefix, (), memory[cur.path])
+        if p is not None:
+            lm = model_policy(cur, None, seed * 1_000_003 + i)
+            xs.append(recall_inputs(p, lm))
+            ys.append(float(cur.rest_of_line.startswith(p.text)))
+            ws.append(float(len(p.text)))
+    x = torch.cat(
+        [torch.tensor(xs, dtype=torch.float64), torch.ones(len(xs), 1, dtype=torch.float64)], 1
+    )
+    y = torch.tensor(ys, dtype=torch.float64)
+    w = torch.tensor(ws, dtype=torch.float64)
+    w = w / w.mean()
+    coef = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([coef], max_iter=500, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(x @ coef, y, w) + 1e-3 * (coef[:-1] ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    # copy where p(right) >= 1/4 (a right suggestion worth three wrong ones, Cursor's 0.75 /
+    # -0.25), twice as sharp as the fit: the loop then learns from the copies it shows
+    shifted = coef.detach().clone()
+    shifted[-1] += math.log(3.0)
+    c = [round(float(v), 3) for v in COPY_SHARPNESS * shifted]
+    acc = float((((x @ coef.detach()) > 0).double() == y).double().mean())
+    print(f"{len(ys)} proposals, {sum(ys) / len(ys):.1%} right; fit accuracy {acc:.1%}")
+    print(f"COPY_INIT = {tuple(c)}  # {', '.join(RECALL_INPUTS)}, bias")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--corpus", type=Path, help="a directory of Python code (default: stdlib held-out)"
+    )
+    ap.add_argument("--n", type=int, default=1000, help="cursors per seed (about)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_BASE)
+    ap.add_argument("--policies", default="model,copy,request,served")
+    ap.add_argument(
+        "--fit",
+        action="store_true",
+        help="fit the copy head's initial weights on this corpus instead (prints COPY_INIT)",
+    )
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    model, tok, _ = load_checkpoint(args.checkpoint)
+    model.eval()
+
+    def model_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
+        g = torch.Generator().manual_seed(seed)
+        return complete(model, tok, cur.prefix, "", 32, generator=g).shown_text
+
+    def copy_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
+        p = propose(cur.prefix, (), memory)
+        return "" if p is None else p.text
+
+    def either_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
+        p = propose(cur.prefix, (), memory)
+        return model_policy(cur, memory, seed) if p is None else p.text
+
+    def served_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
+        g = torch.Generator().manual_seed(seed)
+        p = propose(cur.prefix, (), memory)
+        return complete(model, tok, cur.prefix, "", 32, generator=g, proposal=p).shown_text
+
+    def request_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
+        return served_policy(cur, None, seed)
+
+    table: dict[str, Policy] = {
+        "model": model_policy,
+        "copy": copy_policy,
+        "either": either_policy,
+        "served": served_policy,
+        "request": request_policy,
+    }
+    if args.fit:
+        return fit(model_policy, files_of(args.corpus), args.n, int(args.seeds.split(",")[0]))
+    chosen = {name: table[name] for name in args.policies.split(",")}
+    paths = files_of(args.corpus)
+    print(f"{len(paths)} files, {sum(len(p.read_bytes()) for p in paths):,} bytes")
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for (name, part), tally in run(chosen, paths, args.n, seed).items():
+            results.setdefault((name, part), []).append(tally.figures())
+            figs = "  ".join(f"{k} {v:.3f}" for k, v in results[name, part][-1].items())
+            print(f"seed {seed} {name:<8} {part:<9} n={tally.requests:<5} {figs}")
+    print("\nmean (min-max) over seeds")
+    for (name, part), runs in sorted(
+        results.items(), key=lambda kv: (PARTS.index(kv[0][1]), kv[0][0])
+    ):
+        cells = []
+        for k in runs[0]:
+            vals = [r[k] for r in runs]
+            cells.append(f"{k} {statistics.mean(vals):.3f} ({min(vals):.3f}-{max(vals):.3f})")
+        print(f"{name:<8} {part:<9} " + "  ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

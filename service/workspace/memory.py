@@ -1,0 +1,223 @@
+"""The workspace memory: the code a workspace's editors sent, searchable for copy proposals.
+
+What it holds. Every API key belongs to one workspace (`tabloop keys create --workspace`; by
+default the key's own). Each completion request of a key that may be trained on leaves its
+document as it stood, the prefix and the suffix joined (capped at TABLOOP_MAX_RECALL_CHARS
+each), in `workspace_code`: one row per (workspace, scope, person, file path), the latest
+replacing the one before. Nothing from a `no_train` key or request is written;
+`DELETE /admin/users/{id}` deletes the person's rows; TABLOOP_CODE_RETENTION_DAYS deletes rows
+not written for that long.
+
+What a request reads. The memory of its key's workspace: all of its rows, or, when the request
+names a `workspace_id` (Tabby: `git_url`), only the rows written under that name. The name
+narrows what is read, never widens it: rows of another workspace are never read.
+
+Bounds, and what one person can do. A memory reads each person's newest documents up to
+TABLOOP_MEMORY_PERSON_BYTES, and the workspace's newest up to TABLOOP_MEMORY_WORKSPACE_BYTES;
+older ones are left out (evicted) until written again. A match's occurrences count once per
+person (tabloop.core.recall.Text's owners): someone who pastes a line ten thousand times weighs
+as one occurrence of it, so the copy head sees one person's word, never a crowd's. And a
+proposal needs a match of at least 16 bytes of the text before the cursor: a person's text is
+proposed only where a teammate's cursor follows the same text.
+
+Freshness. Each API process keeps, for every workspace (and scope) asked about in the last hour,
+a suffix-array index of it (tabloop.core.recall.Text), and a background thread rebuilds one when
+its rows changed (their count or newest write), checked every TABLOOP_MEMORY_REFRESH_S seconds.
+Every process reads the same table, in PostgreSQL in full mode, so every API process sees the
+same memory within about that time, and a restart rebuilds it from the table. Requests never
+wait for a build: until the first one is done, a workspace's requests propose from their own
+text only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from service.tables import utcnow, workspace_code
+from tabloop.core.recall import SEPARATOR, Text
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 3600.0  # a workspace nobody asked about for this long is dropped from memory
+
+Key = tuple[str, str | None]  # (workspace, scope or None for all of it)
+
+
+def remember(
+    conn: sa.Connection,
+    *,
+    workspace: str,
+    scope: str | None,
+    user_id: str,
+    document: str | None,
+    text: str,
+) -> None:
+    """Write (or replace) a person's document in the workspace's memory."""
+    values = {
+        "workspace": workspace,
+        "scope": scope or "",
+        "user_id": user_id,
+        "document": document or "",
+        "text": text.replace("\x00", ""),
+        "updated_at": utcnow(),
+    }
+    dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
+    stmt = dialect.insert(workspace_code).values(**values)
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["workspace", "scope", "user_id", "document"],
+            set_={"text": stmt.excluded.text, "updated_at": stmt.excluded.updated_at},
+        )
+    )
+
+
+def forget_user(conn: sa.Connection, user_id: str) -> int:
+    """Delete what a person contributed; the rows removed."""
+    return conn.execute(workspace_code.delete().where(workspace_code.c.user_id == user_id)).rowcount
+
+
+def expire(conn: sa.Connection, cutoff: object) -> int:
+    """Delete documents last written before `cutoff`; the rows removed."""
+    return conn.execute(
+        workspace_code.delete().where(workspace_code.c.updated_at < cutoff)
+    ).rowcount
+
+
+@dataclass(frozen=True)
+class Built:
+    """One workspace's (or scope's) index, and what it was built from."""
+
+    text: Text
+    fingerprint: tuple[int, object]  # (rows, newest updated_at) when it was built
+    documents: int
+    people: int
+
+
+def _where(key: Key) -> list[sa.ColumnElement[bool]]:
+    workspace, scope = key
+    out = [workspace_code.c.workspace == workspace]
+    if scope is not None:
+        out.append(workspace_code.c.scope == scope)
+    return out
+
+
+def build(conn: sa.Connection, key: Key, person_bytes: int, workspace_bytes: int) -> Built:
+    """The index of a workspace's documents, newest first within the per-person and workspace
+    byte caps (module docstring); each document's bytes are owned by its person."""
+    rows = conn.execute(
+        sa.select(workspace_code.c.user_id, workspace_code.c.text, workspace_code.c.updated_at)
+        .where(*_where(key))
+        .order_by(workspace_code.c.updated_at.desc(), workspace_code.c.id.desc())
+    ).all()
+    fingerprint = (len(rows), rows[0].updated_at if rows else None)
+    per_person: dict[str, int] = {}
+    total, kept = 0, []
+    for r in rows:
+        data = r.text.encode("utf-8")
+        used = per_person.get(r.user_id, 0)
+        if used + len(data) > person_bytes or total + len(data) > workspace_bytes:
+            continue
+        per_person[r.user_id] = used + len(data)
+        total += len(data)
+        kept.append((r.user_id, data))
+    kept.reverse()  # oldest first: the nearest occurrence of a match is the newest document
+    people = sorted({u for u, _ in kept})
+    owner_of = {u: i for i, u in enumerate(people)}
+    starts, owners, chunks, at = [], [], [], 0
+    for user_id, data in kept:
+        starts.append(at)
+        owners.append(owner_of[user_id])
+        chunks.append(data)
+        at += len(data) + len(SEPARATOR)
+    text = Text(SEPARATOR.join(chunks), starts, owners)
+    return Built(text, fingerprint, len(kept), len(people))
+
+
+def fingerprint(conn: sa.Connection, key: Key) -> tuple[int, object]:
+    row = conn.execute(
+        sa.select(sa.func.count(), sa.func.max(workspace_code.c.updated_at)).where(*_where(key))
+    ).one()
+    return int(row[0]), row[1]
+
+
+class WorkspaceMemory:
+    """The API process's indexes of the workspaces it was asked about (module docstring)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        refresh_s: float,
+        person_bytes: int,
+        workspace_bytes: int,
+    ) -> None:
+        self.engine = engine
+        self.refresh_s = refresh_s
+        self.person_bytes, self.workspace_bytes = person_bytes, workspace_bytes
+        self._built: dict[Key, Built] = {}
+        self._asked: dict[Key, float] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def lookup(self, workspace: str, scope: str | None = None) -> Text | None:
+        """The index to propose from for a request of `workspace` naming `scope`, if built."""
+        key = (workspace, scope or None)
+        self._asked[key] = time.monotonic()
+        built = self._built.get(key)
+        if built is None:
+            self._wake.set()  # build it now rather than at the next refresh
+            return None
+        return built.text
+
+    def refresh(self) -> None:
+        """One pass: drop idle workspaces, rebuild the ones whose rows changed."""
+        now = time.monotonic()
+        for key, asked in list(self._asked.items()):
+            if now - asked > IDLE_S:
+                self._asked.pop(key, None)
+                self._built.pop(key, None)
+                continue
+            with self.engine.connect() as conn:
+                current = self._built.get(key)
+                if current is not None and fingerprint(conn, key) == current.fingerprint:
+                    continue
+                started = time.perf_counter()
+                built = build(conn, key, self.person_bytes, self.workspace_bytes)
+            self._built[key] = built
+            log.info(
+                "workspace memory built",
+                extra={
+                    "workspace": key[0],
+                    "scope": key[1],
+                    "documents": built.documents,
+                    "people": built.people,
+                    "bytes": len(built.text),
+                    "seconds": round(time.perf_counter() - started, 3),
+                },
+            )
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except sa.exc.SQLAlchemyError as e:  # the database is down: try again next time
+                log.warning("workspace memory refresh failed: %s", e)
+            self._wake.wait(self.refresh_s)
+            self._wake.clear()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="workspace-memory", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

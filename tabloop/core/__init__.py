@@ -1,0 +1,1 @@
+"""What every tabloop program shares: the API, the trainer and the simulator build on it."""
