@@ -28,7 +28,7 @@ without any learning (with --baseline-minutes, how much the baseline phase and t
 differ).
 
 `--baseline-minutes`, `--settled`, `--corpus`, `--adversaries` and `--adversary-kinds` go to
-`tabloop simulate` (a baseline phase with the trainer paused; the share of people sending
+`tabloop simulate`, and `--editing` as its `--mode` (a baseline phase with the trainer paused; the share of people sending
 code_settled; the code people edit; how many of the --users seats hold adversaries, and their
 kinds: report.json's `honest` section then gives the honest people's figures apart).
 
@@ -114,6 +114,13 @@ def main() -> int:
         type=Path,
         metavar="DIR",
         help="tabloop simulate --corpus: people edit the *.py files under DIR",
+    )
+    p.add_argument(
+        "--editing",
+        choices=("retype", "write"),
+        default="retype",
+        help="tabloop simulate --mode: retype lines anywhere, or write the files top to "
+        "bottom with no suffix (default retype)",
     )
     p.add_argument(
         "--adversaries",
@@ -244,6 +251,7 @@ def main() -> int:
         ]
         if args.corpus:
             argv += ["--corpus", str(args.corpus.resolve())]
+        argv += ["--mode", args.editing]
         if args.baseline:
             argv += ["--baseline-cursors", "0"]
         else:

@@ -184,6 +184,17 @@ ROWS = (
 )
 
 
+THIRDS_ROWS = (
+    ("useful_chars_per_100", "useful chars / 100 req", ".1f"),
+    ("whole_line_rate", "whole rest of line", ".3f"),
+    ("exact_of_shown", "exact of shown", ".3f"),
+    ("shown_per_request", "shown per request", ".3f"),
+    ("wrong_shown_per_request", "wrong shown per request", ".3f"),
+    ("accept_rate_of_shown", "accept rate of shown", ".3f"),
+    ("latency_ms_p50", "latency p50 ms", ".1f"),
+)
+
+
 def phase_table(comparison: dict[str, Any]) -> Table:
     """The learning phase's last fifth against its reference, on all lines and on fresh ones."""
     reference = "baseline phase" if comparison["reference"] == "baseline_phase" else "first fifth"
@@ -237,6 +248,17 @@ def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
             fmt(base.get(key), form),
         )
     console.print(table)
+    thirds = report.get("thirds")
+    if thirds:
+        table = Table(
+            title="first third vs last third of the run (useful: shown text that is a "
+            "prefix of the true rest of the line)"
+        )
+        for col in ("", "first third", "last third"):
+            table.add_column(col, justify="right")
+        for key, label, form in THIRDS_ROWS:
+            table.add_row(label, fmt(thirds["first"][key], form), fmt(thirds["last"][key], form))
+        console.print(table)
     comparison = report["phase_comparison"]
     console.print(phase_table(comparison))
     console.print(f"  {comparison['note']}", highlight=False)

@@ -90,6 +90,7 @@ def build_report(
             "reward_spec": sim.spec,
             "adversaries": cfg.adversaries,
             "adversary_kinds": list(cfg.adversary_kinds),
+            "mode": cfg.mode,
             "reward_spec_source": spec_source,
             "started_at": sim.started_at.isoformat().replace("+00:00", "Z"),
             "machine": machine(),
@@ -109,6 +110,9 @@ def build_report(
         },
         "buckets": rpt.bucketize(sim.records, cfg.bucket_width_s, sim.duration_s),
         "fifths": summary,
+        # the first and last third of the run (writing mode's comparison; useful characters
+        # first)
+        "thirds": rpt.thirds(sim.records, sim.duration_s),
         "phase_comparison": {
             **phases.learning_comparison(sim.records, baseline_s, sim.duration_s),
             "gated_deploys": gated,

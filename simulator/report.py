@@ -82,9 +82,23 @@ class RequestRecord:
     latency_ms: float
     phase: str = "learning"  # baseline (trainer paused) | learning (simulator.phases)
     fresh: bool = True  # no code_settled had been sent for this source line before the request
+    # characters of the shown suggestion that are a prefix of the true rest of the line (all of
+    # it when exact), and whether it was exactly the rest of the line
+    useful_chars: int = 0
+    whole_line: bool = False
     path: str = ""  # the source file of the cursor's line
     line_no: int = -1  # the cursor's line in it, 0-based
     adversary: str | None = None  # the adversary's kind (simulator.population); None: honest
+
+
+def usefulness(text: str, rest_of_line: str) -> tuple[int, bool]:
+    """(useful characters, whole line) of a shown suggestion: all of it when it is the rest of
+    the line (trailing whitespace aside), its length when it is a prefix of it, else 0."""
+    if not text.strip():
+        return 0, False
+    if text.rstrip() == rest_of_line.rstrip():
+        return len(text.rstrip()), True
+    return (len(text), False) if rest_of_line.startswith(text) else (0, False)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -106,6 +120,10 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "rejected": sum(r.action == "reject" for r in shown),
         "ignored": sum(r.action == "ignore" for r in shown),
         **_rates(n, len(shown), len(accepted), sum(r.retained_chars for r in accepted)),
+        "useful_chars_per_100": _ratio(100 * sum(r.useful_chars for r in records), n),
+        "whole_line_rate": _ratio(sum(r.whole_line for r in records), n),
+        "exact_of_shown": _ratio(sum(r.whole_line for r in shown), len(shown)),
+        "wrong_shown_per_request": _ratio(sum(r.useful_chars == 0 for r in shown), n),
         "correct_of_shown": _ratio(sum(r.verdict == "correct" for r in shown), len(shown)),
         "accepted_chars_per_100": _ratio(100 * sum(r.accepted_chars for r in accepted), n),
         "reward_per_request": _ratio(sum(r.reward for r in records), n),
@@ -225,6 +243,12 @@ def fifths(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any
         "change": {k: relative_change(first[k], last[k]) for k in keys},
         "interval": change_intervals(windows[0], windows[-1]),
     }
+
+
+def thirds(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any]:
+    """`metrics` of the run's first and last third (writing mode's comparison)."""
+    windows = [p for _, _, p in split_by_time(records, duration_s / 3, duration_s)]
+    return {"first": metrics(windows[0]), "last": metrics(windows[-1])}
 
 
 def _rates(n: float, shown: float, accepted: float, retained: float) -> dict[str, float | None]:

@@ -61,7 +61,7 @@ from rich.console import Console
 from simulator import phases
 from simulator import report as rpt
 from simulator.client import ApiError, Client, EventSender
-from simulator.corpus import CorpusError, load_lines
+from simulator.corpus import CorpusError, corpus_paths, load_lines
 from simulator.display import Display
 from simulator.output import build_report, write_outputs
 from simulator.population import (
@@ -88,7 +88,8 @@ from simulator.population import (
     step,
     think_time,
 )
-from trainer.corpus import Cursor
+from simulator.writing import WritingSource
+from trainer.corpus import Cursor, corpus_files
 
 log = logging.getLogger("tabloop.simulate")
 
@@ -117,6 +118,7 @@ class SimConfig:
     poll_s: float = 5.0  # how often the display reads the deployment timeline
     adversaries: int = 0  # the last N seats hold adversaries (simulator.population)
     adversary_kinds: tuple[AdversaryKind, ...] = ("accept_all", "reject_all")  # taken in turn
+    mode: str = "retype"  # retype: cursors anywhere in the files; write: top to bottom
 
     @property
     def baseline_s(self) -> float:
@@ -182,8 +184,10 @@ class Simulation:
         client: Client,
         sender: EventSender,
         trainer: phases.TrainerControl | None = None,
+        writing: WritingSource | None = None,
     ) -> None:
         self.cfg, self.spec, self.source = cfg, spec, source
+        self.writing = writing  # writing mode's files (None: retyping anywhere)
         self.client, self.sender = client, sender
         # the adversaries' own sender: what the service refused of theirs is counted apart
         self.adversary_sender = EventSender(
@@ -237,7 +241,8 @@ class Simulation:
                 "workspace_id": "sim",
                 "language": "python",
                 "file_path": cursor.path.name,
-                "prefix": prefix[-8000:],
+                # a writer sends the whole file above (the service searches it all)
+                "prefix": prefix[-(200_000 if self.writing else 8000) :],
                 "suffix": suffix[:2000],
                 "max_new_tokens": self.cfg.max_new_tokens,
             }
@@ -284,11 +289,15 @@ class Simulation:
             move_on()
             if self.stop.is_set():
                 return "stop"
-            cursor = self.source.draw(rng, self.cfg.population.reject_family_share)
+            if self.writing is not None:
+                cursor, repeated = self.writing.draw(user_id, rng)
+                fresh = not repeated
+            else:
+                cursor = self.source.draw(rng, self.cfg.population.reject_family_share)
+                fresh = line_key(cursor) not in self.settled_lines
             prefix, suffix = request_context(cursor)
             family = in_reject_family(prefix)
             t = self.now()
-            fresh = line_key(cursor) not in self.settled_lines
             resp = await self._complete(user_id, cursor, prefix, suffix)
             if resp is None:
                 self.counters.errors += 1
@@ -402,6 +411,7 @@ class Simulation:
     ) -> None:
         accepted = decision is not None and decision.action == "accept"
         chars = decision.accepted_chars if decision is not None and accepted else 0
+        useful, whole = rpt.usefulness(text, cursor.rest_of_line)
         self.records.append(
             rpt.RequestRecord(
                 t=round(t, 3),
@@ -421,6 +431,8 @@ class Simulation:
                 path=str(cursor.path),
                 line_no=cursor.line_no,
                 adversary=adversary,
+                useful_chars=useful,
+                whole_line=whole,
             )
         )
 
@@ -525,7 +537,14 @@ async def simulate(cfg: SimConfig, console: Console) -> dict[str, Any]:
         sender = EventSender(
             client, batch_size=cfg.event_batch_size, flush_interval_s=cfg.flush_interval_s
         )
-        sim = Simulation(cfg, spec, source, client, sender, control)
+        writing = None
+        if cfg.mode == "write":
+            paths = (
+                sorted(corpus_files("heldout")) if cfg.corpus is None else corpus_paths(cfg.corpus)
+            )
+            writing = WritingSource(paths)
+            console.print(f"writing mode: {len(paths)} files, top to bottom", highlight=False)
+        sim = Simulation(cfg, spec, source, client, sender, control, writing)
         display = Display(cfg, admin, console, admin_client)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, sim.interrupted.set)
@@ -656,6 +675,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated, taken in turn by the adversaries: "
         f"{', '.join(ADVERSARY_KINDS)} (default accept_all,reject_all)",
     )
+    p.add_argument(
+        "--mode",
+        choices=("retype", "write"),
+        default="retype",
+        help="retype: people edit lines anywhere in the files (the suffix below is sent); "
+        "write: a team writes the files top to bottom, the file above as the prefix and no "
+        "suffix, every cursor on a line not yet written (default retype)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds people, cursors and decisions")
     p.add_argument(
         "--out",
@@ -728,6 +755,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         live=args.live,
         adversaries=args.adversaries,
         adversary_kinds=parse_kinds(args.adversary_kinds),
+        mode=args.mode,
     )
 
 

@@ -186,6 +186,20 @@ class Block(nn.Module):
         return out
 
 
+class CopyHead(nn.Module):
+    """A linear logit on the copy proposal's inputs. Its parameters are made without drawing
+    from the random generator (set by init_copy), so that the rest of the model initialises
+    from a seed exactly as it did before the head existed."""
+
+    def __init__(self, inputs: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, inputs))
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class Gate(nn.Module):
     """logit p(show) = w_h . h + w_f . features + b; starts as a pure confidence threshold."""
 
@@ -194,7 +208,7 @@ class Gate(nn.Module):
         self.hidden = nn.Linear(config.n_embd, 1, bias=False)
         self.features = nn.Linear(len(GATE_FEATURES), 1)
         # logit p(copy) from tabloop.core.recall.recall_inputs (a proposal's evidence)
-        self.copy = nn.Linear(len(RECALL_INPUTS), 1)
+        self.copy = CopyHead(len(RECALL_INPUTS))
 
     def forward(self, h: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = (self.hidden(h) + self.features(features)).squeeze(-1)

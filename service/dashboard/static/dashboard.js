@@ -131,11 +131,12 @@
     const gen = ++state.gen;  // only the latest refresh renders (an action's beats the timer's)
     const win = $("window-select").value;
     try {
-      const [metrics, deployments, training, audit] = await Promise.all([
+      const [metrics, deployments, training, audit, keys] = await Promise.all([
         api("GET", `/admin/metrics?window=${encodeURIComponent(win)}`),
         api("GET", "/admin/deployments?limit=50"),
         api("GET", "/admin/training"),
         api("GET", `/admin/audit?limit=${AUDIT_ROWS}`),
+        api("GET", "/admin/keys"),
       ]);
       if (gen !== state.gen) return;
       state.metrics = metrics;
@@ -150,6 +151,7 @@
       renderTimeline(deployments);
       renderTrainer(training);
       renderAudit(audit.entries);
+      renderKeys(keys);
       if (!$("banner").classList.contains("info")) banner(null);
       $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     } catch (e) {
@@ -390,6 +392,18 @@
     $("trainer").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
     $("pause").hidden = t.paused;
     $("resume").hidden = !t.paused;
+  }
+
+  // --- keys ----------------------------------------------------------------------------------
+  function renderKeys(keys) {
+    const rows = keys.map((k) => el("tr", { "data-key": k.id },
+      el("td", { class: "mono" }, k.id),
+      el("td", {}, k.name),
+      el("td", {}, k.scopes.join(", ")),
+      el("td", { class: "workspace" }, k.workspace === k.id ? `${k.workspace} (its own)` : k.workspace),
+      el("td", {}, k.no_train ? "no-train" : "–"),
+      el("td", {}, k.revoked_at ? `revoked ${when(k.revoked_at)}` : "active")));
+    $("keys-table").tBodies[0].replaceChildren(...rows);
   }
 
   // --- audit log -----------------------------------------------------------------------------

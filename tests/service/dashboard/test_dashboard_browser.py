@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.auth.keys import create_key
 from service.rewards.core import RewardSpec
 from service.tables import utcnow
 from tests.factories import event
@@ -141,6 +142,10 @@ def test_login_charts_and_rollback(
         ) as ingest,
     ):
         real_traffic(served, admin, ingest, tiny_checkpoint_factory(1))
+    with served.app.state.ctx.engine.begin() as conn:  # a key of a named workspace
+        team_key, _ = create_key(
+            conn, name="payments-vscode", scopes=frozenset({"ingest"}), workspace="team-payments"
+        )
     page = browser_page
     page.goto(served.url + "/admin/")
 
@@ -167,6 +172,12 @@ def test_login_charts_and_rollback(
     # the accept rate is of shown suggestions: the base policy (v1) shows some, the tiny one
     # (v2) shows nothing, so it has no accept rate
     assert series["accept"] == [1, 0], series
+
+    # the keys, each with its workspace: a named one, or the key's own
+    expect(page.locator(f"#keys-table tr[data-key='{team_key.id}']")).to_contain_text(
+        "team-payments"
+    )
+    expect(page.locator("#keys-table tbody")).to_contain_text("(its own)")
 
     # the audit log: what the service and this key did so far, newest first
     audit = page.locator("#audit-table tbody tr")

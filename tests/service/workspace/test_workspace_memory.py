@@ -10,8 +10,11 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
+import torch
 
 from service.db import make_engine
+from service.policy.checkpoint import load_checkpoint
+from service.policy.sampling import score_actions
 from service.tables import rollouts, workspace_code
 from tabloop.core.recall import RECALL_INPUTS
 
@@ -89,6 +92,16 @@ def test_a_workspace_shares_its_memory_and_no_other_workspace_reads_it(
     recall = proposal_from_memory(bob, served.settings, "bob")
     assert recall is not None and recall["inputs"][FROM_MEMORY] == 1.0
     assert recall["text"] == SECRET  # a teammate gets what alice wrote there
+    # the rollouts that used the memory: their log-probabilities recomputed exactly
+    engine = make_engine(served.settings)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(rollouts).where(rollouts.c.recall.is_not(None))).all()
+    engine.dispose()
+    model, tokenizer, _ = load_checkpoint(served.settings.base_checkpoint)
+    with torch.no_grad():
+        totals = score_actions(model, tokenizer, rows).total.tolist()
+    for row, total in zip(rows, totals, strict=True):
+        assert abs(total - row.logprob_total) <= 1e-4 * max(1.0, abs(row.logprob_total))
 
     # another workspace's key, even naming alice's repository, never gets it
     for workspace_id in ("repo-a", None):

@@ -1,0 +1,61 @@
+"""Writing mode (`tabloop simulate --mode write`): a team writes the corpus's files top to bottom.
+
+Each person takes the next file nobody has started and writes it line by line: at each non-blank
+line they ask for a completion at a random column (trainer.corpus.cursor_in_line), with the file
+above as the prefix and no suffix. When every file has been started, the next person starts the
+first one again (a second pass, whose lines were all sent before). No cursor's text was sent at
+that place before; a line whose text (stripped) is a line of the team's code sent so far (any
+request's file above) is marked repeated: a memory could recall it. The others are fresh in the
+report's sense: never sent in any form.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.corpus import CorpusLine, Cursor, cursor_in_line, read_text
+
+
+@dataclass
+class _Writing:
+    path: Path
+    lines: tuple[str, ...]
+    next_line: int = 0  # the next line to write
+    sent_up_to: int = 0  # lines above this were sent as a prefix
+
+
+class WritingSource:
+    """The cursors of people writing files top to bottom (module docstring)."""
+
+    def __init__(self, paths: Sequence[Path]) -> None:
+        assert paths, "no files to write"
+        self.paths = list(paths)
+        self.started = 0  # files started so far (all passes)
+        self.writing: dict[str, _Writing] = {}  # person -> the file they are writing
+        self.sent: set[str] = set()  # stripped lines sent so far, as any request's file above
+
+    def _next_file(self) -> _Writing:
+        path = self.paths[self.started % len(self.paths)]
+        self.started += 1
+        return _Writing(path, tuple(read_text(path).split("\n")))
+
+    def draw(self, user_id: str, rng: random.Random) -> tuple[Cursor, bool]:
+        """The person's next cursor, and whether its line's text was sent before."""
+        w = self.writing.get(user_id)
+        for _ in range(2 * len(self.paths) + 1):
+            if w is None or w.next_line >= len(w.lines):
+                w = self.writing[user_id] = self._next_file()
+            while w.next_line < len(w.lines):
+                i = w.next_line
+                w.next_line += 1
+                cur = cursor_in_line(CorpusLine(w.path, i, w.lines), rng)
+                if cur is None:
+                    continue
+                self.sent.update(line.strip() for line in w.lines[w.sent_up_to : i])
+                w.sent_up_to = max(w.sent_up_to, i)
+                repeated = w.lines[i].strip() in self.sent
+                return Cursor(cur.path, i, cur.prefix, "", cur.rest_of_line), repeated
+        raise AssertionError("no file has a line to complete")

@@ -1,0 +1,69 @@
+"""Writing mode: a team writes files top to bottom; the report counts useful characters."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from simulator import report as rpt
+from simulator.writing import WritingSource
+
+
+def test_people_write_their_own_files_top_to_bottom_and_repeats_are_marked(
+    tmp_path: Path,
+) -> None:
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("import os\n\nx = compute(1)\ny = other()\n")
+    b.write_text("import os\nz = compute(2)\n")
+    source, rng = WritingSource([a, b]), random.Random(0)
+    alice = [source.draw("alice", rng) for _ in range(3)]
+    bob = [source.draw("bob", rng) for _ in range(2)]
+    assert [c.path for c, _ in alice] == [a, a, a] and [c.path for c, _ in bob] == [b, b]
+    assert [c.line_no for c, _ in alice] == [0, 2, 3]  # the blank line is skipped
+    for cursor, _ in alice + bob:
+        lines = cursor.path.read_text().split("\n")
+        above = "\n".join(lines[: cursor.line_no])
+        assert cursor.suffix == "" and cursor.prefix.startswith(above)
+        assert lines[cursor.line_no] == cursor.prefix.split("\n")[-1] + cursor.rest_of_line
+    # bob's `import os` was sent before (alice's file above her later cursors); nothing else was
+    assert [r for _, r in alice] == [False, False, False]
+    assert [r for _, r in bob] == [True, False]
+    # when every file has been started, the next person starts the first again
+    carol, _ = source.draw("carol", rng)
+    assert carol.path == a and carol.line_no == 0
+
+
+def record(text: str, rest: str) -> rpt.RequestRecord:
+    useful, whole = rpt.usefulness(text, rest)
+    return rpt.RequestRecord(
+        t=0.0,
+        user_id="u",
+        version=1,
+        shown=bool(text),
+        family=False,
+        shown_chars=len(text),
+        verdict=None,
+        action="accept" if text else "abstained",
+        accepted_chars=0,
+        retained_chars=0.0,
+        reward=0.0,
+        latency_ms=5.0,
+        useful_chars=useful,
+        whole_line=whole,
+    )
+
+
+def test_usefulness_counts_the_characters_a_person_can_keep() -> None:
+    assert rpt.usefulness("abc)  ", "abc)") == (4, True)
+    assert rpt.usefulness("ab", "abc)") == (2, False)
+    assert rpt.usefulness("xb", "abc)") == (0, False)
+    assert rpt.usefulness("   ", "   x") == (0, False)
+
+
+def test_useful_characters_and_whole_lines_per_request() -> None:
+    records = [record("abc)", "abc)"), record("ab", "abc)"), record("xyz", "abc)"), record("", "a")]
+    m = rpt.metrics(records)
+    assert m["useful_chars_per_100"] == 100 * (4 + 2) / 4
+    assert m["whole_line_rate"] == 1 / 4
+    assert m["exact_of_shown"] == 1 / 3
+    assert m["wrong_shown_per_request"] == 1 / 4
