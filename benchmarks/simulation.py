@@ -28,9 +28,10 @@ without any learning (with --baseline-minutes, how much the baseline phase and t
 differ).
 
 `--baseline-minutes`, `--settled`, `--corpus`, `--adversaries` and `--adversary-kinds` go to
-`tabloop simulate`, and `--editing` as its `--mode` (a baseline phase with the trainer paused; the share of people sending
+`tabloop simulate` (a baseline phase with the trainer paused; the share of people sending
 code_settled; the code people edit; how many of the --users seats hold adversaries, and their
-kinds: report.json's `honest` section then gives the honest people's figures apart).
+kinds: report.json's `honest` section then gives the honest people's figures apart), and
+`--editing` as its `--mode` (retype lines anywhere, or write the files top to bottom).
 
 After the run, the offline exact rest-of-line check (simulator.exact): the base policy (version
 1, the one the service started with) and the last live policy (GET /admin/policies: the current
