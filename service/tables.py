@@ -181,7 +181,7 @@ rollouts = sa.Table(
     sa.Column("text_chars", sa.Integer(), nullable=True),
     sa.Column("shown", sa.Boolean(), nullable=False),
     # the copy proposal and the copy head's draw (service.policy.sampling.Completion.recall);
-    # null (JSON null, or NULL) where the request had none. Code: blanked like `text` (service/privacy.py)
+    # JSON null where the request had none. Code: blanked like `text` (service/privacy.py)
     sa.Column("recall", JSONType, nullable=True),
     sa.Column("gate_prob_show", sa.Float(), nullable=False),
     sa.Column("decision_logprob", sa.Float(), nullable=False),
