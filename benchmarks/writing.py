@@ -39,8 +39,9 @@ from torch.nn import functional as F
 
 from service.policy.checkpoint import load_checkpoint
 from service.policy.sampling import complete
+from simulator.report import usefulness
 from tabloop.core.recall import RECALL_INPUTS, Text, propose, recall_inputs
-from trainer.corpus import Cursor, corpus_files, directory_files, exact_match, writing_cursors
+from trainer.corpus import Cursor, corpus_files, directory_files, writing_cursors
 
 DEFAULT_BASE = Path(__file__).resolve().parents[1] / "service" / "policy" / "base"
 
@@ -62,13 +63,10 @@ class Tally:
         if not shown_text:
             return
         self.shown += 1
-        if exact_match(shown_text, rest):
-            self.whole += 1
-            self.useful_chars += len(shown_text.rstrip())
-        elif rest.startswith(shown_text):
-            self.useful_chars += len(shown_text)
-        else:
-            self.wrong += 1
+        useful, whole = usefulness(shown_text, rest)  # as the simulator's report counts it
+        self.useful_chars += useful
+        self.whole += whole
+        self.wrong += useful == 0
 
     def figures(self) -> dict[str, float]:
         n = max(1, self.requests)

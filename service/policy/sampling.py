@@ -471,16 +471,14 @@ def _decide(
     p_show = 1.0 / (1.0 + math.exp(-gate_logit))
     logged = None
     copied, dec_lp = False, 0.0
-    if r.prompt.proposal is not None and recall is not None and copy_logit is not None:
+    proposal = r.prompt.proposal
+    if proposal is not None and recall is not None and copy_logit is not None:
         copied, dec_lp = _draw(copy_logit, temperature, r.prompt.generator)
-        logged = {
-            "text": r.prompt.proposal.text,
-            "inputs": recall,
-            "copied": copied,
-            "logprob": dec_lp,
-        }
+        logged = {"text": proposal.text, "inputs": recall, "copied": copied, "logprob": dec_lp}
+        if copied:
+            text = proposal.text
     if copied:
-        text, shown = r.prompt.proposal.text if r.prompt.proposal else text, True
+        shown = True  # a copy is shown as proposed: the gate is not drawn
     elif not text:
         shown = False
     else:
