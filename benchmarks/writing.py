@@ -1,7 +1,7 @@
 """Writing new code top to bottom: what each policy would give people, offline, on the same cursors.
 
     python -m benchmarks.writing [--corpus DIR] [--n 1000] [--seeds 0,1,2]
-        [--checkpoint DIR] [--policies model,copy,served]
+        [--checkpoint DIR] [--policies model,copy,served] [--compare REF]
 
 A team writes the corpus's files in path order (the standard library's held-out files by
 default, or every non-test `*.py` under `--corpus`, e.g. a package the base never trained on).
@@ -16,6 +16,14 @@ Policies, each on the same cursors:
   text before the cursor in the file above, then in the team's earlier files; what followed it
   to the end of the line, always shown (tabloop.core.recall.propose);
 - `served`: the policy as served now (service.policy.sampling with the proposal).
+
+With `--compare REF` the same cursors also go over HTTP, one at a time, to two services as
+shipped: a checkout of git revision REF and the working tree, each `tabloop serve` on the embedded
+default (SQLite) with its own shipped base policy and default settings (arms `http:REF` and
+`http:working tree`). Each file is written by one of 8 people of one workspace (file i by person
+i mod 8), who send their requests at the cursors in writing order, and, when they finish a file,
+one more request at its end (not counted), as an editor does while the last line is typed: the
+workspace memory holds only what was sent. The latency is the client's, per request.
 
 Figures per policy: useful chars per 100 requests (the characters of shown suggestions that are
 a prefix of the true rest of the line), whole rest of line (shown and exact, per request), exact
@@ -33,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -43,7 +52,9 @@ from simulator.report import usefulness
 from tabloop.core.recall import RECALL_INPUTS, Text, propose, recall_inputs
 from trainer.corpus import Cursor, corpus_files, directory_files, writing_cursors
 
-DEFAULT_BASE = Path(__file__).resolve().parents[1] / "service" / "policy" / "base"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_BASE = ROOT / "service" / "policy" / "base"
+WRITERS = 8  # people of one team, over HTTP: file i is written by person i mod 8
 
 
 @dataclass
@@ -122,6 +133,77 @@ def run(
     return tallies
 
 
+def over_http(
+    tree: Any, paths: Sequence[Path], n: int, seeds: Sequence[int], work: Path
+) -> dict[int, dict[str, Tally]]:
+    """The service of `tree` (benchmarks.ingest.Tree) as shipped, embedded, on each seed's
+    cursors over HTTP (module docstring); per seed, a Tally per part. A fresh data directory (and
+    so an empty workspace memory) per seed."""
+    import httpx
+
+    from benchmarks.ingest import Proc, clean_env, free_port, tabloop, wait_ready
+
+    out: dict[int, dict[str, Tally]] = {}
+    for seed in seeds:
+        data = work / f"{tree.path.name}-{seed}"
+        env = clean_env(
+            PYTHONPATH=str(tree.path),
+            TABLOOP_DATA_DIR=str(data),
+            TABLOOP_BASE_CHECKPOINT=str(tree.path / "service" / "policy" / "base"),
+            TABLOOP_RATE_LIMIT_PER_S="1000000",
+            TABLOOP_RATE_LIMIT_BURST="1000000",
+            TABLOOP_LOG_LEVEL="WARNING",
+        )
+        tabloop("db", "upgrade", env=env, tree=tree.path)
+        token = tabloop(
+            "keys", "create", "--scope", "ingest", "--name", "writers", env=env, tree=tree.path
+        ).strip()
+        port = free_port()
+        argv = [sys.executable, "-m", "tabloop.cli", "serve", "--port", str(port)]
+        server = Proc(f"serve-{seed}", argv, env, work, cwd=tree.path)
+        tallies = {part: Tally() for part in PARTS}
+        try:
+            wait_ready(port, "/readyz", server)
+            with httpx.Client(
+                base_url=f"http://127.0.0.1:{port}",
+                headers={"Authorization": f"Bearer {token}"},
+                trust_env=False,
+                timeout=60,
+            ) as client:
+
+                def ask(path: Path, prefix: str) -> tuple[str, float]:
+                    body = {
+                        "user_id": f"writer-{paths.index(path) % WRITERS}",
+                        "workspace_id": "team",
+                        "language": "python",
+                        "file_path": path.name,
+                        "prefix": prefix,
+                    }
+                    t0 = time.perf_counter()
+                    r = client.post("/v1/complete", json=body)
+                    seconds = time.perf_counter() - t0
+                    r.raise_for_status()
+                    got = r.json()
+                    return (got["text"] if got["shown"] else ""), seconds
+
+                cursors = writing_cursors(paths, n, seed)
+                for i, (cur, repeated) in enumerate(cursors):
+                    text, seconds = ask(cur.path, cur.prefix)
+                    tallies["all"].add(text, cur.rest_of_line, seconds)
+                    tallies["repeated" if repeated else "unseen"].add(
+                        text, cur.rest_of_line, seconds
+                    )
+                    if i + 1 == len(cursors) or cursors[i + 1][0].path != cur.path:
+                        ask(cur.path, cur.path.read_text(errors="replace").replace("\x00", ""))
+                    if (i + 1) % 200 == 0:
+                        done = f"{i + 1}/{len(cursors)}"
+                        print(f"  {tree.label} seed {seed}: {done}", file=sys.stderr)
+        finally:
+            server.stop()
+        out[seed] = tallies
+    return out
+
+
 def fit(model_policy: Policy, paths: Sequence[Path], n: int, seed: int) -> int:
     """Fit the copy head, p(the proposal is a prefix of the true rest of the line), by logistic
     regression on the corpus's cursors with a proposal, each weighted by the characters it
@@ -173,6 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_BASE)
     ap.add_argument("--policies", default="model,copy,request,served")
     ap.add_argument(
+        "--compare",
+        metavar="REF",
+        help="also serve the cursors over HTTP from git revision REF and the working tree",
+    )
+    ap.add_argument(
         "--fit",
         action="store_true",
         help="fit the copy head's initial weights on this corpus instead (prints COPY_INIT)",
@@ -211,15 +298,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.fit:
         return fit(model_policy, files_of(args.corpus), args.n, int(args.seeds.split(",")[0]))
-    chosen = {name: table[name] for name in args.policies.split(",")}
+    chosen = {name: table[name] for name in args.policies.split(",") if name}
     paths = files_of(args.corpus)
     print(f"{len(paths)} files, {sum(len(p.read_bytes()) for p in paths):,} bytes")
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
-    for seed in (int(s) for s in args.seeds.split(",")):
+
+    def record(seed: int, name: str, part: str, tally: Tally) -> None:
+        results.setdefault((name, part), []).append(tally.figures())
+        figs = "  ".join(f"{k} {v:.3f}" for k, v in results[name, part][-1].items())
+        print(f"seed {seed} {name:<8} {part:<9} n={tally.requests:<5} {figs}", flush=True)
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.compare:
+        import tempfile
+
+        from benchmarks.ingest import WORK, checkout
+
+        work = Path(tempfile.mkdtemp(prefix="tabloop-writing-"))
+        for tree in (checkout(args.compare, work), WORK):
+            for seed, tallies in over_http(tree, paths, args.n, seeds, work).items():
+                for part, tally in tallies.items():
+                    record(seed, f"http:{tree.label}", part, tally)
+    for seed in seeds if chosen else ():
         for (name, part), tally in run(chosen, paths, args.n, seed).items():
-            results.setdefault((name, part), []).append(tally.figures())
-            figs = "  ".join(f"{k} {v:.3f}" for k, v in results[name, part][-1].items())
-            print(f"seed {seed} {name:<8} {part:<9} n={tally.requests:<5} {figs}")
+            record(seed, name, part, tally)
     print("\nmean (min-max) over seeds")
     for (name, part), runs in sorted(
         results.items(), key=lambda kv: (PARTS.index(kv[0][1]), kv[0][0])
@@ -228,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k in runs[0]:
             vals = [r[k] for r in runs]
             cells.append(f"{k} {statistics.mean(vals):.3f} ({min(vals):.3f}-{max(vals):.3f})")
-        print(f"{name:<8} {part:<9} " + "  ".join(cells))
+        print(f"{name:<8} {part:<9} " + "  ".join(cells), flush=True)
     return 0
 
 

@@ -76,7 +76,7 @@ api_keys = sa.Table(
 )
 
 # The workspace memory: the code each person's editor sent, as it last stood, per document
-# (tabloop/core/memory.py). Code text: never written for a no_train key or request, deleted
+# (service/workspace/memory.py). Code text: never written for a no_train key or request, deleted
 # with the person, aged out by TABLOOP_CODE_RETENTION_DAYS.
 workspace_code = sa.Table(
     "workspace_code",
@@ -90,9 +90,15 @@ workspace_code = sa.Table(
     sa.Column("document", sa.String(1024), nullable=False),  # the file path ("" when none)
     sa.Column("text", sa.Text(), nullable=False),  # the document as it stood (prefix + suffix)
     sa.Column("updated_at", UTCDateTime(), nullable=False),
+    # the latest request's rollout, and where its cursor and the cursor's line end are in `text`:
+    # its accepted and settled text goes there
+    sa.Column("suggestion_id", sa.String(36), nullable=True),
+    sa.Column("cursor_at", sa.Integer(), nullable=True),
+    sa.Column("line_end", sa.Integer(), nullable=True),
     sa.UniqueConstraint("workspace", "scope", "user_id", "document", name="uq_workspace_code"),
     sa.Index("ix_workspace_code_workspace_updated_at", "workspace", "updated_at"),
     sa.Index("ix_workspace_code_user_id", "user_id"),
+    sa.Index("ix_workspace_code_suggestion_id", "suggestion_id"),
 )
 
 events = sa.Table(

@@ -11,8 +11,9 @@ is tagged with its phase by the time it was sent (`phase_at`).
 The comparison (`learning_comparison`): the learning phase's last fifth against a reference —
 the baseline phase, or without one the run's first fifth (already served in part by candidates
 the trainer deployed, so it understates what was learned) — twice: on all requests, and on
-fresh lines only, requests on a source line for which no code_settled had been sent earlier in
-the run (there a policy cannot simply recall text people reported).
+fresh lines only, requests on a line whose text was never sent before in any form: no request's
+prefix or suffix and no settled report held it (simulator.population.SentLines), so neither a
+policy nor its workspace memory can simply recall it.
 """
 
 from __future__ import annotations

@@ -239,6 +239,33 @@ def line_key(cursor: Cursor) -> tuple[str, int]:
     return str(cursor.path), cursor.line_no
 
 
+class SentLines:
+    """The text of every whole line sent so far in any form: requests' prefixes and suffixes, and
+    settled text. A cursor's line is fresh when its text (stripped) is none of them: then no
+    memory could recall it."""
+
+    def __init__(self) -> None:
+        self.texts: set[str] = set()
+
+    def add_request(self, prefix: str, suffix: str, *, prefix_cut: bool, suffix_cut: bool) -> None:
+        """A request's text: its whole lines (not the cursor's, nor a line the cut split)."""
+        above = prefix.split("\n")[1 if prefix_cut else 0 : -1]
+        below = suffix.split("\n")[1 : -1 if suffix_cut else None]
+        self.texts.update(line.strip() for line in (*above, *below))
+
+    def add_settled(self, cursor: Cursor) -> None:
+        """A code_settled report: the cursor's line as it finally stands."""
+        self.texts.add(line_text(cursor).strip())
+
+    def fresh(self, cursor: Cursor) -> bool:
+        return line_text(cursor).strip() not in self.texts
+
+
+def line_text(cursor: Cursor) -> str:
+    """The whole line a cursor is on."""
+    return cursor.prefix.rsplit("\n", 1)[-1] + cursor.rest_of_line
+
+
 def settled_text(cursor: Cursor) -> str:
     """What finally stands from the cursor to the end of its line: the held-out line's true rest,
     cut to SETTLED_TEXT_MAX_CHARS (NUL characters, which the service refuses in code text, left

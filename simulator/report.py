@@ -19,9 +19,10 @@ report.json (written by `tabloop simulate`; keys are stable, new ones are only a
   `parts`, `first`, `last`, `change` (relative, last vs first) and `interval` (95% bootstrap).
 - `phase_comparison` (simulator.phases): `reference` ("baseline_phase" or "first_fifth"),
   `note`, `reference_window_s`, `last_window_s`, then `all` and `fresh` (requests on lines
-  with no code_settled sent earlier in the run), each with `reference` and `last_fifth`
-  (requests, shown, accepted, shown_per_request, accept_rate_of_shown, retained_chars_per_100,
-  reward_per_request), `change` (relative), `difference` and `interval`; and `gated_deploys`,
+  whose text was never sent before in any form: simulator.population.SentLines), each with
+  `reference` and `last_fifth` (requests, shown, accepted, shown_per_request,
+  accept_rate_of_shown, retained_chars_per_100, reward_per_request), `change` (relative),
+  `difference` and `interval`; and `gated_deploys`,
   `gated_deploys_in_baseline_phase`, `deploy_counts`, `errors`, `events_refused`,
   `events_lost` (dropped + never delivered).
 - `by_version`, `deployments` (the timeline, `t` seconds into the run), `deploy_counts`,
@@ -81,7 +82,7 @@ class RequestRecord:
     reward: float  # the reward's decision part, as the service computes it (no switch/churn)
     latency_ms: float
     phase: str = "learning"  # baseline (trainer paused) | learning (simulator.phases)
-    fresh: bool = True  # no code_settled had been sent for this source line before the request
+    fresh: bool = True  # the line's text was never sent before, in any form (SentLines)
     # characters of the shown suggestion that are a prefix of the true rest of the line (all of
     # it when exact), and whether it was exactly the rest of the line
     useful_chars: int = 0
@@ -459,9 +460,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         if comparison.get("reference") == "baseline_phase"
         else {}
     )
-    fresh = (
-        bool(cfg.get("settled_share")) and bool(buckets) and "fresh_shown_per_request" in buckets[0]
-    )
+    fresh = bool(buckets) and "fresh_shown_per_request" in buckets[0]
     panels = [
         (
             "accept rate of shown",

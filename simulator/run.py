@@ -18,8 +18,10 @@ With --settled SHARE that share of people (drawn per person from the seed) repor
 when they move on from a request's line — at their next request, or when they switch away,
 leave or the run stops — they send what finally stands after its cursor (the held-out line's
 true rest, at most 1,000 characters), shown or abstained, accepted or not, with after_seconds
-counted from the request. A request is on a *fresh line* when no code_settled had been sent for
-its source line (file and line number) earlier in the run; the report compares fresh lines apart.
+counted from the request. A request is on a *fresh line* when its line's text (stripped) was
+never sent before in any form: no earlier or current request's prefix or suffix held it as a
+whole line, and no code_settled report finished it (simulator.population.SentLines); nothing the
+workspace memory holds could recall it. The report compares fresh lines apart.
 
 With --adversaries N the last N of the --users seats hold adversaries (simulator.population:
 accept_all accepts every suggestion at once, abstentions included, and reports it fully kept;
@@ -71,6 +73,7 @@ from simulator.population import (
     Decision,
     PersonParams,
     PopulationConfig,
+    SentLines,
     Session,
     adversary_feedback,
     adversary_pause,
@@ -198,6 +201,7 @@ class Simulation:
         self.records: list[rpt.RequestRecord] = []
         self.counters = Counters()
         self.settled_lines: set[tuple[str, int]] = set()  # (path, line) with a code_settled sent
+        self.sent = SentLines()  # what decides whether a request is on a fresh line
         self.stop = asyncio.Event()  # people stop asking
         self.interrupted = asyncio.Event()  # Ctrl-C: end early, still deliver and report
         self.duration_s = cfg.duration_s  # shortened when interrupted
@@ -232,21 +236,30 @@ class Simulation:
 
     async def _complete(
         self, user_id: str, cursor: Cursor, prefix: str, suffix: str
-    ) -> dict[str, Any] | None:
-        """One POST /v1/complete for a person at `cursor` (None when it failed)."""
-        return await self.client.complete(
+    ) -> tuple[dict[str, Any] | None, bool]:
+        """One POST /v1/complete for a person at `cursor` (None when it failed), and whether the
+        cursor's line is fresh: its text never sent before, this request included."""
+        limit = 200_000 if self.writing else 8000  # a writer sends the whole file above
+        self.sent.add_request(
+            prefix[-limit:],
+            suffix[:2000],
+            prefix_cut=len(prefix) > limit,
+            suffix_cut=len(suffix) > 2000,
+        )
+        fresh = self.sent.fresh(cursor)
+        resp = await self.client.complete(
             {
                 "user_id": user_id,
                 "session_id": f"{user_id}-s",
                 "workspace_id": "sim",
                 "language": "python",
                 "file_path": cursor.path.name,
-                # a writer sends the whole file above (the service searches it all)
-                "prefix": prefix[-(200_000 if self.writing else 8000) :],
+                "prefix": prefix[-limit:],
                 "suffix": suffix[:2000],
                 "max_new_tokens": self.cfg.max_new_tokens,
             }
         )
+        return resp, fresh
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, cut short when the run stops."""
@@ -290,15 +303,13 @@ class Simulation:
             if self.stop.is_set():
                 return "stop"
             if self.writing is not None:
-                cursor, repeated = self.writing.draw(user_id, rng)
-                fresh = not repeated
+                cursor = self.writing.draw(user_id, rng)
             else:
                 cursor = self.source.draw(rng, self.cfg.population.reject_family_share)
-                fresh = line_key(cursor) not in self.settled_lines
             prefix, suffix = request_context(cursor)
             family = in_reject_family(prefix)
             t = self.now()
-            resp = await self._complete(user_id, cursor, prefix, suffix)
+            resp, fresh = await self._complete(user_id, cursor, prefix, suffix)
             if resp is None:
                 self.counters.errors += 1
                 continue
@@ -348,7 +359,7 @@ class Simulation:
             cursor = self.source.draw(rng, self.cfg.population.reject_family_share)
             prefix, suffix = request_context(cursor)
             t = self.now()
-            resp = await self._complete(user_id, cursor, prefix, suffix)
+            resp, fresh = await self._complete(user_id, cursor, prefix, suffix)
             if resp is None:
                 self.counters.errors += 1
                 continue
@@ -379,7 +390,7 @@ class Simulation:
                 text,
                 decision,
                 cursor,
-                line_key(cursor) not in self.settled_lines,
+                fresh,
                 adversary=kind,
             )
 
@@ -395,6 +406,7 @@ class Simulation:
             )
         )
         self.settled_lines.add(line_key(cursor))
+        self.sent.add_settled(cursor)
         self.counters.settled += 1
 
     def _record(

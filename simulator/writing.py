@@ -4,9 +4,8 @@ Each person takes the next file nobody has started and writes it line by line: a
 line they ask for a completion at a random column (trainer.corpus.cursor_in_line), with the file
 above as the prefix and no suffix. When every file has been started, the next person starts the
 first one again (a second pass, whose lines were all sent before). No cursor's text was sent at
-that place before; a line whose text (stripped) is a line of the team's code sent so far (any
-request's file above) is marked repeated: a memory could recall it. The others are fresh in the
-report's sense: never sent in any form.
+that place before; whether it was sent anywhere (then a memory could recall it) is the
+simulation's to say (simulator.population.SentLines).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ class _Writing:
     path: Path
     lines: tuple[str, ...]
     next_line: int = 0  # the next line to write
-    sent_up_to: int = 0  # lines above this were sent as a prefix
 
 
 class WritingSource:
@@ -35,15 +33,14 @@ class WritingSource:
         self.paths = list(paths)
         self.started = 0  # files started so far (all passes)
         self.writing: dict[str, _Writing] = {}  # person -> the file they are writing
-        self.sent: set[str] = set()  # stripped lines sent so far, as any request's file above
 
     def _next_file(self) -> _Writing:
         path = self.paths[self.started % len(self.paths)]
         self.started += 1
         return _Writing(path, tuple(read_text(path).split("\n")))
 
-    def draw(self, user_id: str, rng: random.Random) -> tuple[Cursor, bool]:
-        """The person's next cursor, and whether its line's text was sent before."""
+    def draw(self, user_id: str, rng: random.Random) -> Cursor:
+        """The person's next cursor."""
         w = self.writing.get(user_id)
         for _ in range(2 * len(self.paths) + 1):
             if w is None or w.next_line >= len(w.lines):
@@ -54,8 +51,5 @@ class WritingSource:
                 cur = cursor_in_line(CorpusLine(w.path, i, w.lines), rng)
                 if cur is None:
                     continue
-                self.sent.update(line.strip() for line in w.lines[w.sent_up_to : i])
-                w.sent_up_to = max(w.sent_up_to, i)
-                repeated = w.lines[i].strip() in self.sent
-                return Cursor(cur.path, i, cur.prefix, "", cur.rest_of_line), repeated
+                return Cursor(cur.path, i, cur.prefix, "", cur.rest_of_line)
         raise AssertionError("no file has a line to complete")

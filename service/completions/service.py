@@ -24,7 +24,7 @@ from service.policy.sampling import Completion, Prompt, unsupported_language
 from service.privacy import rollout_without_code
 from service.stream.topics import ROLLOUTS
 from service.tables import outbox, rollouts, utcnow
-from service.workspace.memory import remember
+from service.workspace.memory import SNIPPETS, remember
 from tabloop.core.recall import Text, propose
 
 
@@ -131,7 +131,9 @@ class Document:
     workspace: str
     scope: str | None
     document: str | None
-    text: str
+    prefix: str
+    suffix: str
+    snippets: str  # the editor's snippets, joined ("" when none)
 
 
 def document_of(req: CompleteRequest, workspace: str | None, settings: Settings) -> Document | None:
@@ -140,8 +142,10 @@ def document_of(req: CompleteRequest, workspace: str | None, settings: Settings)
     if workspace is None or req.no_train:
         return None
     cap = settings.max_recall_chars
-    text = req.prefix[-cap:] + req.suffix[:cap]
-    return Document(workspace, req.workspace_id, req.file_path, text)
+    snippets = "\n\n".join(s.body for s in req.snippets)[:cap]
+    return Document(
+        workspace, req.workspace_id, req.file_path, req.prefix[-cap:], req.suffix[:cap], snippets
+    )
 
 
 def record_rollout(
@@ -166,8 +170,20 @@ def record_rollout(
                 scope=document.scope,
                 user_id=record["user_id"],
                 document=document.document,
-                text=document.text,
+                prefix=document.prefix,
+                suffix=document.suffix,
+                suggestion_id=record["suggestion_id"],
             )
+            if document.snippets:  # the latest snippets the person's editor sent, in a row apart
+                remember(
+                    conn,
+                    workspace=document.workspace,
+                    scope=document.scope,
+                    user_id=record["user_id"],
+                    document=SNIPPETS,
+                    prefix=document.snippets,
+                    suffix="",
+                )
         conn.execute(
             outbox.insert(),
             [

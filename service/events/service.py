@@ -24,6 +24,7 @@ from service.outbox import outbox_row
 from service.privacy import withhold_settled_texts
 from service.stream.topics import FEEDBACK, encode
 from service.tables import dead_letters, events, outbox, utcnow
+from service.workspace.memory import settle
 
 _sqlite_writer = threading.Lock()
 for _reason in REASONS:  # every reason is on /metrics from the start, at 0
@@ -246,6 +247,8 @@ def ingest_events(
         if valid or dead:
             store = _store_postgresql if conn.dialect.name == "postgresql" else _store_portable
             inserted = store(conn, _Batch(valid, dead, now, source, api_key_id, embedded))
+        if not no_train:  # accepted and settled text joins the workspace memory
+            settle(conn, [e for e in valid if e["event_id"] in inserted])
 
     for ev in valid:
         outcomes[(ev["type"], "accepted" if ev["event_id"] in inserted else "duplicate")] += 1

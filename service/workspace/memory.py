@@ -4,9 +4,14 @@ What it holds. Every API key belongs to one workspace (`tabloop keys create --wo
 default the key's own). Each completion request of a key that may be trained on leaves its
 document as it stood, the prefix and the suffix joined (capped at TABLOOP_MAX_RECALL_CHARS
 each), in `workspace_code`: one row per (workspace, scope, person, file path), the latest
-replacing the one before. Nothing from a `no_train` key or request is written;
-`DELETE /admin/users/{id}` deletes the person's rows; TABLOOP_CODE_RETENTION_DAYS deletes rows
-not written for that long.
+replacing the one before. The row remembers that request's suggestion and cursor: an `accept` of
+it puts the accepted text at the cursor, and a `code_settled` report puts its text there in
+place of the rest of the cursor's line (`settle`), until the person's next request in the file
+replaces the row with the document as it then stands. The editor's snippets (`snippets`; Tabby's
+declarations, snippets of changed files and clipboard) of a person's latest request that sent
+any are a row of their own (document SNIPPETS). Nothing from a `no_train` key or request
+is written; `DELETE /admin/users/{id}` deletes the person's rows; TABLOOP_CODE_RETENTION_DAYS
+deletes rows not written for that long.
 
 What a request reads. The memory of its key's workspace: all of its rows, or, when the request
 names a `workspace_id` (Tabby: `git_url`), only the rows written under that name. The name
@@ -35,11 +40,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from service.tables import utcnow, workspace_code
+from service.tables import rollouts, utcnow, workspace_code
 from tabloop.core.recall import SEPARATOR, Text
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,10 @@ IDLE_S = 3600.0  # a workspace nobody asked about for this long is dropped from 
 Key = tuple[str, str | None]  # (workspace, scope or None for all of it)
 
 
+SETTLING = ("accept", "code_settled")  # the feedback whose text joins a document
+SNIPPETS = "<snippets>"  # the document of a person's latest snippets
+
+
 def remember(
     conn: sa.Connection,
     *,
@@ -56,25 +66,99 @@ def remember(
     scope: str | None,
     user_id: str,
     document: str | None,
-    text: str,
+    prefix: str,
+    suffix: str,
+    suggestion_id: str | None = None,
 ) -> None:
-    """Write (or replace) a person's document in the workspace's memory."""
+    """Write (or replace) a person's document in the workspace's memory: `prefix` + `suffix`,
+    the cursor between them, for the request whose rollout is `suggestion_id`."""
+    prefix, suffix = prefix.replace("\x00", ""), suffix.replace("\x00", "")
+    line = suffix.find("\n")
     values = {
         "workspace": workspace,
         "scope": scope or "",
         "user_id": user_id,
         "document": document or "",
-        "text": text.replace("\x00", ""),
+        "text": prefix + suffix,
         "updated_at": utcnow(),
+        "suggestion_id": suggestion_id,
+        "cursor_at": len(prefix),
+        "line_end": len(prefix) + (len(suffix) if line < 0 else line),
     }
     dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
     stmt = dialect.insert(workspace_code).values(**values)
     conn.execute(
         stmt.on_conflict_do_update(
             index_elements=["workspace", "scope", "user_id", "document"],
-            set_={"text": stmt.excluded.text, "updated_at": stmt.excluded.updated_at},
+            set_={
+                k: stmt.excluded[k]
+                for k in ("text", "updated_at", "suggestion_id", "cursor_at", "line_end")
+            },
         )
     )
+
+
+def settle(conn: sa.Connection, feedback: list[dict[str, Any]]) -> int:
+    """Put the text of stored `accept` and `code_settled` events (in batch order) into the
+    documents whose latest request they are about; the documents changed. An accept inserts
+    the suggestion's accepted characters at the cursor; a settled report's text replaces what
+    stood from the cursor to the end of its line (a withheld text, None, changes nothing).
+    Only the rollout's own person's feedback counts (the trust checks refuse the rest first)."""
+    about = [e for e in feedback if e["type"] in SETTLING and e.get("suggestion_id")]
+    if not about:
+        return 0
+    ids = list({e["suggestion_id"] for e in about})
+    rows = conn.execute(
+        sa.select(
+            workspace_code.c.id,
+            workspace_code.c.user_id,
+            workspace_code.c.suggestion_id,
+            workspace_code.c.text,
+            workspace_code.c.cursor_at,
+            workspace_code.c.line_end,
+            rollouts.c.text.label("suggested"),
+            rollouts.c.shown,
+        )
+        .join(rollouts, rollouts.c.suggestion_id == workspace_code.c.suggestion_id)
+        .where(workspace_code.c.suggestion_id.in_(ids))
+    ).all()
+    docs = {r.suggestion_id: r for r in rows}
+    changed: dict[int, dict[str, Any]] = {}
+    for e in about:
+        row = docs.get(e["suggestion_id"])
+        if row is None or row.user_id != e["user_id"] or row.cursor_at is None:
+            continue
+        if e["type"] == "accept":
+            if not row.shown:
+                continue
+            chars = e.get("accepted_chars")
+            insert = row.suggested if chars is None else row.suggested[:chars]
+        else:
+            insert = e.get("text")
+            if insert is None:
+                continue
+        doc = changed.get(row.id, {"text": row.text, "line_end": row.line_end})
+        at = row.cursor_at
+        changed[row.id] = {
+            "text": doc["text"][:at] + insert + doc["text"][doc["line_end"] :],
+            "line_end": at + len(insert),
+        }
+    if changed:
+        now = utcnow()
+        conn.execute(
+            workspace_code.update()
+            .where(workspace_code.c.id == sa.bindparam("row_id"))
+            .values(
+                text=sa.bindparam("new_text"),
+                line_end=sa.bindparam("new_line_end"),
+                updated_at=now,
+            ),
+            [
+                {"row_id": i, "new_text": d["text"], "new_line_end": d["line_end"]}
+                for i, d in changed.items()
+            ],
+        )
+    return len(changed)
 
 
 def forget_user(conn: sa.Connection, user_id: str) -> int:

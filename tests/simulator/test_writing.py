@@ -6,31 +6,48 @@ import random
 from pathlib import Path
 
 from simulator import report as rpt
+from simulator.population import SentLines
 from simulator.writing import WritingSource
 
 
-def test_people_write_their_own_files_top_to_bottom_and_repeats_are_marked(
-    tmp_path: Path,
-) -> None:
+def test_people_write_their_own_files_top_to_bottom(tmp_path: Path) -> None:
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("import os\n\nx = compute(1)\ny = other()\n")
     b.write_text("import os\nz = compute(2)\n")
     source, rng = WritingSource([a, b]), random.Random(0)
     alice = [source.draw("alice", rng) for _ in range(3)]
     bob = [source.draw("bob", rng) for _ in range(2)]
-    assert [c.path for c, _ in alice] == [a, a, a] and [c.path for c, _ in bob] == [b, b]
-    assert [c.line_no for c, _ in alice] == [0, 2, 3]  # the blank line is skipped
-    for cursor, _ in alice + bob:
+    assert [c.path for c in alice] == [a, a, a] and [c.path for c in bob] == [b, b]
+    assert [c.line_no for c in alice] == [0, 2, 3]  # the blank line is skipped
+    for cursor in alice + bob:
         lines = cursor.path.read_text().split("\n")
         above = "\n".join(lines[: cursor.line_no])
         assert cursor.suffix == "" and cursor.prefix.startswith(above)
         assert lines[cursor.line_no] == cursor.prefix.split("\n")[-1] + cursor.rest_of_line
-    # bob's `import os` was sent before (alice's file above her later cursors); nothing else was
-    assert [r for _, r in alice] == [False, False, False]
-    assert [r for _, r in bob] == [True, False]
     # when every file has been started, the next person starts the first again
-    carol, _ = source.draw("carol", rng)
+    carol = source.draw("carol", rng)
     assert carol.path == a and carol.line_no == 0
+
+    # fresh: the line's text never sent in any form; here bob's `import os` was (alice's file
+    # above her later cursors), and so is a line once settled
+    sent = SentLines()
+    fresh = []
+    for cursor in (*alice, *bob):
+        sent.add_request(cursor.prefix, cursor.suffix, prefix_cut=False, suffix_cut=False)
+        fresh.append(sent.fresh(cursor))
+    assert fresh == [True, True, True, False, True]
+    sent.add_settled(bob[1])
+    assert not sent.fresh(bob[1])
+
+
+def test_a_line_is_sent_by_a_prefix_or_a_suffix_but_not_by_its_cut_or_the_cursor() -> None:
+    sent = SentLines()
+    sent.add_request(
+        "ut_line = 1\nkept = 2\nx = f(", "\nbelow = 3\ncut_li", prefix_cut=True, suffix_cut=True
+    )
+    assert sent.texts == {"kept = 2", "below = 3"}
+    sent.add_request("a\n", "\nlast\n", prefix_cut=False, suffix_cut=False)
+    assert {"a", "last", ""} <= sent.texts
 
 
 def record(text: str, rest: str) -> rpt.RequestRecord:

@@ -274,8 +274,10 @@ def test_an_openai_completion_takes_native_feedback_only_from_its_key(clients: A
 # what one batch may cost in SQL statements, whatever the number of people in it. SQLite: BEGIN
 # IMMEDIATE, the trust checks' lookup, the privacy check of settled text, then the events, the
 # outbox rows and the dead letters. PostgreSQL: the lookup, the privacy check, and one statement
-# that writes events, outbox rows and dead letters in autocommit mode (service/events/).
-BATCH_STATEMENTS = {"sqlite": 6, "postgresql": 3}
+# that writes events, outbox rows and dead letters in autocommit mode (service/events/). Both:
+# with accepts or settled reports in the batch, the workspace memory's lookup of the documents
+# they are about (service/workspace/memory.py: settle), and its update when there are some.
+BATCH_STATEMENTS = {"sqlite": 8, "postgresql": 5}
 
 
 def test_a_batch_from_many_people_costs_a_bounded_number_of_statements(

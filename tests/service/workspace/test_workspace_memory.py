@@ -5,6 +5,8 @@ privacy mode."""
 from __future__ import annotations
 
 import time
+import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -126,6 +128,78 @@ def test_a_workspace_shares_its_memory_and_no_other_workspace_reads_it(
     again = service_factory(served.settings)
     with httpx.Client(base_url=again.url, headers=bob.headers, timeout=30) as bob3:
         recall = proposal_from_memory(bob3, served.settings, "bob")
+    assert recall is not None and recall["text"] == SECRET
+
+
+def report(c: httpx.Client, user: str, suggestion_id: str, type_: str, **fields: Any) -> None:
+    event = {
+        "event_id": str(uuid.uuid4()),
+        "type": type_,
+        "user_id": user,
+        "suggestion_id": suggestion_id,
+        "occurred_at": datetime.now(UTC).isoformat(),
+        **fields,
+    }
+    r = c.post("/v1/events", json={"events": [event]})
+    assert r.status_code == 202 and r.json()["accepted"] == 1, r.text
+
+
+def document_text(settings: Any, user: str, document: str = "cfg.py") -> str:
+    engine = make_engine(settings)
+    with engine.connect() as conn:
+        text = conn.execute(
+            sa.select(workspace_code.c.text).where(
+                workspace_code.c.user_id == user, workspace_code.c.document == document
+            )
+        ).scalar_one()
+    engine.dispose()
+    return str(text)
+
+
+@FAST
+def test_settled_text_joins_the_memory_where_its_cursor_was(
+    served: Any, admin: httpx.Client
+) -> None:
+    alice = make_key(admin, "alice-editor", "team-a")
+    bob = make_key(admin, "bob-editor", "team-a")
+    prefix = FILE_A.split(SECRET)[0] * 50  # the secret line, typed up to its value, many times
+    suffix = "\n    return client\n"
+    sid = ask(alice, "alice", prefix, suffix=suffix, file_path="cfg.py")
+    recall = recall_of(served.settings, ask(bob, "bob", ASK))
+    assert recall is None or "hunter2" not in recall["text"]  # nobody sent it yet
+    report(alice, "alice", sid, "code_settled", after_seconds=30, text=SECRET)
+    assert document_text(served.settings, "alice") == prefix + SECRET + suffix
+    recall = proposal_from_memory(bob, served.settings, "bob")
+    assert recall is not None and recall["text"] == SECRET
+    # a report about an older request leaves the newer document alone
+    newer = "import os\n" * 3
+    ask(alice, "alice", newer, file_path="cfg.py")
+    report(alice, "alice", sid, "code_settled", after_seconds=60, text="other()")
+    assert document_text(served.settings, "alice") == newer
+
+    # an accepted suggestion's accepted characters go in at the cursor, before any settled text
+    sid = ask(alice, "alice", "x = os.", suffix="\nprint(x)\n", file_path="b.py")
+    engine = make_engine(served.settings)
+    with engine.begin() as conn:  # as if the policy had shown this
+        conn.execute(
+            rollouts.update()
+            .where(rollouts.c.suggestion_id == sid)
+            .values(shown=True, text="getcwd()  # here")
+        )
+    engine.dispose()
+    report(alice, "alice", sid, "accept", accepted_chars=8)
+    assert document_text(served.settings, "alice", "b.py") == "x = os.getcwd()\nprint(x)\n"
+    report(alice, "alice", sid, "code_settled", after_seconds=30, text="path.sep")
+    assert document_text(served.settings, "alice", "b.py") == "x = os.path.sep\nprint(x)\n"
+
+
+@FAST
+def test_an_editors_snippets_join_the_memory(served: Any, admin: httpx.Client) -> None:
+    alice = make_key(admin, "alice-editor", "team-a")
+    bob = make_key(admin, "bob-editor", "team-a")
+    snippet = {"filepath": "cfg.py", "body": FILE_A}
+    ask(alice, "alice", "import os\n", file_path="main.py", snippets=[snippet])
+    recall = proposal_from_memory(bob, served.settings, "bob")
     assert recall is not None and recall["text"] == SECRET
 
 
