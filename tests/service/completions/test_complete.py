@@ -188,3 +188,13 @@ def test_snippets_of_the_wrong_type_get_422_naming_the_field(
     r = complete(api, snippets=snippets)
     assert r.status_code == 422, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_oversized_snippets_are_cut_and_an_oversized_body_is_413(api: httpx.Client) -> None:
+    # within the body limit (2 MB): served, the proposal reading TABLOOP_MAX_RECALL_CHARS of them
+    big = [{"filepath": f"{i}.py", "body": "x = 1\n" * 50_000} for i in range(3)]  # 900 KB
+    r = complete(api, snippets=big)
+    assert r.status_code == 200, r.text
+    # past it: refused whole before it is parsed
+    r = complete(api, snippets=[{"body": "y" * 900_000}] * 3)
+    assert r.status_code == 413, r.text
