@@ -20,7 +20,8 @@ Policies, each on the same cursors:
 With `--compare REF` the same cursors also go over HTTP, one at a time, to two services as
 shipped: a checkout of git revision REF and the working tree, each `tabloop serve` on the embedded
 default (SQLite) with its own shipped base policy and default settings (arms `http:REF` and
-`http:working tree`). Each file is written by one of 8 people of one workspace (file i by person
+`http:working tree`; `--mode full`: PostgreSQL and a Kafka-protocol broker instead, with the
+relay). Each file is written by one of 8 people of one workspace (file i by person
 i mod 8), who send their requests at the cursors in writing order, and, when they finish a file,
 one more request at its end (not counted), as an editor does while the last line is typed: the
 workspace memory holds only what was sent. The latency is the client's, per request.
@@ -34,6 +35,7 @@ Every seed is printed, then the mean and the spread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import sys
@@ -134,11 +136,17 @@ def run(
 
 
 def over_http(
-    tree: Any, paths: Sequence[Path], n: int, seeds: Sequence[int], work: Path
+    tree: Any,
+    paths: Sequence[Path],
+    n: int,
+    seeds: Sequence[int],
+    work: Path,
+    full: tuple[Any, Any] | None = None,
 ) -> dict[int, dict[str, Tally]]:
     """The service of `tree` (benchmarks.ingest.Tree) as shipped, embedded, on each seed's
     cursors over HTTP (module docstring); per seed, a Tally per part. A fresh data directory (and
-    so an empty workspace memory) per seed."""
+    so an empty workspace memory) per seed. `full`: (PostgreSQL, broker) of tests.support, for
+    full mode instead (a database of its own per seed, and the relay running)."""
     import httpx
 
     from benchmarks.ingest import Proc, clean_env, free_port, tabloop, wait_ready
@@ -146,6 +154,15 @@ def over_http(
     out: dict[int, dict[str, Tally]] = {}
     for seed in seeds:
         data = work / f"{tree.path.name}-{seed}"
+        extra = {}
+        if full is not None:
+            pg, broker = full
+            extra = {
+                "TABLOOP_DATABASE_URL": pg.create_database(
+                    "writing_" + "".join(c if c.isalnum() else "_" for c in data.name)
+                ),
+                "TABLOOP_KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap,
+            }
         env = clean_env(
             PYTHONPATH=str(tree.path),
             TABLOOP_DATA_DIR=str(data),
@@ -153,6 +170,7 @@ def over_http(
             TABLOOP_RATE_LIMIT_PER_S="1000000",
             TABLOOP_RATE_LIMIT_BURST="1000000",
             TABLOOP_LOG_LEVEL="WARNING",
+            **extra,
         )
         tabloop("db", "upgrade", env=env, tree=tree.path)
         token = tabloop(
@@ -161,6 +179,10 @@ def over_http(
         port = free_port()
         argv = [sys.executable, "-m", "tabloop.cli", "serve", "--port", str(port)]
         server = Proc(f"serve-{seed}", argv, env, work, cwd=tree.path)
+        relay = None
+        if full is not None:
+            relay_argv = [sys.executable, "-m", "tabloop.cli", "relay"]
+            relay = Proc(f"relay-{seed}", relay_argv, env, work, cwd=tree.path)
         tallies = {part: Tally() for part in PARTS}
         try:
             wait_ready(port, "/readyz", server)
@@ -200,6 +222,8 @@ def over_http(
                         print(f"  {tree.label} seed {seed}: {done}", file=sys.stderr)
         finally:
             server.stop()
+            if relay is not None:
+                relay.stop()
         out[seed] = tallies
     return out
 
@@ -260,6 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also serve the cursors over HTTP from git revision REF and the working tree",
     )
     ap.add_argument(
+        "--mode",
+        choices=("embedded", "full"),
+        default="embedded",
+        help="with --compare: the services' mode (full: PostgreSQL and a Kafka-protocol broker)",
+    )
+    ap.add_argument(
         "--fit",
         action="store_true",
         help="fit the copy head's initial weights on this corpus instead (prints COPY_INIT)",
@@ -315,10 +345,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks.ingest import WORK, checkout
 
         work = Path(tempfile.mkdtemp(prefix="tabloop-writing-"))
-        for tree in (checkout(args.compare, work), WORK):
-            for seed, tallies in over_http(tree, paths, args.n, seeds, work).items():
-                for part, tally in tallies.items():
-                    record(seed, f"http:{tree.label}", part, tally)
+        with contextlib.ExitStack() as stack:
+            full = None
+            if args.mode == "full":
+                from tests.support.kafka import KafkaBroker
+                from tests.support.postgres import PostgresServer
+
+                pg_dir = Path(tempfile.mkdtemp(prefix="tabloop-writing-pg-"))  # postgres reaches it
+                pg = stack.enter_context(PostgresServer(pg_dir).start())
+                broker = stack.enter_context(KafkaBroker(work / "kafka", durable=False).start())
+                full = (pg, broker)
+            for tree in (checkout(args.compare, work), WORK):
+                for seed, tallies in over_http(tree, paths, args.n, seeds, work, full).items():
+                    for part, tally in tallies.items():
+                        record(seed, f"http:{tree.label}", part, tally)
     for seed in seeds if chosen else ():
         for (name, part), tally in run(chosen, paths, args.n, seed).items():
             record(seed, name, part, tally)
