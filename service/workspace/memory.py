@@ -103,7 +103,9 @@ def settle(conn: sa.Connection, feedback: list[dict[str, Any]]) -> int:
     documents whose latest request they are about; the documents changed. An accept inserts
     the suggestion's accepted characters at the cursor; a settled report's text replaces what
     stood from the cursor to the end of its line (a withheld text, None, changes nothing).
-    Only the rollout's own person's feedback counts (the trust checks refuse the rest first)."""
+    Only the rollout's own person's feedback counts (the trust checks refuse the rest first).
+    A read, then a write: of two batches about one document at the same moment, the later write
+    wins (the memory is derived from what is stored; the events themselves are all kept)."""
     about = [e for e in feedback if e["type"] in SETTLING and e.get("suggestion_id")]
     if not about:
         return 0
