@@ -83,13 +83,15 @@ def browser_page() -> Iterator[Any]:
 
 
 def real_traffic(served: Any, admin: httpx.Client, ingest: httpx.Client, ckpt: Path) -> None:
-    """v2 as a 50% canary, 40 users asking for completions, feedback on what was shown, and
+    """v2 as a 50% canary, at least 40 users asking for completions (more until the base
+    policy, which samples whether to show, has shown a few), feedback on what was shown, and
     the trainer's join finalizing every reward (as if the windows had passed)."""
     assert upload(admin, ckpt).status_code == 201
     d = admin.post("/admin/policies/2/deploy", json={"canary_fraction": 0.5}).json()
     wait_for_routing(served, d["id"])
-    events = []
-    for i in range(40):
+    events, shown_by_base, i = [], 0, -1
+    while i < 39 or (shown_by_base < 3 and i < 400):
+        i += 1
         user = f"user-{i}"
         r = ingest.post(
             "/v1/complete", json={"user_id": user, "prefix": PREFIXES[i % 4], "max_new_tokens": 12}
@@ -97,6 +99,7 @@ def real_traffic(served: Any, admin: httpx.Client, ingest: httpx.Client, ckpt: P
         assert r.status_code == 200, r.text
         s = r.json()
         if s["shown"]:
+            shown_by_base += s["policy_version"] == 1
             now, sid = utcnow().isoformat(), s["suggestion_id"]
             if i % 3:
                 events.append(
@@ -123,8 +126,9 @@ def real_traffic(served: Any, admin: httpx.Client, ingest: httpx.Client, ckpt: P
     if events:
         assert ingest.post("/v1/events", json={"events": events}).status_code == 202
     join = Join(served.app.state.ctx.engine, RewardSpec(), spec_version=1)
-    assert join.recover() == 40
-    assert join.finalize_due(now=utcnow() + timedelta(hours=1)) == 40
+    assert shown_by_base >= 3, f"the base policy showed {shown_by_base} of {i + 1} requests"
+    assert join.recover() == i + 1
+    assert join.finalize_due(now=utcnow() + timedelta(hours=1)) == i + 1
 
 
 def test_login_charts_and_rollback(
