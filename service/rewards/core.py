@@ -277,6 +277,38 @@ def size_scale(chars: int, spec: RewardSpec) -> float:
     return float((min(chars, 3 * spec.chars_norm) / spec.chars_norm) ** spec.chars_exponent)
 
 
+def show_threshold(spec: RewardSpec, chars: int, retention: float | None = None) -> float | None:
+    """The accept probability above which showing a `chars`-character suggestion earns more, in
+    expectation, than abstaining: p * A - (1 - p) * reject_penalty > abstain_reward, where A is
+    the reward of its whole accept, `retention` kept (None: no retention report, so
+    provisional_accept_weight). None when showing never pays (not even at p = 1); 0 when it
+    always does (docs/REWARD.md, Break-even accept rates)."""
+    kept = spec.provisional_accept_weight if retention is None else retention
+    gain = spec.accept_reward * size_scale(chars, spec) * kept
+    cost = spec.reject_penalty + spec.abstain_reward  # what a wrong suggestion loses against silence
+    if cost <= 0:
+        return 0.0
+    if cost >= gain + spec.reject_penalty:  # it would have to be accepted more than always
+        return None
+    return cost / (gain + spec.reject_penalty)
+
+
+THRESHOLD_CHARS = (3, 10, 20, 60)  # the sizes docs/REWARD.md, the API and the dashboard tabulate
+
+
+def show_thresholds(spec: RewardSpec) -> list[dict[str, Any]]:
+    """`show_threshold` for THRESHOLD_CHARS: with a retention report of 1 (all of it kept) and
+    without one (provisional_accept_weight)."""
+    return [
+        {
+            "chars": n,
+            "kept": show_threshold(spec, n, 1.0),
+            "no_report": show_threshold(spec, n),
+        }
+        for n in THRESHOLD_CHARS
+    ]
+
+
 # --- which events count for a rollout ------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from service.deps import ADMIN, AdminKey, CtxDep, audited
 from service.errors import NotFound, Unprocessable
 from service.openapi import error_responses
 from service.rewards import store
-from service.rewards.core import RewardSpec
+from service.rewards.core import RewardSpec, show_thresholds
 from service.tables import MAX_VERSION
 
 router = APIRouter(prefix="/admin", tags=["admin: rewards"])
@@ -36,11 +36,41 @@ _SPEC: JsonDict = {
 }
 
 
+_THRESHOLDS = show_thresholds(RewardSpec.from_dict(_SPEC))
+
+
+class Threshold(BaseModel):
+    chars: int = Field(description="the suggestion's length in characters, accepted whole")
+    kept: float | None = Field(
+        description="the accept rate above which showing it pays, when a retention report says "
+        "all of it was kept (null: never pays)"
+    )
+    no_report: float | None = Field(
+        description="... when no retention report comes (provisional_accept_weight)"
+    )
+
+
 class SpecOut(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"version": 2, "spec": _SPEC}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"version": 2, "spec": _SPEC, "thresholds": _THRESHOLDS}]
+        }
+    )
 
     version: int
     spec: dict[str, Any]
+    thresholds: list[Threshold] = Field(
+        description="the show thresholds the spec implies (docs/REWARD.md, Break-even accept "
+        "rates)"
+    )
+
+    @classmethod
+    def of(cls, version: int, spec: RewardSpec) -> SpecOut:
+        return cls(
+            version=version,
+            spec=spec.to_dict(),
+            thresholds=[Threshold(**t) for t in show_thresholds(spec)],
+        )
 
 
 class ReplayIn(BaseModel):
@@ -68,7 +98,7 @@ def get_spec(_key: AdminKey, ctx: CtxDep) -> SpecOut:
     """The current reward spec and its version number (the profile's defaults as version 1
     until one is stored)."""
     version, spec = store.current_spec(ctx.engine, ctx.settings.profile)
-    return SpecOut(version=version, spec=spec.to_dict())
+    return SpecOut.of(version, spec)
 
 
 @router.put("/reward-spec", response_model=SpecOut, status_code=201)
@@ -95,7 +125,7 @@ def put_spec(
             target=str(version),
             detail={"changed": {k: new[k] for k in sorted(body) if k in new}},
         )
-    return SpecOut(version=version, spec=spec.to_dict())
+    return SpecOut.of(version, spec)
 
 
 _REPLAY_EXAMPLE = {

@@ -131,12 +131,13 @@
     const gen = ++state.gen;  // only the latest refresh renders (an action's beats the timer's)
     const win = $("window-select").value;
     try {
-      const [metrics, deployments, training, audit, keys] = await Promise.all([
+      const [metrics, deployments, training, audit, keys, spec] = await Promise.all([
         api("GET", `/admin/metrics?window=${encodeURIComponent(win)}`),
         api("GET", "/admin/deployments?limit=50"),
         api("GET", "/admin/training"),
         api("GET", `/admin/audit?limit=${AUDIT_ROWS}`),
         api("GET", "/admin/keys"),
+        api("GET", "/admin/reward-spec"),
       ]);
       if (gen !== state.gen) return;
       state.metrics = metrics;
@@ -150,6 +151,7 @@
       renderFeedback(metrics.feedback);
       renderTimeline(deployments);
       renderTrainer(training);
+      renderThresholds(spec);
       renderAudit(audit.entries);
       renderKeys(keys);
       if (!$("banner").classList.contains("info")) banner(null);
@@ -392,6 +394,15 @@
     $("trainer").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
     $("pause").hidden = t.paused;
     $("resume").hidden = !t.paused;
+  }
+
+  // the show thresholds the reward spec implies (docs/REWARD.md, Break-even accept rates)
+  function renderThresholds(spec) {
+    $("spec-version").textContent = `reward spec v${spec.version}`;
+    const need = (p) => (p == null ? "never" : pct(p));
+    $("thresholds-table").tBodies[0].replaceChildren(...spec.thresholds.map((t) =>
+      el("tr", { "data-chars": String(t.chars) },
+        el("td", {}, int(t.chars)), el("td", {}, need(t.kept)), el("td", {}, need(t.no_report)))));
   }
 
   // --- keys ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import math
 import random
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,8 @@ from service.rewards.core import (
     finalize_at,
     is_late,
     settle,
+    show_threshold,
+    show_thresholds,
     size_scale,
 )
 from tests.factories import event as event_json
@@ -322,6 +325,53 @@ def test_break_even_accept_rate(chars: int, low: float, high: float) -> None:
     assert p * accepted.value + (1 - p) * rejected.value == pytest.approx(0.0)
     assert low - 1e-9 <= p <= high + 1e-9
     assert p == pytest.approx(0.25 / (0.25 + 0.75 * size_scale(chars, DEFAULT)))
+
+
+SPECS = [
+    pytest.param(DEFAULT, id="default"),
+    pytest.param(RewardSpec(provisional_accept_weight=1.0), id="no-report-full-weight"),
+    pytest.param(
+        RewardSpec(reject_penalty=0.1, chars_exponent=1.0, abstain_reward=-0.02), id="linear"
+    ),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("chars", [1, 3, 10, 20, 60, 200])
+@pytest.mark.parametrize("report", [True, False], ids=["kept", "no-report"])
+def test_show_threshold_is_the_reward_functions_break_even(
+    spec: RewardSpec, chars: int, report: bool
+) -> None:
+    """At the threshold, showing earns what abstaining does, by compute_reward's own values."""
+    rollout = ro(chars=chars)
+    events = [ev("accept", 1)] + ([kept(30, 1.0, 31)] if report else [])
+    accepted = compute_reward(rollout, events, [rollout], spec).value
+    rejected = compute_reward(rollout, [ev("reject", 1)], [rollout], spec).value
+    ignored = compute_reward(rollout, [], [rollout], spec).value
+    silent = ro(chars=0, shown=False)
+    abstained = compute_reward(silent, [], [silent], spec).value
+    assert ignored == rejected
+    p = show_threshold(spec, chars, 1.0 if report else None)
+    assert p is not None and 0 < p < 1
+    assert p * accepted + (1 - p) * rejected == pytest.approx(abstained)
+
+
+def test_show_threshold_when_showing_never_or_always_pays() -> None:
+    assert show_threshold(RewardSpec(accept_reward=0.0), 20) is None
+    assert show_threshold(RewardSpec(reject_penalty=0.0), 20) == 0.0
+    assert show_threshold(RewardSpec(), 0) is None  # nothing to accept: only the cost
+
+
+def test_the_documented_thresholds_are_the_defaults() -> None:
+    """docs/REWARD.md's table of show thresholds is what show_thresholds gives the default."""
+    text = (Path(__file__).parents[3] / "docs" / "REWARD.md").read_text()
+    table = text.split("| suggestion chars | kept (report of 1) | no retention report |")[1]
+    rows = [line for line in table.split("\n\n")[0].splitlines() if line.startswith("| ")]
+    documented = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    assert documented == [
+        [str(t["chars"]), f"{t['kept']:.3f}", f"{t['no_report']:.3f}"]
+        for t in show_thresholds(DEFAULT)
+    ]
 
 
 # --- model_switch and churn --------------------------------------------------------------------

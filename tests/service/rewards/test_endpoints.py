@@ -6,6 +6,7 @@ import datetime as dt
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.factories import event
 
@@ -16,6 +17,10 @@ def test_reward_spec_versions(client: httpx.Client) -> None:
     r = client.put("/admin/reward-spec", json={"reject_penalty": 0.3})
     assert r.status_code == 201 and r.json()["version"] == 2
     assert r.json()["spec"]["reject_penalty"] == 0.3 and r.json()["spec"]["accept_reward"] == 0.75
+    # the show thresholds each version implies: a 20-character accept, kept, pays above a
+    # quarter under the defaults, above 0.3 / (0.75 + 0.3) under version 2
+    assert first["thresholds"][2] == {"chars": 20, "kept": 0.25, "no_report": 0.4}
+    assert r.json()["thresholds"][2]["kept"] == pytest.approx(0.3 / 1.05)
     assert client.get("/admin/reward-spec").json()["version"] == 2
     bad = client.put("/admin/reward-spec", json={"horizon_s": -1})
     assert bad.status_code == 422 and "horizon_s" in bad.json()["error"]["message"]
