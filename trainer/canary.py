@@ -22,6 +22,8 @@ class ArmStats:
     mean_reward: float
     reward_var: float = 0.0  # variance of the per-rollout rewards
     rows: int | None = None  # finalized rollouts counted, when `n` is an effective size
+    mean_kept: float = 0.0  # kept characters per request (accepted chars x retention)
+    kept_var: float = 0.0  # their variance
 
     @property
     def accept_rate(self) -> float:
@@ -40,25 +42,36 @@ def arm_stats(
     users: Sequence[str],
     keys: Sequence[str | None],
     max_share: float,
+    kept: Sequence[float] | None = None,
 ) -> ArmStats:
-    """One arm's rewards with no person or key above `max_share` of its weight (the batch caps,
-    trainer/caps.py): the verdict cannot be carried by one person who accepts or rejects
-    everything. Means and the accept rate are weighted; the counts are effective sizes, so a
-    capped arm's standard errors are honest about resting on fewer people."""
+    """One arm's rewards (and `kept` characters, per rollout) with no person or key above
+    `max_share` of its weight (the batch caps, trainer/caps.py): the verdict cannot be carried
+    by one person who accepts or rejects everything. Means and the accept rate are weighted;
+    the counts are effective sizes, so a capped arm's standard errors are honest about resting
+    on fewer people."""
     if not values:
         return ArmStats(0, 0, 0, 0.0)
     w = cap_weights(users, keys, max_share)
     total = sum(w)
-    mean = sum(wi * v for wi, v in zip(w, values, strict=True)) / total
-    var = sum(wi * (v - mean) ** 2 for wi, v in zip(w, values, strict=True)) / total
+
+    def moments(xs: Sequence[float]) -> tuple[float, float]:
+        mean = sum(wi * x for wi, x in zip(w, xs, strict=True)) / total
+        return mean, sum(wi * (x - mean) ** 2 for wi, x in zip(w, xs, strict=True)) / total
+
+    mean, var = moments(values)
+    kept_mean, kept_var = moments(kept) if kept is not None else (0.0, 0.0)
     shown_w = [wi for wi, o in zip(w, outcomes, strict=True) if o != "abstained"]
     accepted_w = sum(wi for wi, o in zip(w, outcomes, strict=True) if o == "accepted")
     shown = _effective(shown_w)
     rate = accepted_w / sum(shown_w) if shown_w else 0.0
     # an arm without capping gives back the plain counts exactly (no float drift)
     if all(abs(wi - 1.0) < 1e-9 for wi in w):
-        return ArmStats(len(values), len(shown_w), int(round(accepted_w)), mean, var)
-    return ArmStats(_effective(w), shown, rate * shown, mean, var, rows=len(values))
+        return ArmStats(
+            len(values), len(shown_w), int(round(accepted_w)), mean, var, None, kept_mean, kept_var
+        )
+    return ArmStats(
+        _effective(w), shown, rate * shown, mean, var, len(values), kept_mean, kept_var
+    )
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,7 @@ class CanaryConfig:
     min_shown: int = 10  # ... of which shown: abstentions finalize at once and say little
     reward_tolerance: float = 0.02  # the canary's mean reward may trail live by this much
     accept_tolerance: float = 0.05  # and its accept rate (of shown) by this much
+    kept_tolerance: float = 0.0  # and its kept characters per request by this many
     # ... and past the tolerance it is rolled back only when the drop is this many standard
     # errors (one-sided; 1.64: an equally good canary is rolled back 5% of the time). 0: on any
     # observed drop, however few suggestions it rests on.
@@ -82,8 +96,10 @@ def significantly_below(diff: float, se: float, z: float) -> bool:
 def canary_verdict(
     canary: ArmStats, live: ArmStats, age_s: float, cfg: CanaryConfig
 ) -> tuple[Literal["wait", "promote", "rollback"], str]:
-    """Wait for enough data, then roll back on collapse or on a significant drop in mean reward
-    or accept rate (Welch's and the two-proportion z, one-sided); otherwise promote.
+    """Wait for enough data, then roll back on collapse or on a significant drop in mean reward,
+    kept characters per request or accept rate (Welch's and the two-proportion z, one-sided);
+    otherwise promote. A canary that wins reward by showing less, and so gives people less code,
+    is rolled back.
 
     The candidate already passed the off-policy gate; the canary guards against what that
     estimate cannot see. A canary of a few dozen shown suggestions cannot show a small gain:
@@ -109,6 +125,13 @@ def canary_verdict(
             f"mean reward {canary.mean_reward:.3f} < live {live.mean_reward:.3f} "
             f"(s.e. {se_reward:.3f})"
         )
+    d_kept = canary.mean_kept - live.mean_kept + cfg.kept_tolerance
+    se_kept = math.sqrt(canary.kept_var / canary.n + live.kept_var / max(live.n, 1))
+    if significantly_below(d_kept, se_kept, cfg.z):
+        return "rollback", (
+            f"kept chars/request {canary.mean_kept:.2f} < live {live.mean_kept:.2f} "
+            f"(s.e. {se_kept:.2f})"
+        )
     if live.shown:
         p_c, p_l = canary.accept_rate, live.accept_rate
         d_accept = p_c - p_l + cfg.accept_tolerance
@@ -117,5 +140,6 @@ def canary_verdict(
             return "rollback", f"accept rate {p_c:.2f} < live {p_l:.2f} (s.e. {se_accept:.2f})"
     return "promote", (
         f"mean reward {canary.mean_reward:.3f} vs live {live.mean_reward:.3f}, "
+        f"kept chars/request {canary.mean_kept:.2f} vs {live.mean_kept:.2f}, "
         f"accept rate {canary.accept_rate:.2f} vs {live.accept_rate:.2f}"
     )

@@ -9,7 +9,11 @@ Two checks on a candidate against the live policy:
   steps from forgetting code in general;
 - the candidate's reward estimated off-policy on recent logged rollouts — self-normalized
   importance sampling with clipped weights — may not fall below the live policy's on-policy
-  mean by more than `max_reward_drop`. The effective sample size is reported with it.
+  mean by more than `max_reward_drop`. The effective sample size is reported with it;
+- the candidate's kept characters per request, estimated the same way (an accept's characters
+  times the retention its reward counted), may not fall below the live policy's beyond the
+  noise: more than `kept_z` standard errors of the difference (`kept_drop`). A reward whose
+  optimum is silence could otherwise pass a candidate that gives people less code.
 
 The logged rollouts may carry weights (trainer/caps.py: no person or key holds more than a
 capped share of them): both means are then weighted, and the effective sample size the estimate
@@ -38,6 +42,7 @@ class CheckConfig:
     weight_clip: float = 5.0  # importance weights are clipped to [0, weight_clip]
     min_ess_fraction: float = 0.1  # the estimate needs an effective sample size of this share
     min_ess: float = 4.0  # ... and at least this many
+    kept_z: float = 1.64  # kept chars/request may fall by at most this many standard errors
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,16 @@ class CheckResult:
     reward_candidate_est: float
     ess: float
     n: int
+    kept_live: float = float("nan")  # kept characters per request, live (on-policy)
+    kept_candidate_est: float = float("nan")  # ... the candidate's, estimated off-policy
+    kept_se: float = float("nan")  # the standard error of their difference
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """As JSON holds it: a figure that could not be estimated (nan) is null."""
+        return {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in asdict(self).items()
+        }
 
 
 def snis(
@@ -78,6 +90,31 @@ def snis(
         return float("nan"), 0.0
     estimate = float((w * rewards.double()).sum()) / total
     return estimate, total**2 / squares
+
+
+def kept_drop(
+    logp_new: torch.Tensor,
+    logp_behaviour: torch.Tensor,
+    kept: torch.Tensor,
+    clip: float,
+    row_weights: torch.Tensor | None = None,
+) -> tuple[float, float, float]:
+    """Kept characters per request: (live's mean, the candidate's SNIS estimate, the standard
+    error of the difference). Both means weigh the same rows, live's by the row weights v and
+    the candidate's by w = the clipped importance weight times v, so the difference is
+    sum (w_i / W - v_i / V) k_i, and its variance, each row's kept characters varying about
+    live's mean, is sum (w_i / W - v_i / V)^2 (k_i - mean)^2."""
+    if kept.numel() == 0:
+        return float("nan"), float("nan"), float("nan")
+    v = torch.ones_like(kept, dtype=torch.float64) if row_weights is None else row_weights.double()
+    w = torch.exp((logp_new - logp_behaviour).double().clamp(max=math.log(clip))) * v
+    if float(w.sum()) <= 0:
+        return float(kept.double() @ v / v.sum()), float("nan"), float("nan")
+    k = kept.double()
+    live = float(k @ v / v.sum())
+    a = w / w.sum() - v / v.sum()
+    est = live + float(a @ k)
+    return live, est, math.sqrt(float((a * a) @ ((k - live) ** 2)))
 
 
 @torch.no_grad()
@@ -106,8 +143,10 @@ def check(
     cfg: CheckConfig,
     base: GPT | None = None,
     weights: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
 ) -> CheckResult:
-    """`weights`: the logged rollouts' weights (trainer/caps.py); None: all 1."""
+    """`weights`: the logged rollouts' weights (trainer/caps.py); None: all 1. `kept`: each
+    logged rollout's kept characters (trainer/store.ROLLOUT_ROWS); None: not checked."""
     loss_live = heldout_loss(live, heldout)
     loss_cand = heldout_loss(candidate, heldout)
     loss_base = loss_live if base is None or base is live else heldout_loss(base, heldout)
@@ -117,6 +156,11 @@ def check(
         score_actions(candidate, tokenizer, actions).total.cpu() if actions else torch.empty(0)
     )
     est, ess = snis(logp_new, behaviour_logp, rewards, cfg.weight_clip, weights)
+    kept_live, kept_est, kept_se = (
+        kept_drop(logp_new, behaviour_logp, kept, cfg.weight_clip, weights)
+        if kept is not None
+        else (float("nan"),) * 3
+    )
     # what the weights alone leave of the sample: len(actions) when they are all equal
     sample = float(v.sum() ** 2 / (v * v).sum()) if len(actions) else 0.0
 
@@ -130,6 +174,9 @@ def check(
             reward_candidate_est=est,
             ess=ess,
             n=len(actions),
+            kept_live=kept_live,
+            kept_candidate_est=kept_est,
+            kept_se=kept_se,
         )
 
     if loss_cand > loss_live + cfg.max_heldout_regression:
@@ -141,6 +188,12 @@ def check(
         return result(False, f"effective sample size {ess:.1f} < {need:.1f}")
     if est < reward_live - cfg.max_reward_drop:
         return result(False, f"estimated reward {est:.3f} vs live {reward_live:.3f}")
+    if kept_est < kept_live - cfg.kept_z * kept_se:  # False when either is nan
+        return result(
+            False,
+            f"estimated kept chars/request {kept_est:.2f} vs live {kept_live:.2f} "
+            f"(s.e. {kept_se:.2f})",
+        )
     return result(True, "passed")
 
 

@@ -341,6 +341,7 @@ class Trainer:
             self.cfg.deploy_check,
             base=ref_model,
             weights=torch.tensor(self._weights(gate_rows)),
+            kept=torch.tensor([float(r.kept_chars) for r in gate_rows]),
         )
         ids = [r.suggestion_id for r in train_rows]
         now = utcnow()
@@ -446,6 +447,7 @@ class Trainer:
             [r.user_id for r in rows],
             [r.api_key_id for r in rows],
             self.cfg.max_share,
+            [float(r.kept_chars) for r in rows],
         )
 
     def _watch_canary(self, dep: Deployment) -> None:

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from service.events.settled import CODE_SETTLED
 from service.retention import with_code
 from service.rewards.core import UNVIEWED
-from service.rewards.store import trainable_reward
+from service.rewards.store import kept_chars, trainable_reward
 from service.tables import deployments, events, policies, rewards, rollouts, utcnow
 
 STAMP_CHUNK = 1000  # suggestion ids per UPDATE when stamping rewards
@@ -42,6 +42,7 @@ ROLLOUT_ROWS = (
         rollouts.c.user_id,  # whose and which key's: each one's share of a batch is capped
         rollouts.c.api_key_id,
         rewards.c.value,
+        kept_chars().label("kept_chars"),  # what the deploy check weighs besides the reward
     )
     .join(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
     .where(trainable_reward())
@@ -124,9 +125,15 @@ def stamp_trained(engine: sa.Engine, ids: list[str], version: int | None) -> Non
 
 def arm_rows(conn: sa.Connection, version: int, since: datetime) -> list[sa.Row]:
     """A canary arm: the viewed rewards of `version`'s rollouts made since `since`, with whose
-    and which key's they are (value, outcome, user_id, api_key_id)."""
+    and which key's they are (value, outcome, user_id, api_key_id, kept_chars)."""
     rows = conn.execute(
-        sa.select(rewards.c.value, rewards.c.outcome, rewards.c.user_id, rollouts.c.api_key_id)
+        sa.select(
+            rewards.c.value,
+            rewards.c.outcome,
+            rewards.c.user_id,
+            rollouts.c.api_key_id,
+            kept_chars().label("kept_chars"),
+        )
         .select_from(rewards.join(rollouts, rollouts.c.suggestion_id == rewards.c.suggestion_id))
         .where(
             rewards.c.policy_version == version,

@@ -24,6 +24,7 @@ from service.analytics.schemas import BucketRow, MetricsOut, Row
 from service.analytics.trust import feedback_trust
 from service.errors import Unprocessable
 from service.rewards.core import UNVIEWED
+from service.rewards.store import accepted_chars, kept_chars
 from service.tables import rewards, rollouts, utcnow
 
 DEFAULT_WINDOW_S = 3600
@@ -171,9 +172,6 @@ def metrics(conn: sa.Connection, *, window_s: int, bucket_s: int, end: datetime)
     # an unviewed suggestion was neither accepted nor rejected by anyone: not in the accept rate
     judged = sa.and_(r.c.shown, final, w.c.outcome != UNVIEWED)
     accepted = w.c.outcome == "accepted"
-    # text_chars: the suggestion's length also where its text is not kept (docs/PRIVACY.md)
-    text_chars = sa.func.coalesce(r.c.text_chars, sa.func.length(r.c.text))
-    chars = sa.func.round(w.c.components["share"].as_float() * text_chars)
     retention = w.c.components["retention"].as_float()
     sums = (
         sa.select(
@@ -183,8 +181,8 @@ def metrics(conn: sa.Connection, *, window_s: int, bucket_s: int, end: datetime)
             sa.func.sum(sa.case((r.c.shown, 1), else_=0)).label("shown"),
             sa.func.sum(sa.case((judged, 1), else_=0)).label("shown_finalized"),
             sa.func.sum(sa.case((accepted, 1), else_=0)).label("accepted"),
-            sa.func.sum(sa.case((accepted, chars), else_=0)).label("accepted_chars"),
-            sa.func.sum(sa.case((accepted, chars * retention), else_=0)).label("retained_chars"),
+            sa.func.sum(accepted_chars()).label("accepted_chars"),
+            sa.func.sum(kept_chars()).label("retained_chars"),
             sa.func.sum(sa.case((accepted, retention), else_=0)).label("retention_sum"),
             sa.func.coalesce(sa.func.sum(w.c.value), 0).label("reward_sum"),
             sa.func.count(w.c.value).label("rewards_finalized"),

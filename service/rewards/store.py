@@ -37,6 +37,21 @@ def trainable_reward() -> sa.ColumnElement[bool]:
     )
 
 
+def accepted_chars() -> sa.ColumnElement[Any]:
+    """SQL over `rewards` joined with `rollouts`: the characters an accept took (share x the
+    suggestion's length, kept in text_chars also where its text is not: docs/PRIVACY.md); 0 for
+    every other outcome."""
+    length = sa.func.coalesce(rollouts.c.text_chars, sa.func.length(rollouts.c.text))
+    chars = sa.func.round(rewards.c.components["share"].as_float() * length)
+    return sa.func.coalesce(sa.case((rewards.c.outcome == "accepted", chars), else_=0), 0)
+
+
+def kept_chars() -> sa.ColumnElement[Any]:
+    """SQL, as `accepted_chars`: the accepted characters times the retention the reward counted
+    (its last report, or provisional_accept_weight without one)."""
+    return accepted_chars() * sa.func.coalesce(rewards.c.components["retention"].as_float(), 0.0)
+
+
 def default_spec(profile: str) -> RewardSpec:
     return REWARD_SPECS[profile]
 

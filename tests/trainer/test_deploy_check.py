@@ -16,7 +16,7 @@ from service.policy.model import GPT
 from service.policy.sampling import Completion, complete
 from service.policy.tokenizer import CodeTokenizer
 from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
-from trainer.deploy_check import CheckConfig, check, heldout_sample, snis
+from trainer.deploy_check import CheckConfig, check, heldout_sample, kept_drop, snis
 from trainer.update import Batch, UpdateConfig, make_optimizer, update
 
 CFG = CanaryConfig(
@@ -120,6 +120,47 @@ def test_canary_verdict_rolls_back_on_significant_drops_only(
     # the same small drop, judged on any drop (z 0), is a rollback: the test decides it
     if name.startswith("a small drop"):
         assert canary_verdict(canary, LIVE_SIM, 10, replace(SIG, z=0.0))[0] == "rollback"
+
+
+def test_a_canary_that_wins_reward_by_silence_is_rolled_back() -> None:
+    """Fewer shown, each one accepted more often: a higher mean reward and accept rate, but
+    people keep a third of the characters per request they kept from live."""
+    live = replace(LIVE_SIM, mean_kept=3.0, kept_var=40.0)
+    silent = ArmStats(400, 20, 15, 0.02, 0.0225, mean_kept=1.0, kept_var=12.0)
+    got, why = canary_verdict(silent, live, 10, SIG)
+    assert got == "rollback" and why.startswith("kept chars/request"), why
+    # the same arm keeping as much as live is promoted
+    assert canary_verdict(replace(silent, mean_kept=3.0), live, 10, SIG)[0] == "promote"
+
+
+def test_arm_stats_weigh_kept_characters_like_rewards() -> None:
+    arm = arm_stats(
+        [0.5, -0.25, 0.0, 0.5], ["accepted", "rejected", "abstained", "accepted"],
+        ["a", "b", "c", "d"], [None] * 4, max_share=1.0, kept=[8.0, 0.0, 0.0, 4.0],
+    )
+    assert arm.mean_kept == pytest.approx(3.0)
+    assert arm.kept_var == pytest.approx((25 + 9 + 9 + 1) / 4)
+
+
+def test_kept_drop_on_policy_is_no_drop() -> None:
+    """The candidate is the live policy: the same mean, a difference of exactly 0."""
+    kept = torch.tensor([0.0, 12.0, 3.0, 0.0, 30.0])
+    logp = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.5])
+    live, est, se = kept_drop(logp, logp, kept, clip=5.0)
+    assert live == pytest.approx(9.0) and est == pytest.approx(9.0) and se == pytest.approx(0.0)
+
+
+def test_kept_drop_of_a_silent_candidate() -> None:
+    """The candidate gives the shown rollouts (which kept characters) a tenth of their logged
+    probability and the abstentions twice theirs: its estimate falls well below live's, by more
+    than the difference's standard error."""
+    kept = torch.tensor([10.0, 0.0] * 20)
+    behaviour = torch.zeros(40)
+    new = torch.tensor([math.log(0.1), math.log(2.0)] * 20)
+    live, est, se = kept_drop(new, behaviour, kept, clip=5.0)
+    assert live == pytest.approx(5.0)
+    assert est == pytest.approx(10 * 0.1 / (0.1 + 2.0))
+    assert 0 < se < live - est
 
 
 def test_snis_on_policy_is_the_mean_and_ess_is_n() -> None:
@@ -278,6 +319,37 @@ def test_poisoned_rewards_cannot_pass_the_gate(
     )
     assert not result.passed
     assert result.reason.startswith("estimated reward")
+
+
+def test_a_candidate_that_keeps_fewer_characters_is_refused(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """Logged rollouts where showing lost reward on the whole (short suggestions, many
+    rejects) yet the accepted ones kept characters: a candidate that learned to stay silent
+    estimates a higher reward than live, and is refused on the kept characters it gives up."""
+    comps = _logged(tiny_model, tiny_tokenizer, 40)
+    shown = [c.shown for c in comps]
+    assert any(shown) and not all(shown)
+    rewards = torch.tensor([-0.05 if s else 0.0 for s in shown])
+    kept = torch.tensor([4.0 if s else 0.0 for s in shown])
+    silent = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        silent.gate.features.bias.fill_(-5.0)  # abstains nearly always
+    args = (
+        tiny_tokenizer,
+        _heldout(tiny_tokenizer, small_code),
+        comps,
+        torch.tensor([c.logprob_total for c in comps]),
+        rewards,
+        replace(GATE, min_ess_fraction=0.0),
+    )
+    result = check(silent, tiny_model, *args, kept=kept)
+    assert result.reward_candidate_est > result.reward_live  # the reward alone would pass it
+    assert not result.passed
+    assert result.reason.startswith("estimated kept chars/request"), result.reason
+    assert result.kept_candidate_est < result.kept_live
+    assert result.to_dict()["kept_se"] > 0
+    assert check(silent, tiny_model, *args).passed  # without the kept characters, it passes
 
 
 def test_snis_with_vanishing_weights_has_no_evidence() -> None:

@@ -36,7 +36,7 @@ from trainer.update import UpdateConfig
 
 # a deploy check every candidate passes: these tests are about the loop, not the gate
 PASSING_CHECK = CheckConfig(
-    max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0
+    max_heldout_regression=1.0, max_reward_drop=1.0, min_ess=1.0, min_ess_fraction=0.0, kept_z=1e6
 )
 PREFIXES = [
     "import os\nimport ",
@@ -186,6 +186,9 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
     with engine.connect() as conn:
         candidate = conn.execute(sa.select(policies).where(policies.c.version == 2)).one()
     assert candidate.parent == 1 and candidate.summary["gate"]["passed"] is True
+    # the check weighed the kept characters per request too (its figures, as JSON holds them)
+    gate = candidate.summary["gate"]
+    assert gate["kept_live"] >= 0 and gate["kept_candidate_est"] >= 0 and gate["kept_se"] >= 0
     assert count(engine, rewards, rewards.c.trained_into == 2) == candidate.summary["rollouts"]
     status = httpx.get(
         svc.url + "/admin/training", headers={"Authorization": f"Bearer {ingest}"}

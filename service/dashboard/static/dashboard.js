@@ -385,6 +385,10 @@
       ["late events", int(t.late_events)],
       ["last update", info.last_update ? ago(info.last_update.at) : "none yet"],
       ["last deploy check", gate ? `${gate.passed ? "passed" : "failed"}: ${gate.reason}` : "none yet"],
+      // what people would keep from the candidate (estimated off-policy) against live
+      ["kept chars / request", gate && gate.kept_live != null
+        ? `candidate ${num(gate.kept_candidate_est, 2)} vs live ${num(gate.kept_live, 2)} `
+          + `(s.e. ${num(gate.kept_se, 2)})` : "–"],
     ];
     if (members.length) {
       facts.push(["join members", members.map((m) => `${m.member}${m.leader ? " (leads)" : ""}: `
