@@ -41,7 +41,7 @@ from service.rewards.core import (
     RolloutInfo,
     finalize_at,
 )
-from service.rewards.store import BATCH, rewards_from_db, rollout_info
+from service.rewards.store import BATCH, MeasuredRetention, rewards_from_db, rollout_info
 from service.stream.consumer import Record
 from service.stream.topics import FEEDBACK, ROLLOUTS, is_user_purged
 from service.tables import rewards, rollouts, utcnow
@@ -71,6 +71,7 @@ class JoinStats:
 class Join:
     def __init__(self, engine: sa.Engine, spec: RewardSpec, spec_version: int) -> None:
         self.engine, self.spec, self.spec_version = engine, spec, spec_version
+        self.retention = MeasuredRetention()  # what an accept without a retention report counts at
         self.pending: dict[str, Pending] = {}
         self.early: dict[str, list[Feedback]] = {}  # feedback that came before its rollout
         self.stats = JoinStats()
@@ -97,6 +98,7 @@ class Join:
                     rollouts.c.text,
                     rollouts.c.text_chars,
                     rollouts.c.reports_views,
+                    rollouts.c.language,
                     rollouts.c.policy_version,
                 )
                 .outerjoin(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
@@ -208,7 +210,12 @@ class Join:
                     for i in range(0, len(kept), BATCH)
                     for p, reward in zip(
                         kept[i : i + BATCH],
-                        rewards_from_db(conn, [p.rollout for p in kept[i : i + BATCH]], self.spec),
+                        rewards_from_db(
+                            conn,
+                            [p.rollout for p in kept[i : i + BATCH]],
+                            self.spec,
+                            self.retention,
+                        ),
                         strict=True,
                     )
                 ]

@@ -64,7 +64,8 @@ class RewardSpec:
     retention_checks_s: tuple[float, ...] = (30, 120, 300, 600)  # expected code_retained cadence,
     # seconds after the accept; finalization waits for the last one that fits in the horizon
     horizon_s: float = 600  # a reward is final by created_at + horizon_s at the latest
-    provisional_accept_weight: float = 0.5  # retention of an accept with no retention report
+    # retention of an accept with no retention report, until enough reports are measured
+    provisional_accept_weight: float = 1.0
     switch_penalty: float = 0.5  # per model_switch, spread over the user's shown rollouts before it
     switch_window_s: float = 300  # a model_switch reaches rollouts created this long before it
     churn_penalty: float = 1.0  # per churn, spread over all the user's rollouts inside the horizon
@@ -173,6 +174,7 @@ class RolloutInfo:
     text_chars: int  # length in characters of the shown suggestion (0 when abstaining)
     # its client sends a `view` event when it displays a suggestion (the request said so)
     reports_views: bool = False
+    language: str | None = None  # the request's (the measured retention is per language)
 
     def __post_init__(self) -> None:
         _aware(self.created_at, "RolloutInfo.created_at")
@@ -296,14 +298,15 @@ def show_threshold(spec: RewardSpec, chars: int, retention: float | None = None)
 THRESHOLD_CHARS = (3, 10, 20, 60)  # the sizes docs/REWARD.md, the API and the dashboard tabulate
 
 
-def show_thresholds(spec: RewardSpec) -> list[dict[str, Any]]:
+def show_thresholds(spec: RewardSpec, provisional: float | None = None) -> list[dict[str, Any]]:
     """`show_threshold` for THRESHOLD_CHARS: with a retention report of 1 (all of it kept) and
-    without one (provisional_accept_weight)."""
+    without one (at the `provisional` retention measured on clients that report it; None: the
+    spec's provisional_accept_weight)."""
     return [
         {
             "chars": n,
             "kept": show_threshold(spec, n, 1.0),
-            "no_report": show_threshold(spec, n),
+            "no_report": show_threshold(spec, n, provisional),
         }
         for n in THRESHOLD_CHARS
     ]
@@ -417,12 +420,16 @@ def compute_reward(
     events: Sequence[Feedback],
     user_rollouts: Sequence[RolloutInfo],
     spec: RewardSpec,
+    provisional: float | None = None,
 ) -> Reward:
     """The rollout's reward from the events given (the caller leaves out late ones: `is_late`).
 
     `events` may hold anything about the user; only what counts for this rollout is read.
     `user_rollouts` are the user's rollouts known to the caller, used only to spread the
     model_switch and churn penalties; this rollout is counted among them even if missing.
+    `provisional`: the retention an accept without a retention report counts at, the one
+    measured on the clients that do report it (service/rewards/store.MeasuredRetention); None:
+    the spec's provisional_accept_weight.
     """
     counted = _counting(events, rollout, spec)
     parts = dict.fromkeys(COMPONENTS, 0.0)
@@ -444,13 +451,15 @@ def compute_reward(
             chars = max(0, min(chars, n))
             report = _last_retention(counted)
             if report is None:
-                retention, provisional = float(spec.provisional_accept_weight), 1.0
+                estimate = spec.provisional_accept_weight if provisional is None else provisional
+                retention, is_provisional = min(1.0, max(0.0, float(estimate))), 1.0
             else:
-                retention, provisional = min(1.0, max(0.0, report.retained_fraction or 0.0)), 0.0
+                retention = min(1.0, max(0.0, report.retained_fraction or 0.0))
+                is_provisional = 0.0
             parts["size_scale"] = size_scale(chars, spec)
             parts["share"] = chars / n if n > 0 else 0.0
             parts["retention"] = retention
-            parts["provisional"] = provisional
+            parts["provisional"] = is_provisional
             parts["decision"] = (
                 spec.accept_reward * parts["size_scale"] * parts["share"] * retention
             )

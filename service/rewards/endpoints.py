@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
+import sqlalchemy as sa
 from fastapi import APIRouter, Body
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
@@ -29,7 +30,7 @@ _SPEC: JsonDict = {
     "decision_window_s": 30,
     "retention_checks_s": [30, 120, 300, 600],
     "horizon_s": 600,
-    "provisional_accept_weight": 0.5,
+    "provisional_accept_weight": 1.0,
     "switch_penalty": 0.5,
     "switch_window_s": 300,
     "churn_penalty": 1.0,
@@ -46,30 +47,40 @@ class Threshold(BaseModel):
         "all of it was kept (null: never pays)"
     )
     no_report: float | None = Field(
-        description="... when no retention report comes (provisional_accept_weight)"
+        description="... when no retention report comes: the accept counts at measured_retention, "
+        "or provisional_accept_weight until that is measured"
     )
 
 
 class SpecOut(BaseModel):
     model_config = ConfigDict(
         json_schema_extra={
-            "examples": [{"version": 2, "spec": _SPEC, "thresholds": _THRESHOLDS}]
+            "examples": [
+                {"version": 2, "spec": _SPEC, "measured_retention": None, "thresholds": _THRESHOLDS}
+            ]
         }
     )
 
     version: int
     spec: dict[str, Any]
+    measured_retention: float | None = Field(
+        description="the mean retained fraction reported for the newest accepts of clients that "
+        "report retention (all languages); what an accept without a report counts at. null: "
+        "too few reports yet, so provisional_accept_weight"
+    )
     thresholds: list[Threshold] = Field(
         description="the show thresholds the spec implies (docs/REWARD.md, Break-even accept "
         "rates)"
     )
 
     @classmethod
-    def of(cls, version: int, spec: RewardSpec) -> SpecOut:
+    def of(cls, conn: sa.Connection, version: int, spec: RewardSpec) -> SpecOut:
+        measured = store.measured_retention(conn, None)
         return cls(
             version=version,
             spec=spec.to_dict(),
-            thresholds=[Threshold(**t) for t in show_thresholds(spec)],
+            measured_retention=measured,
+            thresholds=[Threshold(**t) for t in show_thresholds(spec, measured)],
         )
 
 
@@ -97,8 +108,9 @@ class ReplayIn(BaseModel):
 def get_spec(_key: AdminKey, ctx: CtxDep) -> SpecOut:
     """The current reward spec and its version number (the profile's defaults as version 1
     until one is stored)."""
-    version, spec = store.current_spec(ctx.engine, ctx.settings.profile)
-    return SpecOut.of(version, spec)
+    with ctx.engine.connect() as conn:
+        version, spec = store.current_spec(conn, ctx.settings.profile)
+        return SpecOut.of(conn, version, spec)
 
 
 @router.put("/reward-spec", response_model=SpecOut, status_code=201)
@@ -125,7 +137,7 @@ def put_spec(
             target=str(version),
             detail={"changed": {k: new[k] for k in sorted(body) if k in new}},
         )
-    return SpecOut.of(version, spec)
+        return SpecOut.of(conn, version, spec)
 
 
 _REPLAY_EXAMPLE = {

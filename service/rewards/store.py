@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -109,6 +110,7 @@ def rollout_info(row: Any) -> RolloutInfo:
         shown=bool(get("shown")),
         text_chars=chars if chars is not None else len(get("text") or ""),
         reports_views=bool(get("reports_views")),  # NULL or absent (older rows): False
+        language=row.get("language") if isinstance(row, dict) else getattr(row, "language", None),
     )
 
 
@@ -120,7 +122,54 @@ ROLLOUT_COLUMNS = (
     rollouts.c.text,
     rollouts.c.text_chars,
     rollouts.c.reports_views,
+    rollouts.c.language,
 )
+
+
+RETENTION_REPORTS = 2000  # the newest reported accepts a retention estimate averages
+MIN_RETENTION_REPORTS = 50  # ... and the fewest it needs
+
+
+def measured_retention(conn: sa.Connection, language: str | None) -> float | None:
+    """The mean retained fraction of the newest RETENTION_REPORTS accepts whose client reported
+    retention, in `language` (None: in every language); None with fewer than
+    MIN_RETENTION_REPORTS of them."""
+    retention = rewards.c.components["retention"].as_float()
+    query = (
+        sa.select(retention)
+        .select_from(rewards.join(rollouts, rollouts.c.suggestion_id == rewards.c.suggestion_id))
+        .where(
+            rewards.c.outcome == "accepted",
+            rewards.c.components["provisional"].as_float() == 0.0,
+        )
+        .order_by(rewards.c.finalized_at.desc())
+        .limit(RETENTION_REPORTS)
+    )
+    if language is not None:
+        query = query.where(rollouts.c.language == language)
+    values = [float(v) for v in conn.scalars(query) if v is not None]
+    return sum(values) / len(values) if len(values) >= MIN_RETENTION_REPORTS else None
+
+
+class MeasuredRetention:
+    """What an accept without a retention report counts at (docs/REWARD.md, Accepts without a
+    retention report): the retention measured on the clients that do report it, in the
+    rollout's language, else in every language, else (too few reports yet) the spec's
+    provisional_accept_weight. Each figure is read at most every `ttl_s` seconds."""
+
+    def __init__(self, ttl_s: float = 60.0) -> None:
+        self.ttl_s = ttl_s
+        self._cache: dict[str | None, tuple[float, float | None]] = {}
+
+    def __call__(self, conn: sa.Connection, language: str | None) -> float | None:
+        now = time.monotonic()
+        hit = self._cache.get(language)
+        if hit is None or now - hit[0] > self.ttl_s:
+            hit = (now, measured_retention(conn, language))
+            self._cache[language] = hit
+        if hit[1] is None and language is not None:
+            return self(conn, None)
+        return hit[1]
 
 
 BATCH = 1000  # rollouts per rewards_from_db call (bounds the IN lists)
@@ -132,12 +181,17 @@ def reward_from_db(conn: sa.Connection, rollout: RolloutInfo, spec: RewardSpec) 
 
 
 def rewards_from_db(
-    conn: sa.Connection, batch: Sequence[RolloutInfo], spec: RewardSpec
+    conn: sa.Connection,
+    batch: Sequence[RolloutInfo],
+    spec: RewardSpec,
+    retention: MeasuredRetention | None = None,
 ) -> list[Reward]:
     """The rewards of `batch`, in order, from the events stored about each rollout and its
     user: three queries for the whole batch (the rollouts' own events; their users' switch and
     churn events; with those, the users' rollouts that share the penalties) instead of two or
-    three per rollout."""
+    three per rollout. An accept without a retention report counts at `retention`'s measure
+    (None: a fresh one)."""
+    retention = retention or MeasuredRetention()
     if not batch:
         return []
     horizon = timedelta(seconds=spec.horizon_s)
@@ -189,7 +243,8 @@ def rewards_from_db(
                 for n in shared[r.user_id]
                 if r.created_at - horizon <= n.created_at <= r.created_at + 2 * horizon
             ]
-        out.append(compute_reward(r, feedback, neighbours, spec))
+        provisional = retention(conn, r.language) if r.shown else None
+        out.append(compute_reward(r, feedback, neighbours, spec, provisional))
     return out
 
 

@@ -184,10 +184,11 @@ def test_login_charts_and_rollback(
     expect(page.locator("#keys-table tbody")).to_contain_text("(its own)")
 
     # when showing pays under the current reward spec: a 20-character suggestion, kept, above a
-    # quarter of the time; without a retention report (counted at 0.5) above 40%
+    # quarter of the time; without a retention report, before any is measured, the same
     expect(page.locator("#spec-version")).to_contain_text("reward spec v1")
-    expect(page.locator("#thresholds-table tr[data-chars='20']")).to_contain_text("25.0%")
-    expect(page.locator("#thresholds-table tr[data-chars='20']")).to_contain_text("40.0%")
+    cells = page.locator("#thresholds-table tr[data-chars='20'] td")
+    expect(cells).to_have_text(["20", "25.0%", "25.0%"])
+    expect(page.locator("#thresholds-table tr[data-chars='3'] td").nth(1)).to_have_text("46.3%")
 
     # the audit log: what the service and this key did so far, newest first
     audit = page.locator("#audit-table tbody tr")

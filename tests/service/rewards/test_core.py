@@ -72,7 +72,8 @@ def kept(after: float, fraction: float, t: float, sid: str = "s1", **kw: Any) ->
     return ev("code_retained", t, sid, after_seconds=after, retained_fraction=fraction, **kw)
 
 
-PROVISIONAL = 0.75 * 0.5  # a whole 20-char accept with no retention report yet
+W = DEFAULT.provisional_accept_weight  # an accept's retention with no report measured
+PROVISIONAL = 0.75 * W  # a whole 20-char accept with no retention report yet
 
 
 # --- decision, size, share, retention --------------------------------------------------------
@@ -153,7 +154,7 @@ DECISION_CASES = [
         ro(),
         [ev("accept", 5, accepted_chars=5)],
         "accepted",
-        0.75 * 0.5 * 0.25 * 0.5,
+        0.75 * 0.5 * 0.25 * W,
         id="partial-accept-5-of-20",
     ),
     pytest.param(
@@ -170,11 +171,11 @@ DECISION_CASES = [
         ro(chars=80),
         [ev("accept", 5)],
         "accepted",
-        0.75 * math.sqrt(3) * 0.5,
+        0.75 * math.sqrt(3) * W,
         id="long-accept-size-capped-at-3-norm",
     ),
     pytest.param(
-        ro(chars=5), [ev("accept", 5)], "accepted", 0.75 * 0.5 * 0.5, id="short-whole-accept"
+        ro(chars=5), [ev("accept", 5)], "accepted", 0.75 * 0.5 * W, id="short-whole-accept"
     ),
     # retention
     pytest.param(
@@ -289,7 +290,10 @@ def test_components_of_an_accept() -> None:
         }
     )
     provisional = compute_reward(ro(), events[:1], [ro()], DEFAULT).components
-    assert provisional["retention"] == 0.5 and provisional["provisional"] == 1.0
+    assert provisional["retention"] == W and provisional["provisional"] == 1.0
+    # the retention measured on clients that report it, when the caller has one
+    measured = compute_reward(ro(), events[:1], [ro()], DEFAULT, provisional=0.7).components
+    assert measured["retention"] == 0.7 and measured["provisional"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -799,7 +803,7 @@ DESIGN_JSON = {
     "decision_window_s": 30,
     "retention_checks_s": [30, 120, 300, 600],
     "horizon_s": 600,
-    "provisional_accept_weight": 0.5,
+    "provisional_accept_weight": 1.0,
     "switch_penalty": 0.5,
     "switch_window_s": 300,
     "churn_penalty": 1.0,

@@ -18,14 +18,24 @@ def test_reward_spec_versions(client: httpx.Client) -> None:
     assert r.status_code == 201 and r.json()["version"] == 2
     assert r.json()["spec"]["reject_penalty"] == 0.3 and r.json()["spec"]["accept_reward"] == 0.75
     # the show thresholds each version implies: a 20-character accept, kept, pays above a
-    # quarter under the defaults, above 0.3 / (0.75 + 0.3) under version 2
-    assert first["thresholds"][2] == {"chars": 20, "kept": 0.25, "no_report": 0.4}
+    # quarter under the defaults, above 0.3 / (0.75 + 0.3) under version 2; with no retention
+    # measured yet, an accept without a report counts whole (provisional_accept_weight 1)
+    assert first["measured_retention"] is None
+    assert first["thresholds"][2] == {"chars": 20, "kept": 0.25, "no_report": 0.25}
     assert r.json()["thresholds"][2]["kept"] == pytest.approx(0.3 / 1.05)
     assert client.get("/admin/reward-spec").json()["version"] == 2
     bad = client.put("/admin/reward-spec", json={"horizon_s": -1})
     assert bad.status_code == 422 and "horizon_s" in bad.json()["error"]["message"]
     assert client.put("/admin/reward-spec", json={"bogus": 1}).status_code == 422
     assert client.get("/admin/reward-spec").json()["version"] == 2
+    # an accept without a report counted at half: such suggestions need a higher accept rate
+    halved = client.put("/admin/reward-spec", json={"provisional_accept_weight": 0.5}).json()
+    assert halved["version"] == 3
+    assert halved["thresholds"][2] == {
+        "chars": 20,
+        "kept": pytest.approx(0.3 / 1.05),
+        "no_report": pytest.approx(0.3 / (0.375 + 0.3)),
+    }
 
 
 def test_replay_recomputes_from_the_database(served: Any, key_factory: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from datetime import UTC, datetime, timedelta
 
+import pytest
 import sqlalchemy as sa
 
 from service.events.service import ingest_events
@@ -18,8 +19,14 @@ from service.rewards.core import (
     RolloutInfo,
     compute_reward,
 )
-from service.rewards.store import ROLLOUT_COLUMNS, rewards_from_db, rollout_info
-from service.tables import events, rollouts
+from service.rewards.store import (
+    MIN_RETENTION_REPORTS,
+    ROLLOUT_COLUMNS,
+    measured_retention,
+    rewards_from_db,
+    rollout_info,
+)
+from service.tables import events, rewards, rollouts
 from tests.factories import event, rollout_row
 
 
@@ -93,3 +100,87 @@ def test_a_batch_gets_the_rewards_each_rollout_gets_alone(engine: sa.Engine) -> 
     outcomes = {r.outcome for r in together}
     assert {"abstained", "accepted", "rejected"} <= outcomes, outcomes
     assert any(r.components.get("switch") or r.components.get("churn") for r in together)
+
+
+def _finalized(
+    conn: sa.Connection, n: int, language: str, retention: float, reported: bool
+) -> None:
+    """`n` accepted rollouts in `language` with finalized rewards at `retention` (a report, or
+    provisional)."""
+    now = datetime.now(UTC)
+    rows = [rollout_row(language=language, created_at=now) for _ in range(n)]
+    conn.execute(rollouts.insert(), rows)
+    conn.execute(
+        rewards.insert(),
+        [
+            {
+                "suggestion_id": r["suggestion_id"],
+                "user_id": r["user_id"],
+                "policy_version": 1,
+                "rollout_created_at": now,
+                "value": 0.1,
+                "outcome": "accepted",
+                "components": {"retention": retention, "provisional": 0.0 if reported else 1.0},
+                "spec_version": 1,
+                "finalized_at": now,
+            }
+            for r in rows
+        ],
+    )
+
+
+def test_an_accept_without_a_report_counts_at_the_retention_measured_where_it_is_reported(
+    engine: sa.Engine,
+) -> None:
+    """Clients that report retention keep 60% of accepted Python and 90% of accepted Go; an
+    accept from a client that never reports counts at its language's measure, at every
+    language's for a language with too few reports, at the spec's weight before any."""
+    spec = RewardSpec()
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    accepts = {}
+    with engine.begin() as conn:
+        for language in ("python", "go", "rust"):
+            row = rollout_row(language=language, created_at=start, text="x" * 20)
+            conn.execute(rollouts.insert(), [row])
+            accepts[language] = row
+    ingest_events(
+        engine,
+        [
+            event(
+                "accept",
+                user_id="u-1",
+                suggestion_id=r["suggestion_id"],
+                occurred_at=(start + timedelta(seconds=2)).isoformat(),
+            )
+            for r in accepts.values()
+        ],
+        api_key_id=None,
+        max_event_bytes=10_000,
+        embedded=True,
+    )
+
+    def retention() -> dict[str, float]:
+        with engine.connect() as conn:
+            infos = {
+                rollout_info(r).language: rollout_info(r)
+                for r in conn.execute(
+                    sa.select(*ROLLOUT_COLUMNS).where(
+                        rollouts.c.suggestion_id.in_([a["suggestion_id"] for a in accepts.values()])
+                    )
+                )
+            }
+            got = rewards_from_db(conn, list(infos.values()), spec)
+        assert all(r.outcome == "accepted" and r.components["provisional"] == 1.0 for r in got)
+        return {lang: r.components["retention"] for lang, r in zip(infos, got, strict=True)}
+
+    assert retention() == {"python": 1.0, "go": 1.0, "rust": 1.0}  # nothing measured yet
+    with engine.begin() as conn:
+        _finalized(conn, MIN_RETENTION_REPORTS, "python", 0.6, reported=True)
+        _finalized(conn, MIN_RETENTION_REPORTS, "go", 0.9, reported=True)
+        _finalized(conn, 200, "rust", 0.1, reported=False)  # provisional ones measure nothing
+        _finalized(conn, MIN_RETENTION_REPORTS - 1, "rust", 0.2, reported=True)  # too few
+    every = (50 * 0.6 + 50 * 0.9 + 49 * 0.2) / 149  # every language's reports
+    assert retention() == pytest.approx({"python": 0.6, "go": 0.9, "rust": every})
+    with engine.connect() as conn:
+        assert measured_retention(conn, "python") == pytest.approx(0.6)
+        assert measured_retention(conn, "rust") is None

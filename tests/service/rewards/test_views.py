@@ -28,7 +28,7 @@ from service.rewards.store import rollout_info
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 DEFAULT = RewardSpec()
-PROVISIONAL = 0.75 * 0.5  # a whole 20-character accept with no retention report yet
+PROVISIONAL = 0.75 * DEFAULT.provisional_accept_weight  # a whole 20-char accept, no report yet
 _ids = itertools.count()
 
 

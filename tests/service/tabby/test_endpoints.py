@@ -7,7 +7,6 @@ still answered with a 2xx; nothing a client sends gets a 500.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import httpx
@@ -242,8 +241,8 @@ def test_select_kind_line_accepts_the_first_line(tabby: httpx.Client, served: An
 @pytest.mark.parametrize(
     "completion_id",
     [
-        "cmpl-" + str(uuid.uuid4()),
-        str(uuid.uuid4()),
+        "cmpl-3f2b8c1e-6d4a-4f0e-9b7c-2a1d5e8f9c03",  # ids of no completion ever served
+        "934420a4-c3cd-470f-bea0-6dc01c8be294",
         "cmpl-not-a-uuid",
         "agent-1234",
     ],
