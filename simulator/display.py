@@ -75,9 +75,9 @@ class Display:
         for col in (
             "t (s)",
             "requests",
+            "retained ch/100",
             "shown/req",
             "accept/shown",
-            "retained ch/100",
             "def/class shown",
             "reward/req",
             "versions",
@@ -87,9 +87,9 @@ class Display:
             table.add_row(
                 f"{b['t0']:.0f}",
                 str(b["requests"]),
+                fmt(b["retained_chars_per_100"], ".1f"),
                 fmt(b["shown_per_request"]),
                 fmt(b["accept_rate_of_shown"]),
-                fmt(b["retained_chars_per_100"], ".1f"),
                 fmt(b["family_shown_rate"]),
                 fmt(b["reward_per_request"], ".3f"),
                 " ".join(f"v{v}:{n}" for v, n in b["versions"].items()),
@@ -106,12 +106,14 @@ class Display:
                 if sim.phase == "baseline"
                 else "learning phase · "
             )
+        kept = sparkline([b["retained_chars_per_100"] for b in buckets], 0, 300)
         lines = [
             f"[bold]{self.status}[/] {phase}{min(sim.now(), self.cfg.duration_s):.0f}/"
             f"{self.cfg.duration_s:.0f} s · {self.cfg.users} seats · {c.people} people · "
             f"{c.away} away · {c.switches} switches · {c.churns} churned · {c.errors} errors",
-            f"accept/shown {sparkline([b['accept_rate_of_shown'] for b in buckets])}   "
+            f"retained ch/100 {kept}   "
             f"shown/req {sparkline([b['shown_per_request'] for b in buckets], 0, 0.5)}   "
+            f"accept/shown {sparkline([b['accept_rate_of_shown'] for b in buckets])}   "
             f"def/class shown {sparkline([b['family_shown_rate'] for b in buckets], 0, 0.5)}",
             f"events {ev.sent}/{ev.queued} sent · {ev.duplicates} dup · {ev.rejected} refused · "
             f"{c.settled} settled · "
@@ -135,10 +137,10 @@ class Display:
         for b in buckets[self._printed : complete]:
             phase = "baseline " if b["t1"] <= self.cfg.baseline_s else ""
             print(
-                f"{phase}t={b['t0']:6.0f}s requests {b['requests']:4d}  shown/req "
+                f"{phase}t={b['t0']:6.0f}s requests {b['requests']:4d}  retained ch/100 "
+                f"{fmt(b['retained_chars_per_100'], '.1f')}  shown/req "
                 f"{fmt(b['shown_per_request'])}  accept/shown "
-                f"{fmt(b['accept_rate_of_shown'])}  "
-                f"retained ch/100 {fmt(b['retained_chars_per_100'], '.1f')}  def/class shown "
+                f"{fmt(b['accept_rate_of_shown'])}  def/class shown "
                 f"{fmt(b['family_shown_rate'])}  versions "
                 + " ".join(f"v{v}:{n}" for v, n in b["versions"].items()),
                 flush=True,
@@ -176,11 +178,13 @@ def change_text(change: float | None, first: float | None, last: float | None, f
     return "-"
 
 
+# what people keep first; the accept rate is secondary (a policy that shows less is accepted
+# more often and gives less code)
 ROWS = (
-    ("accept_rate_of_shown", "accept rate of shown", ".3f"),
-    ("shown_per_request", "shown per request", ".3f"),
     ("retained_chars_per_100", "retained chars / 100 req", ".1f"),
+    ("shown_per_request", "shown per request", ".3f"),
     ("reward_per_request", "reward per request", ".4f"),
+    ("accept_rate_of_shown", "accept rate of shown", ".3f"),
 )
 
 

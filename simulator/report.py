@@ -461,18 +461,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         else {}
     )
     fresh = bool(buckets) and "fresh_shown_per_request" in buckets[0]
-    panels = [
-        (
-            "accept rate of shown",
-            [("all", "accept_rate_of_shown")]
-            + ([("fresh lines", "fresh_accept_rate_of_shown")] if fresh else []),
-            base.get("accept_rate_of_shown"),
-        ),
-        (
-            "shown per request",
-            [("all", "shown_per_request"), ("def/class (always rejected)", "family_shown_rate")],
-            base.get("shown_per_request"),
-        ),
+    panels = [  # what people keep first; the accept rate is secondary
         (
             "retained chars / 100 requests",
             [("all", "retained_chars_per_100")]
@@ -480,9 +469,20 @@ def plot(report: dict[str, Any], path: Path) -> None:
             base.get("retained_chars_per_100"),
         ),
         (
+            "shown per request",
+            [("all", "shown_per_request"), ("def/class (always rejected)", "family_shown_rate")],
+            base.get("shown_per_request"),
+        ),
+        (
             "reward per request (decision part)",
             [("all", "reward_per_request")],
             base.get("reward_per_request"),
+        ),
+        (
+            "accept rate of shown",
+            [("all", "accept_rate_of_shown")]
+            + ([("fresh lines", "fresh_accept_rate_of_shown")] if fresh else []),
+            base.get("accept_rate_of_shown"),
         ),
     ]
     fifth_label = "fifth of the learning phase" if baseline_s > 0 else "fifth of the run"

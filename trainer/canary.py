@@ -69,9 +69,7 @@ def arm_stats(
         return ArmStats(
             len(values), len(shown_w), int(round(accepted_w)), mean, var, None, kept_mean, kept_var
         )
-    return ArmStats(
-        _effective(w), shown, rate * shown, mean, var, len(values), kept_mean, kept_var
-    )
+    return ArmStats(_effective(w), shown, rate * shown, mean, var, len(values), kept_mean, kept_var)
 
 
 @dataclass(frozen=True)

@@ -287,7 +287,7 @@ def show_threshold(spec: RewardSpec, chars: int, retention: float | None = None)
     always does (docs/REWARD.md, Break-even accept rates)."""
     kept = spec.provisional_accept_weight if retention is None else retention
     gain = spec.accept_reward * size_scale(chars, spec) * kept
-    cost = spec.reject_penalty + spec.abstain_reward  # what a wrong suggestion loses against silence
+    cost = spec.reject_penalty + spec.abstain_reward  # a wrong one's loss against silence
     if cost <= 0:
         return 0.0
     if cost >= gain + spec.reject_penalty:  # it would have to be accepted more than always

@@ -69,8 +69,7 @@ class SpecOut(BaseModel):
         "too few reports yet, so provisional_accept_weight"
     )
     thresholds: list[Threshold] = Field(
-        description="the show thresholds the spec implies (docs/REWARD.md, Break-even accept "
-        "rates)"
+        description="the show thresholds the spec implies (docs/REWARD.md, Break-even accept rates)"
     )
 
     @classmethod

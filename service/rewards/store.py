@@ -6,9 +6,9 @@ function of (rollout, events, spec) serves both.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-import time
 from datetime import datetime, timedelta
 from typing import Any
 

@@ -135,8 +135,12 @@ def test_a_canary_that_wins_reward_by_silence_is_rolled_back() -> None:
 
 def test_arm_stats_weigh_kept_characters_like_rewards() -> None:
     arm = arm_stats(
-        [0.5, -0.25, 0.0, 0.5], ["accepted", "rejected", "abstained", "accepted"],
-        ["a", "b", "c", "d"], [None] * 4, max_share=1.0, kept=[8.0, 0.0, 0.0, 4.0],
+        [0.5, -0.25, 0.0, 0.5],
+        ["accepted", "rejected", "abstained", "accepted"],
+        ["a", "b", "c", "d"],
+        [None] * 4,
+        max_share=1.0,
+        kept=[8.0, 0.0, 0.0, 4.0],
     )
     assert arm.mean_kept == pytest.approx(3.0)
     assert arm.kept_var == pytest.approx((25 + 9 + 9 + 1) / 4)
