@@ -12,8 +12,9 @@ Two checks on a candidate against the live policy:
   mean by more than `max_reward_drop`. The effective sample size is reported with it;
 - the candidate's kept characters per request, estimated the same way (an accept's characters
   times the retention its reward counted), may not fall below the live policy's beyond the
-  noise: more than `kept_z` standard errors of the difference (`kept_drop`). A reward whose
-  optimum is silence could otherwise pass a candidate that gives people less code.
+  noise: by more than `kept_tolerance` of live's and `kept_z` standard errors of the difference
+  (`kept_drop`). A reward whose optimum is silence could otherwise pass a candidate that gives
+  people less code.
 
 The logged rollouts may carry weights (trainer/caps.py: no person or key holds more than a
 capped share of them): both means are then weighted, and the effective sample size the estimate
@@ -42,7 +43,10 @@ class CheckConfig:
     weight_clip: float = 5.0  # importance weights are clipped to [0, weight_clip]
     min_ess_fraction: float = 0.1  # the estimate needs an effective sample size of this share
     min_ess: float = 4.0  # ... and at least this many
-    kept_z: float = 1.64  # kept chars/request may fall by at most this many standard errors
+    # kept chars/request may fall by this share of live's, and past it by at most kept_z
+    # standard errors: a small drop that buys a better reward is a trade, not a regression
+    kept_tolerance: float = 0.05
+    kept_z: float = 1.64
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,8 @@ def check(
         return result(False, f"effective sample size {ess:.1f} < {need:.1f}")
     if est < reward_live - cfg.max_reward_drop:
         return result(False, f"estimated reward {est:.3f} vs live {reward_live:.3f}")
-    if kept_est < kept_live - cfg.kept_z * kept_se:  # False when either is nan
+    # False when any is nan (nothing to estimate it on)
+    if kept_est < kept_live * (1 - cfg.kept_tolerance) - cfg.kept_z * kept_se:
         return result(
             False,
             f"estimated kept chars/request {kept_est:.2f} vs live {kept_live:.2f} "
