@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter, Body
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.config import JsonDict
 
 from service.audit.recorder import AuditEntry
@@ -37,7 +37,10 @@ _SPEC: JsonDict = {
 }
 
 
-_THRESHOLDS = show_thresholds(RewardSpec.from_dict(_SPEC))
+_THRESHOLDS: list[JsonValue] = [
+    {"chars": t["chars"], "kept": round(t["kept"], 4), "no_report": round(t["no_report"], 4)}
+    for t in show_thresholds(RewardSpec.from_dict(_SPEC))
+]
 
 
 class Threshold(BaseModel):
