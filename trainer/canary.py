@@ -116,20 +116,29 @@ def canary_verdict(
         )
     if canary.shown == 0:
         return "rollback", "the canary showed nothing (collapse)"
-    d_reward = canary.mean_reward - live.mean_reward + cfg.reward_tolerance
-    se_reward = math.sqrt(canary.reward_var / canary.n + live.reward_var / max(live.n, 1))
-    if significantly_below(d_reward, se_reward, cfg.z):
-        return "rollback", (
-            f"mean reward {canary.mean_reward:.3f} < live {live.mean_reward:.3f} "
-            f"(s.e. {se_reward:.3f})"
-        )
-    d_kept = canary.mean_kept - live.mean_kept + cfg.kept_tolerance
-    se_kept = math.sqrt(canary.kept_var / canary.n + live.kept_var / max(live.n, 1))
-    if significantly_below(d_kept, se_kept, cfg.z):
-        return "rollback", (
-            f"kept chars/request {canary.mean_kept:.2f} < live {live.mean_kept:.2f} "
-            f"(s.e. {se_kept:.2f})"
-        )
+    # per-rollout means, Welch: (what, canary's mean and variance, live's, tolerance, digits)
+    for what, (m_c, v_c), (m_l, v_l), tolerance, digits in (
+        (
+            "mean reward",
+            (canary.mean_reward, canary.reward_var),
+            (live.mean_reward, live.reward_var),
+            cfg.reward_tolerance,
+            3,
+        ),
+        (
+            "kept chars/request",
+            (canary.mean_kept, canary.kept_var),
+            (live.mean_kept, live.kept_var),
+            cfg.kept_tolerance,
+            2,
+        ),
+    ):
+        se = math.sqrt(v_c / canary.n + v_l / max(live.n, 1))
+        if significantly_below(m_c - m_l + tolerance, se, cfg.z):
+            return (
+                "rollback",
+                f"{what} {m_c:.{digits}f} < live {m_l:.{digits}f} (s.e. {se:.{digits}f})",
+            )
     if live.shown:
         p_c, p_l = canary.accept_rate, live.accept_rate
         d_accept = p_c - p_l + cfg.accept_tolerance

@@ -339,14 +339,10 @@ def test_a_candidate_that_keeps_fewer_characters_is_refused(
     silent = copy.deepcopy(tiny_model)
     with torch.no_grad():
         silent.gate.features.bias.fill_(-5.0)  # abstains nearly always
-    args = (
-        tiny_tokenizer,
-        _heldout(tiny_tokenizer, small_code),
-        comps,
-        torch.tensor([c.logprob_total for c in comps]),
-        rewards,
-        replace(GATE, min_ess_fraction=0.0),
-    )
+    logp = torch.tensor([c.logprob_total for c in comps])
+    gate = replace(GATE, min_ess_fraction=0.0)
+    heldout = _heldout(tiny_tokenizer, small_code)
+    args = (tiny_tokenizer, heldout, comps, logp, rewards, gate)
     result = check(silent, tiny_model, *args, kept=kept)
     assert result.reward_candidate_est > result.reward_live  # the reward alone would pass it
     assert not result.passed
