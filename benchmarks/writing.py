@@ -24,7 +24,9 @@ default (SQLite) with its own shipped base policy and default settings (arms `ht
 relay). Each file is written by one of 8 people of one workspace (file i by person
 i mod 8), who send their requests at the cursors in writing order, and, when they finish a file,
 one more request at its end (not counted), as an editor does while the last line is typed: the
-workspace memory holds only what was sent. The latency is the client's, per request.
+workspace memory holds only what was sent. The latency is the client's, per request. The two
+trees take turns per seed (REF first on the first seed, the working tree first on the next), so
+neither always runs on a machine the other has just warmed or loaded.
 
 Figures per policy: useful chars per 100 requests (the characters of shown suggestions that are
 a prefix of the true rest of the line), whole rest of line (shown and exact, per request), exact
@@ -355,8 +357,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pg = stack.enter_context(PostgresServer(pg_dir).start())
                 broker = stack.enter_context(KafkaBroker(work / "kafka", durable=False).start())
                 full = (pg, broker)
-            for tree in (checkout(args.compare, work), WORK):
-                for seed, tallies in over_http(tree, paths, args.n, seeds, work, full).items():
+            trees = (checkout(args.compare, work), WORK)
+            for i, seed in enumerate(seeds):  # interleaved, each tree first on every other seed
+                for tree in trees if i % 2 == 0 else trees[::-1]:
+                    tallies = over_http(tree, paths, args.n, [seed], work, full)[seed]
                     for part, tally in tallies.items():
                         record(seed, f"http:{tree.label}", part, tally)
     for seed in seeds if chosen else ():
