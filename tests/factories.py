@@ -11,6 +11,7 @@ REQUIRED: dict[str, dict[str, Any]] = {
     "view": {"suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140"},
     "accept": {"suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140", "accepted_chars": 12},
     "reject": {"suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140"},
+    "typed_through": {"suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140", "typed_chars": 9},
     "code_retained": {
         "suggestion_id": "5d3c2b1a-0f9e-4d8c-b7a6-958473625140",
         "after_seconds": 30,

@@ -16,6 +16,7 @@ from service.completions.schemas import CompleteRequest
 from service.config import Settings
 from service.deps import AppContext
 from service.errors import Unavailable, Unprocessable
+from service.events.service import ingest_events
 from service.metrics import COMPLETIONS, UNSUPPORTED_LANGUAGE
 from service.outbox import outbox_row
 from service.policy.context import following_lines
@@ -24,7 +25,7 @@ from service.policy.sampling import Completion, Prompt, unsupported_language
 from service.privacy import rollout_without_code
 from service.stream.topics import ROLLOUTS
 from service.tables import outbox, rollouts, utcnow
-from service.workspace.memory import SNIPPETS, remember
+from service.workspace.memory import SNIPPETS, remember, typed_through
 from tabloop.core.recall import Text, propose
 
 
@@ -154,16 +155,28 @@ def record_rollout(
     *,
     embedded: bool,
     document: Document | None = None,
-) -> None:
+) -> dict[str, Any] | None:
     """Store the rollout and its `tabloop.rollouts` message in one transaction, with the
     request's `document` in its workspace's memory; in privacy mode the rollout without its
-    code and no document (service/privacy.py)."""
+    code and no document (service/privacy.py). Returns the `typed_through` event of the
+    person's previous suggestion in that document, when this request shows they typed it
+    (service/workspace/memory.typed_through), for the caller to ingest."""
     if record.get("no_train"):
         record, document = rollout_without_code(record), None
     now = utcnow()
+    typed = None
     with engine.begin() as conn:
         conn.execute(rollouts.insert().values(created_at=now, **record))
         if document is not None:
+            typed = typed_through(
+                conn,
+                workspace=document.workspace,
+                scope=document.scope,
+                user_id=record["user_id"],
+                document=document.document,
+                prefix=document.prefix,
+                api_key_id=record["api_key_id"],
+            )
             remember(
                 conn,
                 workspace=document.workspace,
@@ -199,6 +212,7 @@ def record_rollout(
     COMPLETIONS.labels(
         version=str(record["policy_version"]), shown="true" if record["shown"] else "false"
     ).inc()
+    return typed
 
 
 @dataclass(frozen=True)
@@ -257,13 +271,24 @@ async def serve(
     record = rollout_record(
         suggestion_id, req, policy.version, completion, latency_ms, text, api_key_id=api_key_id
     )
-    await run_in_threadpool(
+    typed = await run_in_threadpool(
         record_rollout,
         ctx.engine,
         record,
         embedded=settings.embedded,
         document=document_of(req, workspace, settings),
     )
+    if typed is not None:  # the person typed their previous suggestion here: no rejection
+        await run_in_threadpool(
+            ingest_events,
+            ctx.engine,
+            [typed],
+            api_key_id=api_key_id,
+            max_event_bytes=settings.max_event_bytes,
+            embedded=settings.embedded,
+            profile=settings.profile,
+            source="completions",
+        )
     return Served(
         suggestion_id=suggestion_id,
         policy_version=policy.version,

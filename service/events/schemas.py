@@ -24,7 +24,16 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
-EVENT_TYPES = ("view", "accept", "reject", "code_retained", "code_settled", "model_switch", "churn")
+EVENT_TYPES = (
+    "view",
+    "accept",
+    "reject",
+    "typed_through",
+    "code_retained",
+    "code_settled",
+    "model_switch",
+    "churn",
+)
 SCHEMA_VERSION = 1
 
 
@@ -122,6 +131,16 @@ class RejectEvent(_Event):
     suggestion_id: UUIDStr
 
 
+class TypedThroughEvent(_Event):
+    """The person typed the shown suggestion themselves instead of accepting it: no rejection.
+    The service records it when a person's next request in the same file continues with the
+    suggestion's text (docs/REWARD.md, Typed through); a client that sees it may send it too."""
+
+    type: Literal["typed_through"]
+    suggestion_id: UUIDStr
+    typed_chars: StrictInt = Field(ge=1, le=1_000_000)
+
+
 class CodeRetainedEvent(_Event):
     type: Literal["code_retained"]
     suggestion_id: UUIDStr
@@ -156,6 +175,7 @@ Event = Annotated[
     ViewEvent
     | AcceptEvent
     | RejectEvent
+    | TypedThroughEvent
     | CodeRetainedEvent
     | CodeSettledEvent
     | ModelSwitchEvent
@@ -171,9 +191,10 @@ class EventBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt or unknown top-level field is a 422
 
     events: list[Any] = Field(
-        description="Feedback events (view, accept, reject, code_retained, code_settled, "
-        "model_switch, churn); each is validated on its own and a bad one is reported by index. "
-        "A view says the editor displayed the suggestion. code_settled "
+        description="Feedback events (view, accept, reject, typed_through, code_retained, "
+        "code_settled, model_switch, churn); each is validated on its own and a bad one is "
+        "reported by index. A view says the editor displayed the suggestion; typed_through "
+        "(`typed_chars`) that the person typed it themselves instead of accepting it. code_settled "
         "(from opted-in editors, for any suggestion) carries `after_seconds` and `text`: what "
         "finally stands from the request's cursor to the end of that line (at most 1,000 "
         "characters, may be empty); it is stored like a prefix and is not part of the reward.",

@@ -44,7 +44,7 @@ from service.tables import reward_specs, rollouts
 REASONS = ("wrong_key", "wrong_user", "not_shown", "before_served", "late")
 # events that judge what was displayed: about an abstention they cannot be true. code_settled
 # is sent for any request, shown or not (what the person finally wrote there).
-JUDGE_SHOWN = ("view", "accept", "reject", "code_retained")
+JUDGE_SHOWN = ("view", "accept", "reject", "typed_through", "code_retained")
 # never read by the reward, so never late: what the person wrote may be reported at any time
 NEVER_LATE = ("code_settled",)
 # an event received this many horizons after its rollout was served is refused as late:

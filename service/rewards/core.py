@@ -25,14 +25,17 @@ from service.events.schemas import EVENT_TYPES
 CLOCK_SKEW_S = 5.0
 
 # about one rollout (suggestion_id); a view counts only for a rollout that reports views
-SUGGESTION_EVENTS = ("view", "accept", "reject", "code_retained")
+SUGGESTION_EVENTS = ("view", "accept", "reject", "typed_through", "code_retained")
 USER_EVENTS = ("model_switch", "churn")  # about a user, spread over that user's rollouts
 # About one rollout, but never read by the reward: it neither counts, nor is expected, nor late.
 UNREWARDED_EVENTS = ("code_settled",)
 # unviewed: shown to a client that reports views, never viewed, neither accepted nor rejected;
 # nobody saw it, so it says nothing about the suggestion and is never trained on
 UNVIEWED = "unviewed"
-OUTCOMES = ("abstained", "accepted", "rejected", "ignored", UNVIEWED)
+# typed_through: shown, neither accepted nor rejected, and the person typed it themselves; it
+# was right, and it saved them nothing: no rejection, decision 0
+TYPED_THROUGH = "typed_through"
+OUTCOMES = ("abstained", "accepted", "rejected", "ignored", UNVIEWED, TYPED_THROUGH)
 COMPONENTS = ("decision", "size_scale", "share", "retention", "provisional", "switch", "churn")
 
 _SKEW = timedelta(seconds=CLOCK_SKEW_S)
@@ -340,6 +343,7 @@ def _window_end(event: Feedback, rollout: RolloutInfo, spec: RewardSpec) -> date
         "view": spec.decision_window_s,
         "accept": spec.decision_window_s,
         "reject": spec.decision_window_s,
+        "typed_through": spec.decision_window_s,
         "code_retained": spec.horizon_s,
         "model_switch": spec.switch_window_s,
     }[event.type]
@@ -439,7 +443,9 @@ def compute_reward(
         parts["decision"] = float(spec.abstain_reward)
     else:
         decision = _decision(counted)
-        if decision is None and _unviewed(rollout, counted):
+        if decision is None and any(e.type == TYPED_THROUGH for e in counted):
+            outcome = TYPED_THROUGH  # decision 0: right, but not taken
+        elif decision is None and _unviewed(rollout, counted):
             outcome = UNVIEWED  # decision 0: nobody saw it (the trainer skips it)
         elif decision is None or decision.type == "reject":
             outcome = "ignored" if decision is None else "rejected"

@@ -39,7 +39,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -96,6 +98,84 @@ def remember(
             },
         )
     )
+
+
+# Typed through: the person's next request in the same file shows what they typed after the
+# cursor. A shown suggestion they typed themselves (its first line whole, or at least half of
+# it, and nothing that disagrees with it) was no rejection (docs/REWARD.md, Typed through).
+TYPED_THROUGH_WITHIN_S = 600.0  # a request this long after the suggestion is not compared
+TYPED_ANCHOR_CHARS = 256  # the tail of the earlier prefix that the next one must contain
+TYPED_THROUGH_NAMESPACE = uuid.UUID("8f0a5c3e-2d41-4b7a-9e6c-1a2b3c4d5e6f")  # uuid5 event ids
+
+
+def typed_since(before: str, now: str) -> str | None:
+    """What was typed at the end of prefix `before` to make prefix `now` (both may be cut to
+    their last characters); None when `now` does not continue `before`."""
+    if len(before) <= TYPED_ANCHOR_CHARS:
+        return now[len(before) :] if now.startswith(before) else None
+    tail = before[-TYPED_ANCHOR_CHARS:]
+    at = now.rfind(tail)
+    return None if at < 0 else now[at + len(tail) :]
+
+
+def typed_chars(suggestion: str, typed: str) -> int:
+    """How many characters of the suggestion's first line the person typed themselves: the
+    whole line when `typed` begins with it, the typed part when `typed` is a prefix of the
+    line at least half as long as it, else 0 (they wrote something else, or too little)."""
+    line = suggestion.split("\n", 1)[0]
+    if not line or not typed:
+        return 0
+    if typed.startswith(line):
+        return len(line)
+    return len(typed) if line.startswith(typed) and 2 * len(typed) >= len(line) else 0
+
+
+def typed_through(
+    conn: sa.Connection,
+    *,
+    workspace: str,
+    scope: str | None,
+    user_id: str,
+    document: str | None,
+    prefix: str,
+    api_key_id: str | None,
+) -> dict[str, Any] | None:
+    """The `typed_through` event of the person's previous shown suggestion in this document,
+    when `prefix` (their new request's) shows they typed it themselves; None otherwise. Read
+    before `remember` replaces the row."""
+    now = utcnow()
+    row = conn.execute(
+        sa.select(
+            workspace_code.c.text,
+            workspace_code.c.cursor_at,
+            rollouts.c.suggestion_id,
+            rollouts.c.text.label("suggested"),
+        )
+        .join(rollouts, rollouts.c.suggestion_id == workspace_code.c.suggestion_id)
+        .where(
+            workspace_code.c.workspace == workspace,
+            workspace_code.c.scope == (scope or ""),
+            workspace_code.c.user_id == user_id,
+            workspace_code.c.document == (document or ""),
+            rollouts.c.shown,
+            rollouts.c.created_at >= now - timedelta(seconds=TYPED_THROUGH_WITHIN_S),
+            rollouts.c.api_key_id.is_not_distinct_from(api_key_id),
+        )
+    ).first()
+    if row is None or row.cursor_at is None or not row.suggested:
+        return None
+    typed = typed_since(row.text[: row.cursor_at], prefix.replace("\x00", ""))
+    chars = typed_chars(row.suggested, typed or "")
+    if not chars:
+        return None
+    return {
+        "event_id": str(uuid.uuid5(TYPED_THROUGH_NAMESPACE, row.suggestion_id)),
+        "type": "typed_through",
+        "user_id": user_id,
+        "suggestion_id": row.suggestion_id,
+        "occurred_at": now.isoformat().replace("+00:00", "Z"),
+        "typed_chars": chars,
+    }
 
 
 def settle(conn: sa.Connection, feedback: list[dict[str, Any]]) -> int:

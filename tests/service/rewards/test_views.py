@@ -98,6 +98,35 @@ CASES = [
     pytest.param(
         ro(), [ev("view", 31), ev("accept", 31)], "unviewed", 0.0, id="late-view-and-late-accept"
     ),
+    # typed through: right, not taken; neither a reject nor an accept, and an explicit decision
+    # inside the window still decides
+    pytest.param(
+        ro(), [ev("view", 1), ev("typed_through", 3)], "typed_through", 0.0, id="viewed-typed"
+    ),
+    pytest.param(ro(), [ev("typed_through", 3)], "typed_through", 0.0, id="typed-never-viewed"),
+    pytest.param(
+        ro(views=False), [ev("typed_through", 3)], "typed_through", 0.0, id="typed-no-views"
+    ),
+    pytest.param(
+        ro(),
+        [ev("view", 1), ev("typed_through", 3), ev("accept", 4)],
+        "accepted",
+        PROVISIONAL,
+        id="typed-then-accepted",
+    ),
+    pytest.param(
+        ro(),
+        [ev("view", 1), ev("typed_through", 3), ev("reject", 4)],
+        "rejected",
+        -0.25,
+        id="typed-then-dismissed",
+    ),
+    pytest.param(
+        ro(), [ev("view", 1), ev("typed_through", 31)], "ignored", -0.25, id="typed-too-late"
+    ),
+    pytest.param(
+        ro(), [ev("view", 1), ev("typed_through", 3, sid="s2")], "ignored", -0.25, id="typed-other"
+    ),
     pytest.param(ro(shown=False), [], "abstained", 0.0, id="abstained-reports-views"),
     pytest.param(
         ro(shown=False), [ev("view", 1)], "abstained", 0.0, id="abstained-view-means-nothing"

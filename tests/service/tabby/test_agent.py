@@ -29,6 +29,7 @@ from service.stream.consumer import open_consumer
 from service.stream.kafka import ensure_topics
 from service.stream.topics import FEEDBACK, ROLLOUTS
 from service.tables import events, rewards, rollouts, utcnow
+from service.workspace.memory import typed_chars
 from tests.service.tabby.conftest import (
     PREFIX_ADD,
     PREFIX_MUL,
@@ -172,7 +173,15 @@ def test_tabby_agent_completions_and_events_become_rollouts_feedback_and_rewards
         assert row.shown and row.reports_views and row.user_id == KEY_NAME
         assert row.language == "python" and row.file_path == "calc.py"
     kinds = {(e.suggestion_id, e.type): e for e in stored(engine, events)}
-    assert set(kinds) == {(accepted_id, "view"), (accepted_id, "accept"), (rejected_id, "reject")}
+    # the second request's prefix continues the first: when the first suggestion was what came
+    # next, the service records that it was typed through (the select still decides its reward)
+    typed = typed_chars(rows[accepted_id].text, PREFIX_MUL.removeprefix(PREFIX_ADD))
+    assert set(kinds) == {
+        (accepted_id, "view"),
+        (accepted_id, "accept"),
+        (rejected_id, "reject"),
+        *([(accepted_id, "typed_through")] if typed else []),
+    }
     assert all(e.user_id == KEY_NAME for e in kinds.values())
     assert "accepted_chars" not in kinds[(accepted_id, "accept")].payload  # a whole accept
 

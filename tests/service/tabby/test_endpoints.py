@@ -189,7 +189,8 @@ def test_a_huge_prefix_is_cut_to_its_end(tabby: httpx.Client, served: Any) -> No
 
 def test_view_select_dismiss_are_native_events(tabby: httpx.Client, served: Any) -> None:
     shown = complete(tabby)
-    other = complete(tabby, prefix=PREFIX_MUL)
+    # another file: its prefix, which continues the first, is not what was typed after it
+    other = complete(tabby, segments={"prefix": PREFIX_MUL, "suffix": "\n", "filepath": "mul.py"})
     for completion_id, type_ in (
         (shown["id"], "view"),
         (shown["id"], "select"),
