@@ -21,6 +21,7 @@ from service.completions.serving import PolicyServer
 from service.config import Settings
 from service.errors import Forbidden, RateLimited, Unauthorized, Unavailable
 from service.logs import current_request
+from service.rewards.store import MeasuredRetention
 from service.workspace.memory import WorkspaceMemory
 
 # Longer than the pool's checkout wait (db_pool_timeout_s, 2 s by default), so a busy pool is
@@ -60,6 +61,9 @@ class AppContext:
     inference: Batcher  # runs the model off the event loop and off ingestion's pool, batched
     keys: KeyCache  # recently authenticated keys (see KeyCache for how revocation stays prompt)
     memory: WorkspaceMemory  # the workspaces' code the policy copies from
+    # the retention an accept without a report counts at, read at most once a minute (the
+    # dashboard asks for it with the reward spec on every poll)
+    retention: MeasuredRetention = field(default_factory=MeasuredRetention)
 
 
 async def get_ctx(request: Request) -> AppContext:

@@ -71,6 +71,19 @@ class CheckResult:
         }
 
 
+def clipped_weights(
+    logp_new: torch.Tensor,
+    logp_behaviour: torch.Tensor,
+    clip: float,
+    row_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The importance weights exp(logp_new - logp_behaviour), clipped to [0, clip], each times
+    its row's weight when given (float64)."""
+    log_w = (logp_new - logp_behaviour).double().clamp(max=math.log(clip))
+    w = torch.exp(log_w).clamp(max=clip)
+    return w if row_weights is None else w * row_weights.double()
+
+
 def snis(
     logp_new: torch.Tensor,
     logp_behaviour: torch.Tensor,
@@ -83,10 +96,7 @@ def snis(
     each times its row's weight when given."""
     if rewards.numel() == 0:
         return float("nan"), 0.0
-    log_w = (logp_new - logp_behaviour).double().clamp(max=math.log(clip))
-    w = torch.exp(log_w).clamp(max=clip)
-    if row_weights is not None:
-        w = w * row_weights.double()
+    w = clipped_weights(logp_new, logp_behaviour, clip, row_weights)
     total, squares = float(w.sum()), float((w * w).sum())
     # a candidate that gives the logged actions ~no probability: weights (or their squares)
     # underflow to 0, and there is no evidence for it at all
@@ -111,7 +121,7 @@ def kept_drop(
     if kept.numel() == 0:
         return float("nan"), float("nan"), float("nan")
     v = torch.ones_like(kept, dtype=torch.float64) if row_weights is None else row_weights.double()
-    w = torch.exp((logp_new - logp_behaviour).double().clamp(max=math.log(clip))) * v
+    w = clipped_weights(logp_new, logp_behaviour, clip, v)
     if float(w.sum()) <= 0:
         return float(kept.double() @ v / v.sum()), float("nan"), float("nan")
     k = kept.double()

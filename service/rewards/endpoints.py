@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.config import JsonDict
 
 from service.audit.recorder import AuditEntry
-from service.deps import ADMIN, AdminKey, CtxDep, audited
+from service.deps import ADMIN, AdminKey, AppContext, CtxDep, audited
 from service.errors import NotFound, Unprocessable
 from service.openapi import error_responses
 from service.rewards import store
@@ -76,8 +76,8 @@ class SpecOut(BaseModel):
     )
 
     @classmethod
-    def of(cls, conn: sa.Connection, version: int, spec: RewardSpec) -> SpecOut:
-        measured = store.measured_retention(conn, None)
+    def of(cls, conn: sa.Connection, version: int, spec: RewardSpec, ctx: AppContext) -> SpecOut:
+        measured = ctx.retention(conn, None)
         return cls(
             version=version,
             spec=spec.to_dict(),
@@ -112,7 +112,7 @@ def get_spec(_key: AdminKey, ctx: CtxDep) -> SpecOut:
     until one is stored)."""
     with ctx.engine.connect() as conn:
         version, spec = store.current_spec(conn, ctx.settings.profile)
-        return SpecOut.of(conn, version, spec)
+        return SpecOut.of(conn, version, spec, ctx)
 
 
 @router.put("/reward-spec", response_model=SpecOut, status_code=201)
@@ -139,7 +139,7 @@ def put_spec(
             target=str(version),
             detail={"changed": {k: new[k] for k in sorted(body) if k in new}},
         )
-        return SpecOut.of(conn, version, spec)
+        return SpecOut.of(conn, version, spec, ctx)
 
 
 _REPLAY_EXAMPLE = {

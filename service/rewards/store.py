@@ -265,10 +265,13 @@ def replay(
     outcomes: dict[str, int] = {}
     total = changed = 0.0
     stored_n = 0
+    retention = MeasuredRetention()  # one measure for the whole replay
     computed = [
         reward
         for i in range(0, len(rows), BATCH)
-        for reward in rewards_from_db(conn, [rollout_info(r) for r in rows[i : i + BATCH]], spec)
+        for reward in rewards_from_db(
+            conn, [rollout_info(r) for r in rows[i : i + BATCH]], spec, retention
+        )
     ]
     for r, reward in zip(rows, computed, strict=True):
         outcomes[reward.outcome] = outcomes.get(reward.outcome, 0) + 1
