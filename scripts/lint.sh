@@ -13,6 +13,8 @@ echo "==> ruff format --check"
   echo "==> not formatted: run .venv/bin/ruff format ." >&2
   exit 1
 }
+echo "==> import circles"
+.venv/bin/python scripts/import_cycles.py
 echo "==> mypy"
 .venv/bin/mypy service trainer tabloop simulator benchmarks
 echo "==> mypy --strict (the shared core)"

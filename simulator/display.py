@@ -18,7 +18,7 @@ from simulator import report as rpt
 
 if TYPE_CHECKING:
     from simulator.client import Client
-    from simulator.run import SimConfig, Simulation
+    from simulator.config import SimConfig, SimulationState
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -53,7 +53,7 @@ class Display:
         self.done = False
         self._printed = 0
 
-    async def _poll(self, sim: Simulation) -> None:
+    async def _poll(self, sim: SimulationState) -> None:
         if not self.admin:
             return
         client = self.admin_client or sim.client
@@ -64,12 +64,12 @@ class Display:
         if status == 200 and isinstance(body, dict):
             self.training = body
 
-    def _buckets(self, sim: Simulation) -> list[dict[str, Any]]:
+    def _buckets(self, sim: SimulationState) -> list[dict[str, Any]]:
         width = self.cfg.bucket_width_s
         upto = min(self.cfg.duration_s, sim.now())
         return rpt.bucketize(sim.records, width, max(width, upto))
 
-    def render(self, sim: Simulation) -> Group:
+    def render(self, sim: SimulationState) -> Group:
         buckets = self._buckets(sim)
         table = Table(title="tabloop simulate — learning curve", expand=False)
         for col in (
@@ -128,7 +128,7 @@ class Display:
             )
         return Group(table, *[Text.from_markup(x) for x in lines])
 
-    def _print_new_buckets(self, sim: Simulation) -> None:
+    def _print_new_buckets(self, sim: SimulationState) -> None:
         width = self.cfg.bucket_width_s
         complete = int(min(self.cfg.duration_s, sim.now()) // width)
         if self.done:
@@ -147,7 +147,7 @@ class Display:
             )
         self._printed = max(self._printed, complete)
 
-    async def run(self, sim: Simulation) -> None:
+    async def run(self, sim: SimulationState) -> None:
         last_poll = -math.inf
         if not self.live:
             while not self.done:

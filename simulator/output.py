@@ -19,7 +19,7 @@ from simulator import report as rpt
 from simulator.display import print_summary
 
 if TYPE_CHECKING:
-    from simulator.run import SimConfig, Simulation
+    from simulator.config import SimConfig, SimulationState
 
 
 SECRET_FLAGS = ("--key", "--admin-key")
@@ -48,7 +48,7 @@ def machine() -> dict[str, Any]:
 
 def build_report(
     cfg: SimConfig,
-    sim: Simulation,
+    sim: SimulationState,
     spec_source: str,
     deployments: list[dict[str, Any]] | None,
     training: dict[str, Any] | None,
@@ -171,7 +171,7 @@ def honest_section(
 
 
 def write_outputs(
-    cfg: SimConfig, sim: Simulation, report: dict[str, Any], console: Console
+    cfg: SimConfig, sim: SimulationState, report: dict[str, Any], console: Console
 ) -> None:
     """The run's files under cfg.out, then the printed summary."""
     cfg.out.mkdir(parents=True, exist_ok=True)

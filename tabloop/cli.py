@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return pretrain_main(argv[1:])
     if argv[:1] == ["simulate"]:
-        from simulator.run import main as sim_main
+        from simulator.cli import main as sim_main
 
         return sim_main(argv[1:])
     args = build_parser().parse_args(argv)

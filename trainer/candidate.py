@@ -49,7 +49,7 @@ def train_candidate(
     generic: torch.Tensor | None = None,
     pool: UpdatePool | None = None,
 ) -> Candidate:
-    """A copy of `live` after one update on `batch` (trainer/update.py), with Adam's moments
+    """A copy of `live` after one update on `batch` (trainer/update/), with Adam's moments
     carried over from `optimizer_state`; `live` and `ref` are only read. With `pool`, the
     update runs data-parallel on its ranks (trainer/distributed.py); its RankFailed leaves
     nothing behind but the discarded copy."""

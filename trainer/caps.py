@@ -4,7 +4,7 @@ Every rollout of a batch starts with weight 1. A person (user_id) or an API key 
 than `cap` of the batch's total weight has all of its rows scaled down by one factor, so that it
 holds exactly `cap` of the new total; the others keep their weights. The weights then scale each
 row's advantage in the policy-gradient loss (and its place in the gate's fit, the settled-text
-term and the deploy check's estimate: trainer/update.py, trainer/deploy_check.py), so a person
+term and the deploy check's estimate: trainer/update/, trainer/deploy_check.py), so a person
 who sends 90% of a batch's feedback moves the policy as much as one who sends a quarter of it.
 
 - Few groups: with n people in a batch, nobody can hold less than 1/n, so the cap is

@@ -22,9 +22,10 @@ from service.policy.model import GPT
 from service.policy.sampling import Action
 from service.policy.tokenizer import CodeTokenizer
 
-if TYPE_CHECKING:  # update.py imports this module
-    from trainer.distributed import DataParallel
-    from trainer.update import Batch, UpdateConfig
+if TYPE_CHECKING:  # trainer/update/step.py imports this module
+    from trainer.ranks import DataParallel
+    from trainer.update.batch import Batch
+    from trainer.update.config import UpdateConfig
 
 
 def settled_targets(

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from simulator.cli import main, parse_kinds
 from simulator.output import honest_section
 from simulator.population import adversary_feedback, adversary_pause, seat_kinds
 from simulator.report import RequestRecord, adversary_metrics, metrics, split_people
-from simulator.run import main, parse_kinds
 from tests.simulator.test_run import Served, key
 from tests.simulator.test_run import served as served  # noqa: F401 (the fixture)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from simulator.baseline import THRESHOLDS, Scored, at_threshold, best_threshold, run, score
+from simulator.config import default_checkpoint
 from simulator.population import CursorSource, PopulationConfig
-from simulator.run import default_checkpoint
 from tests.simulator.test_population import NOBODY, SIM_SPEC, corpus_line
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from simulator.cli import main
 from simulator.corpus import CorpusError, load_lines
-from simulator.run import main
 
 FILES = {
     "pkg/__init__.py": "",

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from simulator.config import default_checkpoint
 from simulator.exact import check, exact_rates, fresh_cursors, fresh_lines
 from simulator.population import in_reject_family
-from simulator.run import default_checkpoint
 from trainer.corpus import CorpusLine
 
 LINES = ("import os", "", "def walk(self, top):", "    x = top + 1", "    return x")

@@ -21,7 +21,7 @@ from service.config import Settings
 from service.db import make_engine, upgrade
 from service.registry.store import bootstrap
 from service.tables import events, rollouts
-from simulator.run import main
+from simulator.cli import main
 from tests.service.conftest import RunningService, make_settings
 
 Served = tuple[Settings, RunningService, sa.Engine]
@@ -143,10 +143,11 @@ def test_the_live_display_renders(tmp_path: Path) -> None:
 
     from service.rewards.core import RewardSpec
     from simulator.client import Client, EventSender
+    from simulator.config import SimConfig
     from simulator.display import Display
     from simulator.population import CursorSource
     from simulator.report import RequestRecord
-    from simulator.run import SimConfig, Simulation
+    from simulator.run import Simulation
     from tests.simulator.test_population import corpus_line
 
     async def render() -> str:
@@ -415,8 +416,9 @@ def test_a_settled_event_says_what_stands_after_the_cursor(tmp_path: Path) -> No
 
     from service.rewards.core import RewardSpec
     from simulator.client import Client, EventSender
+    from simulator.config import SimConfig
     from simulator.population import CursorSource, cursor_at
-    from simulator.run import SimConfig, Simulation
+    from simulator.run import Simulation
     from tests.simulator.test_population import corpus_line
 
     async def settle() -> tuple[list[dict[str, Any]], Simulation]:

@@ -1,0 +1,224 @@
+"""`tabloop simulate`'s command line: the options, the checks on them, and the run
+(simulator.run). `python -m simulator.cli --help` lists the options."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from simulator.client import ApiError
+from simulator.config import SimConfig
+from simulator.corpus import CorpusError
+from simulator.population import ADVERSARY_KINDS, AdversaryKind, PopulationConfig
+from simulator.run import simulate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tabloop simulate",
+        description="Simulated editors replaying held-out code against a running tabloop; prints "
+        "the learning curve and writes report.json and learning_curve.png.",
+    )
+    p.add_argument("--api", required=True, help="the service, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--key",
+        default=os.environ.get("TABLOOP_SIMULATE_KEY"),
+        help="API key (ingest; admin to read the reward spec and deployments); "
+        "default $TABLOOP_SIMULATE_KEY",
+    )
+    p.add_argument(
+        "--admin-key",
+        help="a key with the admin scope for the admin API (the "
+        "spec, deployments, pausing the trainer) when --key lacks it",
+    )
+    p.add_argument("--users", type=int, default=16, help="people active at once (default 16)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="the learning phase: minutes with the trainer running (default 10)",
+    )
+    p.add_argument(
+        "--baseline-minutes",
+        type=float,
+        default=0.0,
+        help="first pause the trainer for this many minutes (the live policy serves "
+        "unchanged), then resume it for --minutes; the report compares the last fifth "
+        "with this phase. Needs the admin scope (default 0: no baseline phase)",
+    )
+    p.add_argument(
+        "--settled",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="share of people (0-1) who send code_settled when they move on from a "
+        "line; the report also compares fresh lines apart (default 0)",
+    )
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        metavar="DIR",
+        help="edit every *.py under DIR (tests left out) instead of the standard "
+        "library's held-out files, e.g. a package the policy never trained on",
+    )
+    p.add_argument(
+        "--adversaries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the last N of the --users seats hold adversaries, who accept or reject "
+        "every suggestion whatever the code; the report gives the honest people's "
+        "figures apart (default 0)",
+    )
+    p.add_argument(
+        "--adversary-kinds",
+        default="accept_all,reject_all",
+        metavar="KINDS",
+        help="comma-separated, taken in turn by the adversaries: "
+        f"{', '.join(ADVERSARY_KINDS)} (default accept_all,reject_all)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("retype", "write"),
+        default="retype",
+        help="retype: people edit lines anywhere in the files (the suffix below is sent); "
+        "write: a team writes the files top to bottom, the file above as the prefix and no "
+        "suffix, every cursor on a line not yet written (default retype)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds people, cursors and decisions")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("simulation"),
+        help="report directory (default ./simulation)",
+    )
+    p.add_argument("--bucket-s", type=float, help="report bucket width (default: run / 30)")
+    p.add_argument(
+        "--population",
+        type=Path,
+        help='JSON object of population ranges, e.g. {"accept_close": [0.1, 0.3]}',
+    )
+    p.add_argument(
+        "--reject-family-share",
+        type=float,
+        help="share of cursors on def/class lines, always rejected (default 0.1)",
+    )
+    p.add_argument(
+        "--baseline-cursors",
+        type=int,
+        default=2000,
+        help="held-out cursors for the offline base-policy baseline, run after the "
+        "simulation (about 10 a second on one core; 0: skip)",
+    )
+    p.add_argument("--baseline-checkpoint", type=Path, help="default: the shipped base policy")
+    p.add_argument(
+        "--baseline-json",
+        type=Path,
+        help="use this baseline (from python -m simulator.baseline) instead",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    live = p.add_mutually_exclusive_group()
+    live.add_argument(
+        "--live",
+        dest="live",
+        action="store_true",
+        default=None,
+        help="rich live display (default when stdout is a terminal)",
+    )
+    live.add_argument(
+        "--no-live", dest="live", action="store_false", help="print one line per bucket instead"
+    )
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    given = json.loads(args.population.read_text()) if args.population else {}
+    if args.reject_family_share is not None:
+        given = {**given, "reject_family_share": args.reject_family_share}
+    population = PopulationConfig.from_dict(given)
+    return SimConfig(
+        api=args.api,
+        key=args.key,
+        users=args.users,
+        minutes=args.minutes,
+        baseline_minutes=args.baseline_minutes,
+        settled_share=args.settled,
+        corpus=args.corpus,
+        admin_key=args.admin_key,
+        seed=args.seed,
+        bucket_s=args.bucket_s,
+        out=args.out,
+        population=population,
+        max_new_tokens=args.max_new_tokens,
+        baseline_cursors=args.baseline_cursors,
+        baseline_checkpoint=args.baseline_checkpoint,
+        baseline_json=args.baseline_json,
+        live=args.live,
+        adversaries=args.adversaries,
+        adversary_kinds=parse_kinds(args.adversary_kinds),
+        mode=args.mode,
+    )
+
+
+def parse_kinds(text: str) -> tuple[AdversaryKind, ...]:
+    """`accept_all,reject_all` -> the kinds; ValueError naming the known ones."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in ADVERSARY_KINDS]
+    if not kinds or unknown:
+        raise ValueError(
+            f"--adversary-kinds: {', '.join(unknown) or 'none given'}; "
+            f"known: {', '.join(ADVERSARY_KINDS)}"
+        )
+    return kinds  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.key:
+        parser.error("--key is required (or set TABLOOP_SIMULATE_KEY)")
+    if args.users < 1 or args.minutes <= 0:
+        parser.error("--users must be >= 1 and --minutes > 0")
+    if args.baseline_minutes < 0:
+        parser.error("--baseline-minutes must be >= 0")
+    if not 0 <= args.adversaries < args.users:
+        parser.error("--adversaries must be >= 0 and leave at least one of --users honest")
+    if not 0.0 <= args.settled <= 1.0:
+        parser.error("--settled must be a share in [0, 1]")
+    if args.corpus is not None and not args.corpus.is_dir():
+        parser.error(f"--corpus {args.corpus}: not a directory")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg = config_from_args(args)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    # a log or a pipe gets wide lines instead of 80-column wrapping
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    try:
+        asyncio.run(simulate(cfg, console))
+    except ApiError as e:
+        why = e.message if e.status == 0 else f"the service refused: {e}"
+        print(f"tabloop simulate: {why}", file=sys.stderr)
+        return 1
+    except CorpusError as e:
+        print(f"tabloop simulate: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
