@@ -12,7 +12,7 @@ from service.policy.defaults import DEFAULT_STOP_LOGPROB, DEFAULT_TEMPERATURE, D
 
 # The default of trainer_max_share: above any one honest person's share of the simulation's
 # requests (at most a tenth of them), so it binds on outliers: two people sending ten times as
-# much as anyone else hold 15% of a batch each instead of 28% (docs/RELIABILITY.md).
+# much as anyone else hold 15% of a batch each (docs/RELIABILITY.md, Adversarial feedback).
 DEFAULT_MAX_SHARE = 0.15
 
 
