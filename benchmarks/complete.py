@@ -25,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._server import Server, tabloop_up  # noqa: E402
-from trainer.corpus import sample_cursors  # noqa: E402
+from tabloop.core.corpus import sample_cursors  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -196,7 +196,7 @@ def verify(cluster: Cluster, plugins: plugin.Plugins) -> dict[str, Any]:
     import psycopg
 
     from service.relay import HEADER
-    from service.stream.topics import FEEDBACK, ROLLOUTS
+    from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
     from tests.support.kafka import consume_all
 
     out: dict[str, Any] = {}

@@ -53,8 +53,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.ingest import sim_reward_spec  # noqa: E402
-from service.policy.checkpoint import load_checkpoint  # noqa: E402
-from service.policy.sampling import score_actions  # noqa: E402
 from simulator.baseline import complete_and_score, complete_cursor  # noqa: E402
 from simulator.population import (  # noqa: E402
     CursorSource,
@@ -63,9 +61,11 @@ from simulator.population import (  # noqa: E402
     matched_fraction,
     size_scale,
 )
-from trainer.corpus import heldout_lines  # noqa: E402
+from tabloop.core.corpus import heldout_lines  # noqa: E402
+from tabloop.core.policy.checkpoint import load_checkpoint  # noqa: E402
+from tabloop.core.policy.sampling import score_actions  # noqa: E402
 
-BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
+BASE = Path(__file__).resolve().parent.parent / "tabloop" / "core" / "policy" / "base"
 LIVE_LABELS = 300  # judged suggestions: about what three or four live batches hold
 HIDDEN_L2 = 100.0  # L2 on the hidden-state weights of a fit on LIVE_LABELS (standardised inputs)
 STOPS = ("newline", "confidence", "length", "eof")

@@ -97,7 +97,7 @@ def parse_pairs(items: list[str]) -> dict[str, Any]:
 def sim_reward_spec(pairs: list[str]) -> dict[str, Any]:
     """The sim profile's reward spec with `--reward name=value` pairs changed, validated as the
     service validates a PUT; a clear exit on a bad field."""
-    from service.rewards.core import RewardSpec
+    from tabloop.core.reward import RewardSpec
 
     try:
         return RewardSpec.from_dict({**RewardSpec.sim().to_dict(), **parse_pairs(pairs)}).to_dict()
@@ -222,8 +222,8 @@ def self_cpu() -> float:
 def base_checkpoint(work: Path) -> Path:
     """The policy the API processes load at start. Ingestion does not use it, so when the
     shipped base policy is not there a tiny random-init one stands in."""
-    from service.config import Settings
-    from service.policy.checkpoint import MANIFEST_FILE
+    from tabloop.core.config import Settings
+    from tabloop.core.policy.checkpoint import MANIFEST_FILE
 
     shipped = Path(
         os.environ.get("TABLOOP_BASE_CHECKPOINT")
@@ -235,9 +235,9 @@ def base_checkpoint(work: Path) -> Path:
 
     import torch
 
-    from service.policy.checkpoint import save_checkpoint
-    from service.policy.model import GPT, ModelConfig
-    from service.policy.tokenizer import train_tokenizer
+    from tabloop.core.policy.checkpoint import save_checkpoint
+    from tabloop.core.policy.model import GPT, ModelConfig
+    from tabloop.core.policy.tokenizer import train_tokenizer
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     tok = train_tokenizer([(stdlib / "textwrap.py").read_text()], vocab_size=300)
@@ -271,6 +271,14 @@ class Tree:
 
 
 WORK = Tree("working tree", ROOT)
+
+
+def shipped_base(tree: Path) -> Path:
+    """The base policy a tree ships (its place moved with the shared core, tabloop/core)."""
+    for place in ("tabloop/core/policy/base", "service/policy/base"):
+        if (tree / place).is_dir():
+            return tree / place
+    raise SystemExit(f"{tree}: no shipped base policy")
 
 
 def checkout(ref: str, into: Path) -> Tree:
@@ -361,9 +369,9 @@ class Bench:
 
     def checkpoint(self, tree: Tree) -> Path:
         """The tree's own shipped base policy, else a tiny stand-in (see base_checkpoint)."""
-        from service.policy.checkpoint import MANIFEST_FILE
+        from tabloop.core.policy.checkpoint import MANIFEST_FILE
 
-        shipped = tree.path / "service" / "policy" / "base"
+        shipped = shipped_base(tree.path)
         if tree != WORK and (shipped / MANIFEST_FILE).is_file():
             return shipped
         if self.stand_in is None:
@@ -513,7 +521,7 @@ class Bench:
         return result
 
     def full(self, tree: Tree = WORK) -> Result:
-        from service.stream.topics import FEEDBACK
+        from tabloop.core.stream.topics import FEEDBACK
         from tests.support.kafka import KafkaBroker, consume_all
 
         pg, _ = self.pg_and_broker()

@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.ingest import Proc, clean_env, tabloop  # noqa: E402
-from service.config import load_settings  # noqa: E402
-from service.db import make_engine  # noqa: E402
-from service.stream.kafka import ensure_topics, make_producer  # noqa: E402
-from service.stream.topics import FEEDBACK, ROLLOUTS, encode  # noqa: E402
-from service.tables import TRAINER_MEMBER_PREFIX, events, rewards, rollouts, trainer_state  # noqa: E402
+from tabloop.core.config import load_settings  # noqa: E402
+from tabloop.core.db import make_engine  # noqa: E402
+from tabloop.core.stream.kafka import ensure_topics, make_producer  # noqa: E402
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, encode  # noqa: E402
+from tabloop.core.tables import TRAINER_MEMBER_PREFIX, events, rewards, rollouts, trainer_state  # noqa: E402
 from tests.factories import rollout_row  # noqa: E402
 
 PARTITIONS = 6

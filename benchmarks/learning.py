@@ -53,7 +53,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.ingest import parse_pairs, sim_reward_spec  # noqa: E402
-from service.policy.checkpoint import load_checkpoint  # noqa: E402
 from simulator.baseline import at_threshold, complete_and_score, complete_cursor  # noqa: E402
 from simulator.population import (  # noqa: E402
     CursorSource,
@@ -62,12 +61,13 @@ from simulator.population import (  # noqa: E402
     decision_reward,
     draw_person,
 )
+from tabloop.core.corpus import exact_match, heldout_lines, lines_of  # noqa: E402
+from tabloop.core.policy.checkpoint import load_checkpoint  # noqa: E402
 from trainer.candidate import split_for_check, train_candidate  # noqa: E402
-from trainer.corpus import exact_match, heldout_lines, lines_of  # noqa: E402
 from trainer.loop import TrainerConfig  # noqa: E402
 from trainer.update import Batch  # noqa: E402
 
-BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
+BASE = Path(__file__).resolve().parent.parent / "tabloop" / "core" / "policy" / "base"
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:

@@ -20,8 +20,8 @@ import statistics
 import time
 from collections.abc import Sequence
 
+from tabloop.core.corpus import corpus_files, cursors_from, read_text
 from tabloop.core.recall import SEPARATOR, Text, propose
-from trainer.corpus import corpus_files, cursors_from, read_text
 
 
 def rss_mb() -> float:

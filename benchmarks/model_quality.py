@@ -38,18 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.policy.checkpoint import WEIGHTS_FILE, load_checkpoint  # noqa: E402
-from service.policy.model import GPT, KVCache  # noqa: E402
-from service.policy.sampling import (  # noqa: E402
-    DEFAULT_MAX_CONTEXT_TOKENS,
-    DEFAULT_STOP_LOGPROB,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
-    Completion,
-    complete,
-)
-from service.policy.tokenizer import CodeTokenizer  # noqa: E402
-from trainer.corpus import (  # noqa: E402
+from tabloop.core.corpus import (  # noqa: E402
     Cursor,
     corpus_files,
     cursors_from,
@@ -57,6 +46,17 @@ from trainer.corpus import (  # noqa: E402
     exact_match,
     prefix_match,
 )
+from tabloop.core.policy.checkpoint import WEIGHTS_FILE, load_checkpoint  # noqa: E402
+from tabloop.core.policy.model import GPT, KVCache  # noqa: E402
+from tabloop.core.policy.sampling import (  # noqa: E402
+    DEFAULT_MAX_CONTEXT_TOKENS,
+    DEFAULT_STOP_LOGPROB,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    Completion,
+    complete,
+)
+from tabloop.core.policy.tokenizer import CodeTokenizer  # noqa: E402
 from trainer.pretrain import (  # noqa: E402
     ACCEPT_REWARD,
     CHARS_EXPONENT,

@@ -22,7 +22,7 @@ import torch
 # the repository first: benchmarks/trainer.py would shadow the trainer package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.policy.model import GPT, ModelConfig  # noqa: E402
+from tabloop.core.policy.model import GPT, ModelConfig  # noqa: E402
 from trainer.pretrain import cpu_has_bf16  # noqa: E402
 
 

@@ -310,7 +310,7 @@ def export_policies(port: int, token: str, url: str, directory: Path) -> tuple[P
     import httpx
     import sqlalchemy as sa
 
-    from service.registry.store import artifact_files, write_files
+    from tabloop.core.registry import artifact_files, write_files
 
     r = httpx.get(
         f"http://127.0.0.1:{port}/admin/policies",
@@ -400,7 +400,7 @@ def dump_tables(url: str, directory: Path) -> None:
     """The rows that say what the loop learned from, one JSON object per line and table."""
     import sqlalchemy as sa
 
-    from service.tables import deployments, policies, rewards, rollouts
+    from tabloop.core.tables import deployments, policies, rewards, rollouts
 
     directory.mkdir(parents=True, exist_ok=True)
     engine = sa.create_engine(url)

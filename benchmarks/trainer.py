@@ -34,16 +34,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._server import tabloop_up  # noqa: E402
-from service.policy.checkpoint import load_checkpoint  # noqa: E402
-from service.policy.device import precision, resolve  # noqa: E402
-from service.policy.model import GPT  # noqa: E402
-from service.policy.sampling import complete  # noqa: E402
-from service.policy.tokenizer import CodeTokenizer  # noqa: E402
-from trainer.corpus import sample_cursors  # noqa: E402
+from tabloop.core.corpus import sample_cursors  # noqa: E402
+from tabloop.core.policy.checkpoint import load_checkpoint  # noqa: E402
+from tabloop.core.policy.device import precision, resolve  # noqa: E402
+from tabloop.core.policy.model import GPT  # noqa: E402
+from tabloop.core.policy.sampling import complete  # noqa: E402
+from tabloop.core.policy.tokenizer import CodeTokenizer  # noqa: E402
 from trainer.distributed import UpdatePool  # noqa: E402
 from trainer.update import Batch, UpdateConfig  # noqa: E402
 
-BASE = Path(__file__).resolve().parent.parent / "service" / "policy" / "base"
+BASE = Path(__file__).resolve().parent.parent / "tabloop" / "core" / "policy" / "base"
 
 
 def update_throughput(batch_size: int, nproc: int = 1, device: str = "cpu") -> None:

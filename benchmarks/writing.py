@@ -6,7 +6,7 @@
 A team writes the corpus's files in path order (the standard library's held-out files by
 default, or every non-test `*.py` under `--corpus`, e.g. a package the base never trained on).
 Each request's prefix is the file above the cursor, there is no suffix, and every cursor is on a
-line whose text was never sent before in any form (trainer.corpus.writing_cursors). The
+line whose text was never sent before in any form (tabloop.core.corpus.writing_cursors). The
 workspace memory holds the team's earlier files as they were written.
 
 Policies, each on the same cursors:
@@ -15,7 +15,7 @@ Policies, each on the same cursors:
 - `copy`: the copy heuristic with no model at all: the longest earlier match (>= 16 bytes) of the
   text before the cursor in the file above, then in the team's earlier files; what followed it
   to the end of the line, always shown (tabloop.core.recall.propose);
-- `served`: the policy as served now (service.policy.sampling with the proposal).
+- `served`: the policy as served now (tabloop.core.policy.sampling with the proposal).
 
 With `--compare REF` the same cursors also go over HTTP, one at a time, to two services as
 shipped: a checkout of git revision REF and the working tree, each `tabloop serve` on the embedded
@@ -50,14 +50,14 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from service.policy.checkpoint import load_checkpoint
-from service.policy.sampling import complete
 from simulator.report import usefulness
+from tabloop.core.corpus import Cursor, corpus_files, directory_files, writing_cursors
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.sampling import complete
 from tabloop.core.recall import RECALL_INPUTS, Text, propose, recall_inputs
-from trainer.corpus import Cursor, corpus_files, directory_files, writing_cursors
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BASE = ROOT / "service" / "policy" / "base"
+DEFAULT_BASE = ROOT / "tabloop" / "core" / "policy" / "base"
 WRITERS = 8  # people of one team, over HTTP: file i is written by person i mod 8
 
 
@@ -151,7 +151,7 @@ def over_http(
     full mode instead (a database of its own per seed, and the relay running)."""
     import httpx
 
-    from benchmarks.ingest import Proc, clean_env, free_port, tabloop, wait_ready
+    from benchmarks.ingest import Proc, clean_env, free_port, shipped_base, tabloop, wait_ready
 
     out: dict[int, dict[str, Tally]] = {}
     for seed in seeds:
@@ -168,7 +168,7 @@ def over_http(
         env = clean_env(
             PYTHONPATH=str(tree.path),
             TABLOOP_DATA_DIR=str(data),
-            TABLOOP_BASE_CHECKPOINT=str(tree.path / "service" / "policy" / "base"),
+            TABLOOP_BASE_CHECKPOINT=str(shipped_base(tree.path)),
             TABLOOP_RATE_LIMIT_PER_S="1000000",
             TABLOOP_RATE_LIMIT_BURST="1000000",
             TABLOOP_LOG_LEVEL="WARNING",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from service.tables import metadata
+from tabloop.core.tables import metadata
 
 config = context.config
 

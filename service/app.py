@@ -16,14 +16,11 @@ from service.analytics import endpoints as analytics_endpoints
 from service.audit import endpoints as audit_endpoints
 from service.audit.recorder import AuditMiddleware
 from service.auth import endpoints as key_endpoints
-from service.auth.keys import KeyCache, RateLimiter
 from service.body import BodyLimitMiddleware
 from service.completions import endpoints as complete_endpoints
 from service.completions.batching import Batcher, SamplingSettings
 from service.completions.serving import PolicyServer
-from service.config import Settings, load_settings
 from service.dashboard import endpoints as dashboard
-from service.db import make_engine
 from service.deps import AppContext, Health
 from service.errors import install_handlers
 from service.events import endpoints as event_endpoints
@@ -38,7 +35,10 @@ from service.rewards import endpoints as reward_endpoints
 from service.tabby import endpoints as tabby_endpoints
 from service.training import endpoints as training_endpoints
 from service.users import endpoints as user_endpoints
-from service.workspace.memory import WorkspaceMemory
+from tabloop.core.config import Settings, load_settings
+from tabloop.core.db import make_engine
+from tabloop.core.keys import KeyCache, RateLimiter
+from tabloop.core.memory import WorkspaceMemory
 
 try:  # the installed package's version (pyproject.toml), the one place it is written
     VERSION = importlib.metadata.version("tabloop")

@@ -14,15 +14,15 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from service.audit.recorder import AuditEntry, open_entry
-from service.audit.store import key_actor
-from service.auth.keys import ApiKey, KeyCache, RateLimiter, authenticate
 from service.completions.batching import Batcher
 from service.completions.serving import PolicyServer
-from service.config import Settings
 from service.errors import Forbidden, RateLimited, Unauthorized, Unavailable
 from service.logs import current_request
-from service.rewards.store import MeasuredRetention
-from service.workspace.memory import WorkspaceMemory
+from tabloop.core.audit import key_actor
+from tabloop.core.config import Settings
+from tabloop.core.keys import ApiKey, KeyCache, RateLimiter, authenticate
+from tabloop.core.memory import WorkspaceMemory
+from tabloop.core.reward_store import MeasuredRetention
 
 # Longer than the pool's checkout wait (db_pool_timeout_s, 2 s by default), so a busy pool is
 # never taken for a stalled database; a healthy check takes milliseconds.

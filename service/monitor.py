@@ -14,11 +14,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.config import Settings
 from service.deps import Health
 from service.metrics import OUTBOX_BACKLOG, OUTBOX_LAG
-from service.outbox import backlog
-from service.retention import RetentionJob
+from tabloop.core.config import Settings
+from tabloop.core.outbox import backlog
+from tabloop.core.retention import RetentionJob
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from service.config import Settings
 from service.errors import ErrorBody
+from tabloop.core.config import Settings
 
 ERROR_DESCRIPTIONS = {
     400: "Not JSON, or a broken gzip body",

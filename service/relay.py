@@ -21,12 +21,12 @@ import sqlalchemy as sa
 from kafka import TopicPartition
 from kafka.errors import KafkaError
 
-from service.config import Settings
-from service.db import StandbyLock, json_array, json_rows
 from service.metrics import RELAY_ERRORS, RELAY_PUBLISHED, RELAY_RECONCILED
-from service.stream.kafka import ensure_topics, make_producer, make_reader, read_to_end
-from service.stream.topics import ALL_TOPICS
-from service.tables import outbox, utcnow
+from tabloop.core.config import Settings
+from tabloop.core.db import StandbyLock, json_array, json_rows
+from tabloop.core.stream.kafka import ensure_topics, make_producer, make_reader, read_to_end
+from tabloop.core.stream.topics import ALL_TOPICS
+from tabloop.core.tables import outbox, utcnow
 
 log = logging.getLogger(__name__)
 

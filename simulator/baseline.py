@@ -30,7 +30,7 @@ from simulator.population import (
     in_reject_family,
     request_context,
 )
-from trainer.corpus import Cursor
+from tabloop.core.corpus import Cursor
 
 THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(20)) + (0.975, 0.99)
 
@@ -85,7 +85,7 @@ def complete_cursor(
     """Complete `cursor` as the service would for the simulator's request (serving temperature,
     nucleus and confidence stop: the defaults unless given; stop_logprob -inf turns the stop
     off): the Completion, and whether the cursor is in the reject family."""
-    from service.policy.sampling import (
+    from tabloop.core.policy.sampling import (
         DEFAULT_STOP_LOGPROB,
         DEFAULT_TEMPERATURE,
         DEFAULT_TOP_P,
@@ -183,8 +183,12 @@ def run(
     half, report every threshold and the chosen one on the second half."""
     import torch
 
-    from service.policy.checkpoint import load_checkpoint
-    from service.policy.sampling import DEFAULT_STOP_LOGPROB, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+    from tabloop.core.policy.checkpoint import load_checkpoint
+    from tabloop.core.policy.sampling import (
+        DEFAULT_STOP_LOGPROB,
+        DEFAULT_TEMPERATURE,
+        DEFAULT_TOP_P,
+    )
 
     assert n_cursors >= 2, "need at least two cursors (one per half)"
     model, tokenizer, manifest = load_checkpoint(checkpoint)
@@ -229,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from service.rewards.core import RewardSpec
-    from trainer.corpus import heldout_lines
+    from tabloop.core.corpus import heldout_lines
+    from tabloop.core.reward import RewardSpec
 
     p = argparse.ArgumentParser(prog="python -m simulator.baseline", description=__doc__)
     p.add_argument("--cursors", type=int, default=2000, help="held-out cursors (half choose)")
@@ -250,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         RewardSpec.from_dict(json.loads(args.spec.read_text())) if args.spec else RewardSpec.sim()
     ).to_dict()
     if args.checkpoint is None:
-        import service.policy
+        import tabloop.core.policy
 
-        args.checkpoint = Path(service.policy.__file__).resolve().parent / "base"
+        args.checkpoint = Path(tabloop.core.policy.__file__).resolve().parent / "base"
 
     def progress(i: int, n: int) -> None:
         if i % 100 == 0 or i == n:

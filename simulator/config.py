@@ -94,6 +94,6 @@ class SimulationState(Protocol):
 
 
 def default_checkpoint() -> Path:
-    import service.policy
+    import tabloop.core.policy
 
-    return Path(service.policy.__file__).resolve().parent / "base"
+    return Path(tabloop.core.policy.__file__).resolve().parent / "base"

@@ -1,7 +1,7 @@
 """The code the simulated people edit: the standard library's held-out split (the default), or
 every `*.py` file under a directory (`tabloop simulate --corpus DIR`).
 
-A directory is read with the stdlib loader's rules (trainer.corpus): tests (`test`, `tests`,
+A directory is read with the stdlib loader's rules (tabloop.core.corpus): tests (`test`, `tests`,
 `idle_test` directories, `test_*.py` files) and generated data files are left out; both halves of
 its split are used, since the project never trained on it. That is the point of `--corpus`:
 measuring on code the base policy never saw, e.g. a third-party package in site-packages.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.corpus import CorpusLine, corpus_files, heldout_lines, lines_of
+from tabloop.core.corpus import CorpusLine, corpus_files, heldout_lines, lines_of
 
 
 class CorpusError(ValueError):

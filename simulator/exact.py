@@ -7,7 +7,7 @@ reported?
   reject-family cursors (def/class past the keyword) left out. Both policies get the same ones.
 - Completions: sampled as served (`simulator.baseline.complete_cursor`: the serving temperature,
   top-p and confidence stop), each policy with a torch generator seeded with the same seed.
-- Exact: `trainer.corpus.exact_match`, the completion equals the rest of the line after
+- Exact: `tabloop.core.corpus.exact_match`, the completion equals the rest of the line after
   rstrip. `exact_rate` is over every cursor (an empty completion is a miss),
   `exact_rate_non_empty` over the cursors with a non-empty completion. The policy's show/abstain
   decision is not applied: this measures the language model, not the gate.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.population import CursorSource, in_reject_family
-from trainer.corpus import CorpusLine, Cursor, exact_match
+from tabloop.core.corpus import CorpusLine, Cursor, exact_match
 
 
 def fresh_lines(
@@ -72,8 +72,8 @@ def complete_all(
     """One policy's exact_rates on `cursors`, sampled as served with a generator seeded `seed`."""
     import torch
 
-    from service.policy.checkpoint import load_checkpoint
     from simulator.baseline import complete_cursor
+    from tabloop.core.policy.checkpoint import load_checkpoint
 
     model, tokenizer, manifest = load_checkpoint(checkpoint)
     generator = torch.Generator().manual_seed(seed)
@@ -102,7 +102,11 @@ def check(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """The base and the last live policy on the same n fresh-line cursors (see the module)."""
-    from service.policy.sampling import DEFAULT_STOP_LOGPROB, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+    from tabloop.core.policy.sampling import (
+        DEFAULT_STOP_LOGPROB,
+        DEFAULT_TEMPERATURE,
+        DEFAULT_TOP_P,
+    )
 
     cursors = fresh_cursors(lines, settled, n, seed)
     out: dict[str, Any] = {

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from trainer.corpus import CorpusLine, Cursor, cursor_in_line, prefix_match
+from tabloop.core.corpus import CorpusLine, Cursor, cursor_in_line, prefix_match
 
 Verdict = Literal["correct", "close", "wrong"]
 AdversaryKind = Literal["accept_all", "reject_all", "random"]
@@ -193,7 +193,7 @@ def is_signature_line(line: str) -> bool:
 
 
 def cursor_at(cl: CorpusLine, col: int) -> Cursor:
-    """The cursor at column `col` of a line (same shape as trainer.corpus.cursor_in_line)."""
+    """The cursor at column `col` of a line (same shape as tabloop.core.corpus.cursor_in_line)."""
     before = "\n".join(cl.prefix_lines + (cl.line[:col],))
     after = "\n".join((cl.line[col:],) + cl.suffix_lines)
     return Cursor(cl.path, cl.line_no, before, after, cl.line[col:])

@@ -86,7 +86,7 @@ from simulator.population import (
     think_time,
 )
 from simulator.writing import WritingSource
-from trainer.corpus import Cursor, corpus_files
+from tabloop.core.corpus import Cursor, corpus_files
 
 log = logging.getLogger("tabloop.simulate")
 
@@ -97,7 +97,7 @@ log = logging.getLogger("tabloop.simulate")
 async def fetch_spec(client: Client) -> tuple[dict[str, Any], str]:
     """(spec, where it came from): the service's current spec, or the sim profile's defaults when
     the key lacks the admin scope (403)."""
-    from service.rewards.core import RewardSpec
+    from tabloop.core.reward import RewardSpec
 
     status, body = await client.get("/admin/reward-spec")
     if status == 200 and isinstance(body, dict) and isinstance(body.get("spec"), dict):

@@ -1,8 +1,8 @@
 """Writing mode (`tabloop simulate --mode write`): a team writes the corpus's files top to bottom.
 
 Each person takes the next file nobody has started and writes it line by line: at each non-blank
-line they ask for a completion at a random column (trainer.corpus.cursor_in_line), with the file
-above as the prefix and no suffix. When every file has been started, the next person starts the
+line they ask for a completion at a random column (tabloop.core.corpus.cursor_in_line), with the
+file above as the prefix and no suffix. When every file has been started, the next person starts the
 first one again (a second pass, whose lines were all sent before). No cursor's text was sent at
 that place before; whether it was sent anywhere (then a memory could recall it) is the
 simulation's to say (simulator.population.SentLines).
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.corpus import CorpusLine, Cursor, cursor_in_line, read_text
+from tabloop.core.corpus import CorpusLine, Cursor, cursor_in_line, read_text
 
 
 @dataclass

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
-from service.config import Settings, load_settings
 from service.logs import LogFormat, setup_logging
+from tabloop.core.config import Settings, load_settings
 
 if TYPE_CHECKING:  # for annotations only; the commands import these where they use them
     import sqlalchemy as sa
@@ -104,9 +104,9 @@ def _serve(app: FastAPI, settings: Settings, sock: socket.socket) -> None:
 
 
 def _ensure_first_admin_key(settings: Settings) -> None:
-    from service.audit import store as audit
-    from service.auth.keys import SCOPES, create_key, has_any_key
-    from service.db import make_engine
+    from tabloop.core import audit
+    from tabloop.core.db import make_engine
+    from tabloop.core.keys import SCOPES, create_key, has_any_key
 
     engine = make_engine(settings)
     try:
@@ -124,7 +124,7 @@ def _ensure_first_admin_key(settings: Settings) -> None:
 def _device(settings: Settings) -> str:
     """TABLOOP_DEVICE resolved for this machine ("cpu", "cuda", ...); exits with a one-line
     error where it names a GPU torch does not see."""
-    from service.policy.device import DeviceError, precision, resolve
+    from tabloop.core.policy.device import DeviceError, precision, resolve
 
     try:
         device = resolve(settings.device)
@@ -136,9 +136,9 @@ def _device(settings: Settings) -> str:
 
 def _bootstrap_policy(settings: Settings) -> None:
     """First start: register the shipped base policy and make it live (no-op afterwards)."""
-    from service.db import make_engine
-    from service.policy.checkpoint import MANIFEST_FILE
-    from service.registry.store import bootstrap
+    from tabloop.core.db import make_engine
+    from tabloop.core.policy.checkpoint import MANIFEST_FILE
+    from tabloop.core.registry import bootstrap
 
     if not (settings.base_checkpoint / MANIFEST_FILE).is_file():
         raise SystemExit(
@@ -160,8 +160,8 @@ def _bootstrap_policy(settings: Settings) -> None:
 
 
 def _start_relay(settings: Settings, stop: threading.Event) -> threading.Thread:
-    from service.db import make_engine
     from service.relay import Relay
+    from tabloop.core.db import make_engine
 
     relay = Relay(settings, make_engine(settings))
     thread = threading.Thread(target=relay.run, args=(stop,), name="tabloop-relay", daemon=True)
@@ -173,10 +173,10 @@ def _trainer_key(settings: Settings) -> str:
     """A fresh deploy-scoped key for the in-process trainer of `tabloop up` (old ones revoked)."""
     import sqlalchemy as sa
 
-    from service.audit import store as audit
-    from service.auth.keys import create_key, revoke_key
-    from service.db import make_engine
-    from service.tables import api_keys
+    from tabloop.core import audit
+    from tabloop.core.db import make_engine
+    from tabloop.core.keys import create_key, revoke_key
+    from tabloop.core.tables import api_keys
 
     engine = make_engine(settings)
     try:
@@ -200,7 +200,7 @@ def _trainer_key(settings: Settings) -> str:
 def _start_trainer(
     settings: Settings, url: str, token: str, stop: threading.Event
 ) -> threading.Thread:
-    from service.db import make_engine
+    from tabloop.core.db import make_engine
     from trainer.client import ServiceClient
     from trainer.loop import Trainer
 
@@ -221,7 +221,7 @@ def _start_trainer(
 
 def cmd_up(args: argparse.Namespace) -> int:
     from service.app import create_app
-    from service.db import upgrade
+    from tabloop.core.db import upgrade
 
     settings = _settings(args)
     _device(settings)
@@ -298,8 +298,8 @@ def _multiprocess_metrics() -> Iterator[None]:
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    from service.db import make_engine
     from service.relay import Relay
+    from tabloop.core.db import make_engine
 
     settings = _settings(args, "json")
     if settings.embedded:
@@ -316,7 +316,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from service.db import make_engine
+    from tabloop.core.db import make_engine
     from trainer.client import ServiceClient
     from trainer.distributed import UpdatePool, worker_loop
     from trainer.loop import Trainer
@@ -345,7 +345,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from service.db import upgrade
+    from tabloop.core.db import upgrade
 
     settings = _settings(args)
     upgrade(settings, args.revision)
@@ -358,7 +358,7 @@ def _with_engine(settings: Settings, fn: Callable[[sa.Connection], T]) -> T:
     clear message and exit status 2, not a traceback."""
     from sqlalchemy import inspect
 
-    from service.db import make_engine
+    from tabloop.core.db import make_engine
 
     engine = make_engine(settings)
     try:
@@ -377,8 +377,8 @@ def _with_engine(settings: Settings, fn: Callable[[sa.Connection], T]) -> T:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from service.audit import store as audit
-    from service.auth.keys import ApiKey, create_key, parse_scopes
+    from tabloop.core import audit
+    from tabloop.core.keys import ApiKey, create_key, parse_scopes
 
     settings = _settings(args)
     try:
@@ -406,7 +406,7 @@ def _workspace_name(value: str) -> str:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    from service.auth.keys import list_keys
+    from tabloop.core.keys import list_keys
 
     settings = _settings(args)
     keys = _with_engine(settings, list_keys)
@@ -419,8 +419,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from service.audit import store as audit
-    from service.auth.keys import ApiKey, revoke_key
+    from tabloop.core import audit
+    from tabloop.core.keys import ApiKey, revoke_key
 
     def revoke(c: sa.Connection) -> ApiKey | None:
         key = revoke_key(c, args.id)

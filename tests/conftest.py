@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.policy.model import GPT, ModelConfig
-from service.policy.tokenizer import CodeTokenizer, train_tokenizer
+from tabloop.core.policy.model import GPT, ModelConfig
+from tabloop.core.policy.tokenizer import CodeTokenizer, train_tokenizer
 from tests.support.kafka import KafkaBroker
 from tests.support.postgres import PostgresServer
 

@@ -29,8 +29,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from service.config import Settings
 from tabloop.cli import build_parser
+from tabloop.core.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -170,7 +170,7 @@ def command_problems(
         return None, None
     unknown = sorted(k for k in env if k.upper().startswith(PREFIX) and k.upper() not in KNOWN_VARS)
     for var in unknown:
-        problems.append(f"{name}: {var} is not a tabloop setting (service.config.Settings)")
+        problems.append(f"{name}: {var} is not a tabloop setting (tabloop.core.config.Settings)")
     overrides = {k: getattr(args, k) for k in ("host", "port", "workers") if getattr(args, k, None)}
     try:
         with container_environment(env):

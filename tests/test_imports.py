@@ -1,92 +1,92 @@
-"""The import contract: the trainer and the simulator build on the shared core of `service/`
-(policy, rewards, tables and storage, stream, registry store, privacy and retention rules) and
-never on the API's internals (the app, endpoints, request schemas, serving); they talk to the
-API over HTTP. The API never imports the trainer. Read from the source with `ast`, so a
-function-level import counts too."""
+"""The import contract, stated once (`LAYERS`) and checked transitively.
+
+Three layers: the shared core (`tabloop.core`: the policy, the reward, the tables and database,
+the stream, the registry store, the privacy and retention rules, the trainer's status, the
+workspace memory); the API (`service`), the trainer (`trainer`) and the simulator
+(`simulator`), which use the core and talk to each other over HTTP and the log; and the command
+line (`tabloop.cli`), which starts any of them. Each test imports every module of a package in a
+fresh interpreter and reads `sys.modules`, so an import made by an import, or inside a function
+that runs at import time, counts too. `scripts/lint.sh` takes the core's module list (for mypy
+--strict) from `core_modules()` here.
+"""
 
 from __future__ import annotations
 
-import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# what the trainer and the simulator may import from service/ (a module or a package)
-SHARED_CORE = (
-    "service.config",
-    "service.db",
-    "service.events.settled",  # reading code_settled texts (the trainer's supervised term)
-    "service.policy",
-    "service.privacy",
-    "service.registry.store",
-    "service.retention",
-    "service.rewards.core",
-    "service.rewards.store",
-    "service.stream",
-    "service.tables",
-    "service.training.status",  # the trainer's status row, as GET /admin/training reads it
-)
+# package -> the top-level packages and modules it must never load, directly or not
+LAYERS: dict[str, tuple[str, ...]] = {
+    "tabloop.core": ("fastapi", "starlette", "service", "trainer", "simulator", "tabloop.cli"),
+    "trainer": ("fastapi", "starlette", "service", "simulator", "tabloop.cli"),
+    "simulator": ("fastapi", "starlette", "service", "trainer", "tabloop.cli"),
+    "service": ("trainer", "simulator", "tabloop.cli"),
+}
+
+PROBE = """
+import importlib, json, pkgutil, sys
+package = importlib.import_module(sys.argv[1])
+for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+    importlib.import_module(info.name)
+print(json.dumps(sorted(sys.modules)))
+"""
 
 
-def imported(path: Path) -> set[str]:
-    """The absolute modules `path` imports: `import a.b` and `from a.b import c` give a.b;
-    `from service import x` gives service.x."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            if node.module == "service":
-                out.update(f"service.{a.name}" for a in node.names)
-            else:
-                out.add(node.module)
-    return out
-
-
-def outside_core(path: Path) -> list[str]:
-    """The modules of service/ that `path` imports and that are not the shared core."""
-    return sorted(
-        m
-        for m in imported(path)
-        if m.startswith("service.")
-        and not any(m == c or m.startswith(c + ".") for c in SHARED_CORE)
+def loaded(package: str) -> list[str]:
+    """Every module in `sys.modules` after a fresh interpreter imported all of `package`."""
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, package],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
     )
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def sources(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+def forbidden(modules: list[str], banned: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in modules if any(m == b or m.startswith(b + ".") for b in banned))
 
 
-@pytest.mark.parametrize("package", ["trainer", "simulator"])
-def test_the_trainer_and_the_simulator_import_only_the_shared_core(package: str) -> None:
-    found = {str(p.relative_to(ROOT)): bad for p in sources(package) if (bad := outside_core(p))}
-    assert found == {}, f"imports of the API's internals: {found}"
+def core_modules() -> list[str]:
+    """The core's source files, for `mypy --strict` (scripts/lint.sh)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tabloop" / "core").rglob("*.py"))
 
 
-def test_the_api_never_imports_the_trainer_or_the_simulator() -> None:
-    found = {
-        str(p.relative_to(ROOT)): sorted(
-            m for m in imported(p) if m.split(".")[0] in ("trainer", "simulator")
-        )
-        for p in sources("service")
-    }
-    assert {k: v for k, v in found.items() if v} == {}
+@pytest.mark.parametrize("package", list(LAYERS))
+def test_a_layer_never_loads_what_is_above_it_or_beside_it(package: str) -> None:
+    assert forbidden(loaded(package), LAYERS[package]) == []
 
 
-@pytest.mark.parametrize(
-    "line",
-    [
-        "from service.app import create_app",
-        "import service.app",
-        "from service.events.endpoints import router",
-        "from service.completions import serving",
-        "from service.events.schemas import parse_event",
-        "from service import app",
-    ],
-)
-def test_the_contract_fails_on_an_api_internal(tmp_path: Path, line: str) -> None:
-    module = tmp_path / "module.py"
-    module.write_text(f"from service.policy.model import GPT\n{line}\n")
-    assert outside_core(module), line
+def test_the_check_fails_when_a_core_module_imports_fastapi(tmp_path: Path) -> None:
+    """The same probe, on a copy of the core with one module that imports FastAPI."""
+    fake = tmp_path / "tabloop"
+    core = fake / "core"
+    core.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    (core / "tables.py").write_text("import sqlalchemy\n")
+    (core / "leaky.py").write_text("from fastapi import FastAPI\n")
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, "tabloop.core"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    modules = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "tabloop.core.leaky" in modules
+    assert "fastapi" in forbidden(modules, LAYERS["tabloop.core"])
+
+
+if __name__ == "__main__":  # scripts/lint.sh: the core's files, one per line
+    print("\n".join(core_modules()))

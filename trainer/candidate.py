@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from service.policy.model import GPT
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.distributed import UpdatePool
 from trainer.update import Batch, UpdateConfig, carry_state, make_optimizer, update
 

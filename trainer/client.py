@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from tabloop.core.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 
 
 class ApiError(RuntimeError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 
-from service.config import DEFAULT_MAX_SHARE, Settings
+from tabloop.core.config import DEFAULT_MAX_SHARE, Settings
 from trainer.canary import CanaryConfig
 from trainer.deploy_check import CheckConfig
 from trainer.update import UpdateConfig

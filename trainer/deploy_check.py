@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from service.policy.device import compute, model_device
-from service.policy.model import GPT
-from service.policy.sampling import Action, score_actions
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.device import compute, model_device
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.sampling import Action, score_actions
+from tabloop.core.policy.tokenizer import CodeTokenizer
 
 
 @dataclass(frozen=True)

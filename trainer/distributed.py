@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-from service.policy.model import GPT, ModelConfig
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.model import GPT, ModelConfig
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.ranks import DataParallel, RankFailed
 from trainer.update import Batch, UpdateConfig, update
 
@@ -68,7 +68,9 @@ class Logged:
     temperature: float
     top_p: float | None
     shown: bool
-    recall: dict[str, Any] | None = None  # the copy proposal's record (service.policy.sampling)
+    recall: dict[str, Any] | None = (
+        None  # the copy proposal's record (tabloop.core.policy.sampling)
+    )
 
     @classmethod
     def of(cls, a: Any) -> Logged:

@@ -8,7 +8,7 @@ middle at little cost to its left-to-right quality.
 The middle is what serving asks for: a cursor in a random non-blank line of a training file (a
 column from its indentation to its last character), the middle the rest of that line with its
 newline, the prefix the file before the cursor, the suffix the file after it. The context is
-`service.policy.context.prepare_context` on them — exactly what serving builds, token healing
+`tabloop.core.policy.context.prepare_context` on them — exactly what serving builds, token healing
 and the suffix's share of the budget included — for a context budget drawn uniformly from
 [MIN_BUDGET, block_size - max_new_tokens] (serving's is 96). The target follows it: the healed
 bytes again, the rest of the line and the newline (at most max_new_tokens), as the settled-text
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from service.policy.context import prepare_context
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.context import prepare_context
+from tabloop.core.policy.tokenizer import CodeTokenizer
 
 MIN_BUDGET = 32  # smallest context budget of a training row, in tokens
 

@@ -1,7 +1,7 @@
 """The reward join: rollouts meet their feedback inside the reward windows.
 
 Rollouts and events arrive on the log in any order (feedback can come before its rollout).
-The join keeps each rollout pending until its reward is final (service.rewards.core.finalize_at),
+The join keeps each rollout pending until its reward is final (tabloop.core.reward.finalize_at),
 then computes the rewards from the database — the source of truth for events, so nothing that
 arrived out of order is missed — and writes it once (`rewards` keyed by suggestion id).
 Pending state is rebuilt from the database after a restart, so consumer offsets can be
@@ -33,7 +33,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 # never reads it, so it neither moves a rollout's due time nor counts as late (docs/REWARD.md). A
 # view is: arriving after the reward is final, it would have turned an unviewed rollout into an
 # ignored one.
-from service.rewards.core import (
+from tabloop.core.reward import (
     SUGGESTION_EVENTS,
     Feedback,
     Reward,
@@ -41,10 +41,10 @@ from service.rewards.core import (
     RolloutInfo,
     finalize_at,
 )
-from service.rewards.store import BATCH, MeasuredRetention, rewards_from_db, rollout_info
-from service.stream.consumer import Record
-from service.stream.topics import FEEDBACK, ROLLOUTS, is_user_purged
-from service.tables import rewards, rollouts, utcnow
+from tabloop.core.reward_store import BATCH, MeasuredRetention, rewards_from_db, rollout_info
+from tabloop.core.stream.consumer import Record
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, is_user_purged
+from tabloop.core.tables import rewards, rollouts, utcnow
 from trainer.metrics import BAD_RECORDS, LATE_EVENTS, PURGED_ROLLOUTS, REWARDS_FINALIZED
 
 log = logging.getLogger(__name__)

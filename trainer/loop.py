@@ -26,26 +26,26 @@ import sqlalchemy as sa
 import torch
 from kafka.errors import KafkaError
 
-from service.config import Settings
-from service.db import StandbyLock, blob_transaction
-from service.events.settled import settled_texts
-from service.policy.checkpoint import load_checkpoint, save_checkpoint
-from service.policy.device import resolve
-from service.policy.model import GPT
-from service.policy.tokenizer import CodeTokenizer
-from service.registry.store import Deployment, artifact_files, current_deployment, write_files
-from service.retention import code_cutoff
-from service.rewards.store import current_spec
-from service.stream.consumer import KafkaLogConsumer, LogConsumer, open_consumer, partition_of
-from service.stream.topics import FEEDBACK, ROLLOUTS
-from service.tables import TRAINER_MEMBER_PREFIX as MEMBER_PREFIX
-from service.tables import TRAINER_STATE_NAME as STATE_NAME
-from service.tables import (
+from tabloop.core.config import Settings
+from tabloop.core.db import StandbyLock, blob_transaction
+from tabloop.core.policy.checkpoint import load_checkpoint, save_checkpoint
+from tabloop.core.policy.device import resolve
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.tokenizer import CodeTokenizer
+from tabloop.core.registry import Deployment, artifact_files, current_deployment, write_files
+from tabloop.core.retention import code_cutoff
+from tabloop.core.reward_store import current_spec
+from tabloop.core.settled import settled_texts
+from tabloop.core.status import HistoryEntry, TrainerStatus
+from tabloop.core.stream.consumer import KafkaLogConsumer, LogConsumer, open_consumer, partition_of
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
+from tabloop.core.tables import TRAINER_MEMBER_PREFIX as MEMBER_PREFIX
+from tabloop.core.tables import TRAINER_STATE_NAME as STATE_NAME
+from tabloop.core.tables import (
     reward_specs,
     trainer_state,
     utcnow,
 )
-from service.training.status import HistoryEntry, TrainerStatus
 from trainer import store
 from trainer.canary import ArmStats, arm_stats, canary_verdict
 from trainer.candidate import split_for_check, train_candidate
@@ -230,7 +230,7 @@ class Trainer:
 
     # -- training --------------------------------------------------------------------------
     def _code_kept(self) -> list[Any]:
-        """SQL conditions: the rollout's code is still stored (service/retention.py)."""
+        """SQL conditions: the rollout's code is still stored (tabloop/core/retention.py)."""
         return store.code_kept(code_cutoff(self.settings, self.horizon.total_seconds(), utcnow()))
 
     def _replay_rows(self) -> list[sa.Row]:
@@ -516,7 +516,7 @@ class Trainer:
         length = min(self.cfg.heldout_len, model.config.block_size - 1)
         key = (tokenizer.to_json().__hash__(), length)
         if getattr(self, "_heldout_key", None) != key:
-            from trainer.corpus import read_corpus
+            from tabloop.core.corpus import read_corpus
 
             self._heldout_tokens = heldout_sample(
                 tokenizer, read_corpus("train"), self.cfg.heldout_rows, length
@@ -530,7 +530,7 @@ class Trainer:
         length = min(self.cfg.heldout_len, model.config.block_size - 1)
         key = (tokenizer.to_json().__hash__(), length)
         if getattr(self, "_generic_key", None) != key:
-            from trainer.corpus import read_corpus
+            from tabloop.core.corpus import read_corpus
 
             self._generic_tokens = heldout_sample(
                 tokenizer, read_corpus("train"), self.cfg.generic_rows, length, seed=1

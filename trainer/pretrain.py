@@ -1,9 +1,10 @@
 """Pretrain the base policy on code: `tabloop pretrain --out DIR [--corpus SRC] ...`.
 
 The corpus is the Python standard library, or with `--corpus` a directory of the operator's own
-code (any extensions, trainer/corpus.py); the manifest lists the languages its files' extensions
-name. A share `fim_rate` of the training rows is fill-in-the-middle (trainer/fim.py), which
-gives the tokenizer the FIM sentinels and makes the checkpoint read the suffix when serving.
+code (any extensions, tabloop/core/corpus.py); the manifest lists the languages its files'
+extensions name. A share `fim_rate` of the training rows is fill-in-the-middle (trainer/fim.py),
+which gives the tokenizer the FIM sentinels and makes the checkpoint read the suffix when
+serving.
 
 One loop in nanoGPT order (learning rate, evaluate/save, update, log, stop check), on the train
 split only. The budget is wall-clock minutes (or an exact iteration count): the cosine schedule
@@ -14,12 +15,12 @@ there. At the end the gate is fitted on train-split completions (see `fit_gate`)
 checkpoint (manifest, weights, tokenizer) is written to DIR; DIR/resume/ is then removed.
 
 `--device` (default: `TABLOOP_DEVICE`, else auto) is where it trains: "auto" (a CUDA GPU when
-torch sees one, else the CPU), "cpu", "cuda" or "cuda:N" (service/policy/device.py). On a GPU the
-passes run in bf16 autocast; on the CPU in bf16 autocast where the CPU computes bf16 natively,
-else in fp32. Weights and AdamW moments stay float32, and everything written to disk is CPU
-tensors, so a run started on a GPU resumes on a CPU and the other way round. `--size` names the
-base: "cpu" (the shipped base's architecture, batch 24) or "gpu" (8 layers of width 512, 8
-heads, 512-token context, batch 64), in `SIZES`.
+torch sees one, else the CPU), "cpu", "cuda" or "cuda:N" (tabloop/core/policy/device.py). On a
+GPU the passes run in bf16 autocast; on the CPU in bf16 autocast where the CPU computes bf16
+natively, else in fp32. Weights and AdamW moments stay float32, and everything written to disk
+is CPU tensors, so a run started on a GPU resumes on a CPU and the other way round. `--size`
+names the base: "cpu" (the shipped base's architecture, batch 24) or "gpu" (8 layers of width
+512, 8 heads, 512-token context, batch 64), in `SIZES`.
 """
 
 from __future__ import annotations
@@ -43,13 +44,19 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
-from service.policy.checkpoint import load_checkpoint, save_checkpoint
-from service.policy.device import DeviceError, compute, model_device, resolve
-from service.policy.languages import languages_of_paths
-from service.policy.model import GATE_FEATURES, GPT, ModelConfig, configure_optimizer, init_gate
-from service.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete, score_actions
-from service.policy.tokenizer import FIM_TOKENS, CodeTokenizer, train_tokenizer
-from trainer.corpus import Cursor, cursors_from, prefix_match, read_text
+from tabloop.core.corpus import Cursor, cursors_from, prefix_match, read_text
+from tabloop.core.policy.checkpoint import load_checkpoint, save_checkpoint
+from tabloop.core.policy.device import DeviceError, compute, model_device, resolve
+from tabloop.core.policy.languages import languages_of_paths
+from tabloop.core.policy.model import (
+    GATE_FEATURES,
+    GPT,
+    ModelConfig,
+    configure_optimizer,
+    init_gate,
+)
+from tabloop.core.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete, score_actions
+from tabloop.core.policy.tokenizer import FIM_TOKENS, CodeTokenizer, train_tokenizer
 from trainer.fim import FimSource
 from trainer.pretrain_data import (
     CorpusError,
@@ -113,7 +120,7 @@ class PretrainConfig:
     beta2: float = 0.99  # AdamW beta2 (small model, small batches)
     grad_clip: float = 1.0  # global gradient-norm clip (0: off)
     # where to train: "auto" (a CUDA GPU if torch sees one, else the CPU), "cpu", "cuda",
-    # "cuda:N" (service.policy.device.resolve)
+    # "cuda:N" (tabloop.core.policy.device.resolve)
     device: str = "auto"
     # bf16 autocast on the CPU: None = where the CPU computes bf16 natively (cpu_has_bf16:
     # about 1.6x faster than fp32 there; without it, emulated, about 10x slower). On a GPU the

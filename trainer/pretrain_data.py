@@ -10,8 +10,8 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import torch
 
-from service.policy.tokenizer import CodeTokenizer
-from trainer.corpus import corpus_files, directory_files, is_heldout, read_text, stdlib_root
+from tabloop.core.corpus import corpus_files, directory_files, is_heldout, read_text, stdlib_root
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.fim import FimSource
 
 

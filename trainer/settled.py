@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import functional as F
 
-from service.policy.model import GPT
-from service.policy.sampling import Action
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.sampling import Action
+from tabloop.core.policy.tokenizer import CodeTokenizer
 
 if TYPE_CHECKING:  # trainer/update/step.py imports this module
     from trainer.ranks import DataParallel

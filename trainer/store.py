@@ -11,11 +11,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.events.settled import CODE_SETTLED
-from service.retention import with_code
-from service.rewards.core import UNVIEWED
-from service.rewards.store import kept_chars, trainable_reward
-from service.tables import deployments, events, policies, rewards, rollouts, utcnow
+from tabloop.core.retention import with_code
+from tabloop.core.reward import UNVIEWED
+from tabloop.core.reward_store import kept_chars, trainable_reward
+from tabloop.core.settled import CODE_SETTLED
+from tabloop.core.tables import deployments, events, policies, rewards, rollouts, utcnow
 
 STAMP_CHUNK = 1000  # suggestion ids per UPDATE when stamping rewards
 

@@ -17,7 +17,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    # what the policy was offered to copy and whether it did (service/policy/sampling.py): the
+    # what the policy was offered to copy and whether it did (tabloop/core/policy/sampling.py): the
     # trainer needs it to recompute the rollout's log-probability
     json = sa.JSON().with_variant(sa.dialects.postgresql.JSONB(), "postgresql")
     op.add_column("rollouts", sa.Column("recall", json, nullable=True))

@@ -23,9 +23,9 @@ import sqlalchemy as sa
 from service.analytics.schemas import BucketRow, MetricsOut, Row
 from service.analytics.trust import feedback_trust
 from service.errors import Unprocessable
-from service.rewards.core import UNVIEWED
-from service.rewards.store import accepted_chars, kept_chars
-from service.tables import rewards, rollouts, utcnow
+from tabloop.core.reward import UNVIEWED
+from tabloop.core.reward_store import accepted_chars, kept_chars
+from tabloop.core.tables import rewards, rollouts, utcnow
 
 DEFAULT_WINDOW_S = 3600
 MAX_WINDOW_S = 30 * 86400

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from service.analytics.schemas import CappedGroup, FeedbackTrust, RefusedGroup
 from service.events.trust import refusal_reason
-from service.tables import TRAINER_STATE_NAME, api_keys, dead_letters, trainer_state
+from tabloop.core.tables import TRAINER_STATE_NAME, api_keys, dead_letters, trainer_state
 
 SCAN = 20_000  # newest dead letters read
 TOP = 10  # people and keys listed, each list

@@ -8,10 +8,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.audit import store
 from service.audit.schemas import AuditEntryOut, AuditPage
 from service.deps import AdminKey, CtxDep
 from service.errors import Unprocessable
+from tabloop.core import audit as store
 
 router = APIRouter(prefix="/admin", tags=["admin: audit"])
 

@@ -25,8 +25,8 @@ import orjson
 import sqlalchemy as sa
 from starlette.concurrency import run_in_threadpool
 
-from service.audit import store
-from service.audit.store import Actor
+from tabloop.core import audit as store
+from tabloop.core.audit import Actor
 
 log = logging.getLogger(__name__)
 

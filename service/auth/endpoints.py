@@ -10,12 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from pydantic.config import JsonDict
 
 from service.audit.recorder import AuditEntry
-from service.audit.store import key_detail
-from service.auth.keys import SCOPES, ApiKey, create_key, list_keys, parse_scopes, revoke_key
 from service.deps import ADMIN, AdminKey, CtxDep, audited
 from service.errors import NotFound, Unprocessable
 from service.events.schemas import NoNul
 from service.openapi import error_responses
+from tabloop.core.audit import key_detail
+from tabloop.core.keys import SCOPES, ApiKey, create_key, list_keys, parse_scopes, revoke_key
 
 router = APIRouter(prefix="/admin/keys", tags=["admin: keys"])
 

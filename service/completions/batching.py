@@ -3,7 +3,7 @@
 Each inference thread takes the oldest waiting request, then every other request already
 waiting (up to `max_batch`, after waiting at most `wait_ms` for more), and samples those of the
 same policy together with `complete_batch`: one forward pass over all the prompts, then one per
-decoding step (service/policy/sampling.py). Requests queue only while every thread is busy, so
+decoding step (tabloop/core/policy/sampling.py). Requests queue only while every thread is busy, so
 a lone request is sampled at once, alone, exactly as before; under load the batches grow with
 the queue. Each request keeps its own random generator, and its logged log-probabilities are
 those of its own sampling distribution (tested against single-request scoring to 1e-4).
@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 from service.completions.serving import LoadedPolicy
 from service.metrics import COMPLETE_BATCH_SIZE, COMPLETE_QUEUE_SECONDS, COMPLETE_SECONDS
-from service.policy.sampling import Completion, Prompt, complete_batch
+from tabloop.core.policy.sampling import Completion, Prompt, complete_batch
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How every request of a process is sampled (service.config.Settings)."""
+    """How every request of a process is sampled (tabloop.core.config.Settings)."""
 
     temperature: float
     top_p: float | None

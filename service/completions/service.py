@@ -13,20 +13,20 @@ import torch
 from starlette.concurrency import run_in_threadpool
 
 from service.completions.schemas import CompleteRequest
-from service.config import Settings
 from service.deps import AppContext
 from service.errors import Unavailable, Unprocessable
 from service.events.service import ingest_events
 from service.metrics import COMPLETIONS, UNSUPPORTED_LANGUAGE
-from service.outbox import outbox_row
-from service.policy.context import following_lines
-from service.policy.languages import metric_label, request_language, supports
-from service.policy.sampling import Completion, Prompt, unsupported_language
-from service.privacy import rollout_without_code
-from service.stream.topics import ROLLOUTS
-from service.tables import outbox, rollouts, utcnow
-from service.workspace.memory import SNIPPETS, remember, typed_through
+from tabloop.core.config import Settings
+from tabloop.core.memory import SNIPPETS, remember, typed_through
+from tabloop.core.outbox import outbox_row
+from tabloop.core.policy.context import following_lines
+from tabloop.core.policy.languages import metric_label, request_language, supports
+from tabloop.core.policy.sampling import Completion, Prompt, unsupported_language
+from tabloop.core.privacy import rollout_without_code
 from tabloop.core.recall import Text, propose
+from tabloop.core.stream.topics import ROLLOUTS
+from tabloop.core.tables import outbox, rollouts, utcnow
 
 
 def prompt_of(req: CompleteRequest, settings: Settings, memory: Text | None = None) -> Prompt:
@@ -127,7 +127,7 @@ def rollout_record(
 
 @dataclass(frozen=True)
 class Document:
-    """What a request leaves in its workspace's memory (service/workspace/memory.py)."""
+    """What a request leaves in its workspace's memory (tabloop/core/memory.py)."""
 
     workspace: str
     scope: str | None
@@ -250,7 +250,7 @@ async def serve(
     `api_key_id`: the requesting key, recorded with the rollout: the suggestion belongs to it,
     and feedback about it counts only through it (service/events/trust.py). `workspace`: the
     key's workspace, whose memory the policy copies from and the request's document joins
-    (service/workspace/memory.py)."""
+    (tabloop/core/memory.py)."""
     settings = ctx.settings
     if req.max_new_tokens > settings.max_new_tokens_limit:
         raise Unprocessable(f"max_new_tokens: at most {settings.max_new_tokens_limit}")

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 import torch
 
-from service.config import Settings
-from service.db import blob_transaction
 from service.errors import Unavailable
-from service.policy.checkpoint import CheckpointError, load_checkpoint
-from service.policy.device import resolve
-from service.policy.languages import DEFAULT_LANGUAGES
-from service.policy.model import GPT
-from service.policy.tokenizer import CodeTokenizer
-from service.registry.store import Deployment, artifact_files, current_deployment, write_files
+from tabloop.core.config import Settings
+from tabloop.core.db import blob_transaction
+from tabloop.core.policy.checkpoint import CheckpointError, load_checkpoint
+from tabloop.core.policy.device import resolve
+from tabloop.core.policy.languages import DEFAULT_LANGUAGES
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.tokenizer import CodeTokenizer
+from tabloop.core.registry import Deployment, artifact_files, current_deployment, write_files
 
 log = logging.getLogger(__name__)
 

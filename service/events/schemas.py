@@ -24,16 +24,8 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
-EVENT_TYPES = (
-    "view",
-    "accept",
-    "reject",
-    "typed_through",
-    "code_retained",
-    "code_settled",
-    "model_switch",
-    "churn",
-)
+from tabloop.core.events import EVENT_TYPES
+
 SCHEMA_VERSION = 1
 
 

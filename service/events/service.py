@@ -20,11 +20,11 @@ from service.errors import Unavailable
 from service.events.schemas import EVENT_TYPES, IngestResult, RejectedEvent, parse_event
 from service.events.trust import REASONS, screen
 from service.metrics import FEEDBACK_REFUSED, INGEST_EVENTS
-from service.outbox import outbox_row
-from service.privacy import withhold_settled_texts
-from service.stream.topics import FEEDBACK, encode
-from service.tables import dead_letters, events, outbox, utcnow
-from service.workspace.memory import settle
+from tabloop.core.memory import settle
+from tabloop.core.outbox import outbox_row
+from tabloop.core.privacy import withhold_settled_texts
+from tabloop.core.stream.topics import FEEDBACK, encode
+from tabloop.core.tables import dead_letters, events, outbox, utcnow
 
 _sqlite_writer = threading.Lock()
 for _reason in REASONS:  # every reason is on /metrics from the start, at 0

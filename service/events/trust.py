@@ -33,10 +33,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.db import json_array, json_rows
-from service.rewards.core import CLOCK_SKEW_S
-from service.rewards.store import default_spec
-from service.tables import reward_specs, rollouts
+from tabloop.core.db import json_array, json_rows
+from tabloop.core.reward import CLOCK_SKEW_S
+from tabloop.core.reward_store import default_spec
+from tabloop.core.tables import reward_specs, rollouts
 
 # wrong_key: another key's suggestion; wrong_user: another person's; not_shown: a judgment of
 # an abstention; before_served: stamped before the suggestion existed (beyond the clock skew);

@@ -13,12 +13,12 @@ from typing import Literal
 import orjson
 from pydantic import ValidationError
 
-from service.auth.keys import ApiKey
 from service.completions.schemas import CompleteRequest
 from service.completions.service import Served
-from service.config import Settings
 from service.errors import BadRequest
 from service.openai.schemas import Choice, CompletionRequest, CompletionResponse, Usage
+from tabloop.core.config import Settings
+from tabloop.core.keys import ApiKey
 
 # The fill-in-the-middle prompt Continue sends by default (StarCoder's tokens).
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<fim_prefix>", "<fim_suffix>", "<fim_middle>"

@@ -11,13 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
 from service.audit.recorder import AuditEntry
-from service.db import blob_transaction
 from service.deps import DEPLOY, AdminKey, CtxDep, DeployKey, audited
 from service.errors import NotFound, PayloadTooLarge, Unprocessable
 from service.openapi import error_responses
-from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
-from service.registry import store
-from service.tables import MAX_VERSION
+from tabloop.core import registry as store
+from tabloop.core.db import blob_transaction
+from tabloop.core.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from tabloop.core.tables import MAX_VERSION
 
 router = APIRouter(prefix="/admin", tags=["admin: policies"])
 

@@ -14,9 +14,9 @@ from service.audit.recorder import AuditEntry
 from service.deps import ADMIN, AdminKey, AppContext, CtxDep, audited
 from service.errors import NotFound, Unprocessable
 from service.openapi import error_responses
-from service.rewards import store
-from service.rewards.core import RewardSpec, show_thresholds
-from service.tables import MAX_VERSION
+from tabloop.core import reward_store as store
+from tabloop.core.reward import RewardSpec, show_thresholds
+from tabloop.core.tables import MAX_VERSION
 
 router = APIRouter(prefix="/admin", tags=["admin: rewards"])
 

@@ -20,7 +20,6 @@ import sqlalchemy as sa
 import torch
 from pydantic import ValidationError
 
-from service.auth.keys import ApiKey
 from service.completions.schemas import MAX_SNIPPETS, CompleteRequest
 from service.completions.service import Served
 from service.deps import AppContext
@@ -38,12 +37,13 @@ from service.tabby.schemas import (
     TabbyHealth,
     TabbyVersion,
 )
-from service.tables import dead_letters, rollouts, utcnow
+from tabloop.core.keys import ApiKey
+from tabloop.core.tables import dead_letters, rollouts, utcnow
 
 log = logging.getLogger(__name__)
 
 # Tabby event type -> native event type
-EVENT_TYPES = {"view": "view", "select": "accept", "dismiss": "reject"}
+NATIVE_TYPE = {"view": "view", "select": "accept", "dismiss": "reject"}
 # Namespace of the event ids derived from Tabby events (uuid5): fixed forever, or a repeat sent
 # across a release would be counted twice.
 EVENT_NAMESPACE = uuid.UUID("3b9e6f0c-5a1d-4e27-9c4b-7d2f8a6e1b30")
@@ -129,7 +129,7 @@ def native_event(
     select_kind "line"), dismiss -> reject; stamped with the server's time."""
     out: dict[str, Any] = {
         "event_id": event_id(suggestion_id, ev, select_kind),
-        "type": EVENT_TYPES[ev.type],
+        "type": NATIVE_TYPE[ev.type],
         "user_id": rollout.user_id,
         "suggestion_id": suggestion_id,
         "occurred_at": utcnow().isoformat().replace("+00:00", "Z"),
@@ -179,7 +179,7 @@ def ingest_tabby_event(
         if select_kind:
             raw["select_kind"] = select_kind
         dead_letter(ctx.engine, raw, error, key.id)
-        INGEST_EVENTS.labels(type=EVENT_TYPES[ev.type], outcome="rejected").inc()
+        INGEST_EVENTS.labels(type=NATIVE_TYPE[ev.type], outcome="rejected").inc()
         log.info("tabby event dead-lettered: %s", error)
         rejected = [RejectedEvent(index=0, error=error)]
         return IngestResult(accepted=0, duplicates=0, rejected=rejected)

@@ -11,11 +11,11 @@ from pydantic import ValidationError
 
 from service.audit.recorder import AuditEntry
 from service.deps import ADMIN, AdminKey, CtxDep, audited
-from service.rewards.store import trainable_reward
-from service.tables import TRAINER_MEMBER_PREFIX as MEMBER_PREFIX
-from service.tables import TRAINER_STATE_NAME as STATE_NAME
-from service.tables import rewards, rollouts, trainer_state, utcnow
-from service.training.status import TrainerStatus
+from tabloop.core.reward_store import trainable_reward
+from tabloop.core.status import TrainerStatus
+from tabloop.core.tables import TRAINER_MEMBER_PREFIX as MEMBER_PREFIX
+from tabloop.core.tables import TRAINER_STATE_NAME as STATE_NAME
+from tabloop.core.tables import rewards, rollouts, trainer_state, utcnow
 
 _ALIVE = timedelta(seconds=15)  # a heartbeat older than this: the process is gone
 router = APIRouter(prefix="/admin/training", tags=["admin: training"])
@@ -77,7 +77,7 @@ def _status(conn: sa.Connection) -> dict[str, Any]:
 
 
 def _trainer(info: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's row read through its own type (service/training/status.py), so missing
+    """The trainer's row read through its own type (tabloop/core/status.py), so missing
     fields get their defaults; a row this version cannot read (a newer trainer's) as it is."""
     try:
         return TrainerStatus.model_validate(info).model_dump(mode="json")

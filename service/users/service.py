@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import orjson
 import sqlalchemy as sa
 
-from service.outbox import outbox_row
-from service.stream.topics import FEEDBACK, ROLLOUTS, USER_PURGED, encode, user_purged
-from service.tables import dead_letters, events, outbox, rewards, rollouts, utcnow
-from service.workspace.memory import forget_user
+from tabloop.core.memory import forget_user
+from tabloop.core.outbox import outbox_row
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, USER_PURGED, encode, user_purged
+from tabloop.core.tables import dead_letters, events, outbox, rewards, rollouts, utcnow
 
 _sqlite_writer = threading.Lock()  # one purge at a time on SQLite, like ingestion
 USER_TOPICS = (ROLLOUTS, FEEDBACK)  # keyed by user id (tabloop.policies is keyed by version)

@@ -77,8 +77,8 @@ FEATURES = (
 )
 
 
-# the copy head's inputs (service.policy.model.Gate.copy): the proposal's features, then how the
-# language model's sampled completion agrees with it
+# the copy head's inputs (tabloop.core.policy.model.Gate.copy): the proposal's features,
+# then how the language model's sampled completion agrees with it
 RECALL_INPUTS = (*FEATURES, "model_agrees", "model_empty")
 
 # the copy head's initial weights (RECALL_INPUTS order, then the bias): a logistic fit of "the
@@ -120,7 +120,7 @@ class Text:
 
     With `starts` (each document's first byte, ascending) and `owners` (who wrote each), a
     match's occurrences count once per owner: each owner's nearest one (a memory's per-person
-    cap: service/workspace/memory.py)."""
+    cap: tabloop/core/memory.py)."""
 
     def __init__(self, data: bytes, starts: Sequence[int] = (), owners: Sequence[int] = ()) -> None:
         assert len(starts) == len(owners), "one owner per document"
@@ -128,7 +128,7 @@ class Text:
         self.starts = np.asarray(starts, dtype=np.int64)
         self.owners = np.asarray(owners, dtype=np.int64)
         self.reversed = data[::-1]
-        # int32 positions: a memory is capped far below 2 GiB (service/workspace/memory.py)
+        # int32 positions: a memory is capped far below 2 GiB (tabloop/core/memory.py)
         suffixes = (
             divsufsort(self.reversed).astype(np.int32, copy=False)
             if data

@@ -10,9 +10,9 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from service.config import Settings
-from service.db import alembic_config, make_engine, upgrade
-from service.tables import metadata
+from tabloop.core.config import Settings
+from tabloop.core.db import alembic_config, make_engine, upgrade
+from tabloop.core.tables import metadata
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -19,13 +19,13 @@ import orjson
 import sqlalchemy as sa
 import torch
 
-from service.db import make_engine
-from service.policy.checkpoint import save_checkpoint
-from service.policy.model import GPT, ModelConfig
-from service.policy.tokenizer import CodeTokenizer
 from service.relay import Relay
-from service.stream.topics import ALL_TOPICS
-from service.tables import outbox, utcnow
+from tabloop.core.db import make_engine
+from tabloop.core.policy.checkpoint import save_checkpoint
+from tabloop.core.policy.model import GPT, ModelConfig
+from tabloop.core.policy.tokenizer import CodeTokenizer
+from tabloop.core.stream.topics import ALL_TOPICS
+from tabloop.core.tables import outbox, utcnow
 from tests.factories import event
 from tests.support.kafka import consume_all
 

@@ -13,9 +13,9 @@ import pytest
 import sqlalchemy as sa
 import uvicorn
 
-from service.auth.keys import create_key
-from service.config import Settings
-from service.db import make_engine, upgrade
+from tabloop.core.config import Settings
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.keys import create_key
 from tests.support.procs import free_port
 
 
@@ -152,8 +152,8 @@ def tiny_checkpoint_factory(tiny_tokenizer: Any, tmp_path_factory: pytest.TempPa
     """make(seed) -> directory of a tiny random-init checkpoint (distinct weights per seed)."""
     import torch
 
-    from service.policy.checkpoint import save_checkpoint
-    from service.policy.model import GPT, ModelConfig
+    from tabloop.core.policy.checkpoint import save_checkpoint
+    from tabloop.core.policy.model import GPT, ModelConfig
 
     made: dict[int, Path] = {}
 
@@ -204,7 +204,7 @@ def served(
     The confidence stop is off: an untrained tiny model is sure of no token, so with it every
     completion would be empty and these tests would log no tokens to check.
     """
-    from service.registry.store import bootstrap
+    from tabloop.core.registry import bootstrap
 
     settings = settings_factory(
         **{

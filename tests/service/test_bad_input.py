@@ -14,7 +14,7 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from service.tables import dead_letters, events, outbox, rollouts
+from tabloop.core.tables import dead_letters, events, outbox, rollouts
 from tests.factories import event
 
 JSON = {"Content-Type": "application/json"}
@@ -32,7 +32,7 @@ def api(served: Any, key_factory: Any) -> Iterator[httpx.Client]:
 
 @pytest.fixture
 def db(served: Any) -> Iterator[sa.Engine]:
-    from service.db import make_engine
+    from tabloop.core.db import make_engine
 
     engine = make_engine(served.settings)
     yield engine

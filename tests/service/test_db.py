@@ -1,4 +1,4 @@
-"""service.db: blob_transaction (a transaction whose PostgreSQL connection is not pooled after)
+"""tabloop.core.db: blob_transaction (a transaction whose PostgreSQL connection is not pooled after)
 and StandbyLock (one active process per role, the others standing by)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.db import StandbyLock, blob_transaction, make_engine
+from tabloop.core.db import StandbyLock, blob_transaction, make_engine
 
 BLOB = b"\x00\x01" * 600_000  # a checkpoint-sized value: libpq's buffers grow to hold it
 

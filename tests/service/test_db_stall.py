@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from service.auth.keys import create_key
-from service.db import make_engine, upgrade
 from service.deps import DB_STALL_S, Health
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.keys import create_key
 from tests.factories import event
 from tests.service.conftest import RunningService, make_settings
 from tests.support.postgres import PostgresServer

@@ -123,9 +123,9 @@ def test_settled_text_is_never_logged(
     import orjson
     import sqlalchemy as sa
 
-    from service.rewards.core import RewardSpec
-    from service.stream.consumer import Record
-    from service.tables import outbox
+    from tabloop.core.reward import RewardSpec
+    from tabloop.core.stream.consumer import Record
+    from tabloop.core.tables import outbox
     from tests.factories import event
     from trainer.join import Join
 

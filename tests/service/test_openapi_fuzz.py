@@ -22,9 +22,9 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from service.auth.keys import SCOPES, create_key
-from service.db import make_engine
-from service.registry.store import bootstrap
+from tabloop.core.db import make_engine
+from tabloop.core.keys import SCOPES, create_key
+from tabloop.core.registry import bootstrap
 
 FUZZ_EXAMPLES = 25
 SEED = 20261129

@@ -20,18 +20,18 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine
-from service.events.settled import settled_texts
-from service.policy.checkpoint import load_checkpoint
-from service.privacy import (
+from tabloop.core.db import make_engine
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.privacy import (
     parse_no_train,
     raw_without_text,
     rollout_without_code,
     settled_without_text,
 )
-from service.registry.store import current_deployment
-from service.rewards.store import current_spec, rollout_info
-from service.tables import rewards, rollouts, utcnow
+from tabloop.core.registry import current_deployment
+from tabloop.core.reward_store import current_spec, rollout_info
+from tabloop.core.settled import settled_texts
+from tabloop.core.tables import rewards, rollouts, utcnow
 from tests.factories import event
 from tests.service.codescan import (
     Markers,

@@ -18,12 +18,12 @@ import pytest
 import sqlalchemy as sa
 from kafka.partitioner.default import murmur2
 
-from service.config import Settings
-from service.db import make_engine
-from service.outbox import Backlog, backlog
 from service.relay import HEADER, Relay
-from service.stream.topics import FEEDBACK
-from service.tables import events, outbox
+from tabloop.core.config import Settings
+from tabloop.core.db import make_engine
+from tabloop.core.outbox import Backlog, backlog
+from tabloop.core.stream.topics import FEEDBACK
+from tabloop.core.tables import events, outbox
 from tests.factories import event
 from tests.service.conftest import make_settings
 from tests.support.kafka import consume_all
@@ -31,7 +31,7 @@ from tests.support.kafka import consume_all
 
 @pytest.fixture
 def full_settings(tmp_path: Path, pg_url: str, kafka_broker: Any) -> Settings:
-    from service.db import upgrade
+    from tabloop.core.db import upgrade
 
     s = make_settings(tmp_path, pg_url=pg_url, bootstrap=kafka_broker.bootstrap)
     upgrade(s)
@@ -42,8 +42,8 @@ def keyed_full_settings(
     tmp_path: Path, pg_url: str, bootstrap: str, **overrides: Any
 ) -> tuple[Settings, sa.Engine, str]:
     """Migrated full-mode settings with `overrides`, an engine on them and an ingest key."""
-    from service.auth.keys import create_key
-    from service.db import upgrade
+    from tabloop.core.db import upgrade
+    from tabloop.core.keys import create_key
 
     settings = make_settings(tmp_path, pg_url=pg_url, bootstrap=bootstrap, **overrides)
     upgrade(settings)
@@ -119,7 +119,7 @@ def client_for(svc: Any, key_factory: Any) -> httpx.Client:
 
 @pytest.fixture
 def full_keys(full_settings: Settings) -> Iterator[Any]:
-    from service.auth.keys import create_key
+    from tabloop.core.keys import create_key
 
     engine = make_engine(full_settings)
 

@@ -13,21 +13,29 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.config import Settings, load_settings
-from service.db import make_engine
-from service.events.settled import settled_texts
-from service.policy.checkpoint import load_checkpoint
-from service.registry.store import current_deployment
-from service.retention import (
+from tabloop.core.config import Settings, load_settings
+from tabloop.core.db import make_engine
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.registry import current_deployment
+from tabloop.core.retention import (
     STATE_NAME,
     expire_code,
     retention_cutoff,
     run_retention,
 )
-from service.rewards.store import current_spec, replay, rollout_info
-from service.stream.kafka import topic_configs
-from service.stream.topics import FEEDBACK, POLICIES, ROLLOUTS
-from service.tables import dead_letters, events, outbox, rewards, rollouts, trainer_state, utcnow
+from tabloop.core.reward_store import current_spec, replay, rollout_info
+from tabloop.core.settled import settled_texts
+from tabloop.core.stream.kafka import topic_configs
+from tabloop.core.stream.topics import FEEDBACK, POLICIES, ROLLOUTS
+from tabloop.core.tables import (
+    dead_letters,
+    events,
+    outbox,
+    rewards,
+    rollouts,
+    trainer_state,
+    utcnow,
+)
 from tests.service.codescan import (
     Markers,
     client_for,
@@ -143,7 +151,7 @@ def test_retention_blanks_old_code_everywhere_and_keeps_rows_and_rewards(
         assert in_database(engine, markers, tokenizer)  # stored, before
 
         # a pass a day and a second later: everything so far is past the retention
-        caplog.set_level(logging.INFO, logger="service.retention")
+        caplog.set_level(logging.INFO, logger="tabloop.core.retention")
         counts = run_retention(settings, engine, now=utcnow() + DAY + timedelta(seconds=1))
         # 3 rollout + 3 settled messages; the one document the person's requests left in the
         # workspace memory is deleted
@@ -154,7 +162,7 @@ def test_retention_blanks_old_code_everywhere_and_keeps_rows_and_rewards(
             "outbox": 6,
             "workspace_code": 1,
         }, counts
-        line = next(r for r in caplog.records if r.name == "service.retention")
+        line = next(r for r in caplog.records if r.name == "tabloop.core.retention")
         assert (
             "3 rollouts, 3 settled events, 3 dead letters, 6 outbox messages; deleted 1 workspace"
             in line.getMessage()
@@ -303,7 +311,7 @@ def test_the_trainer_reads_no_rollout_past_the_retention_or_without_code(
 def test_the_service_runs_the_job_in_the_background(
     settings_factory: Any, service_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("service.retention.FIRST_RUN_S", 0.05)
+    monkeypatch.setattr("tabloop.core.retention.FIRST_RUN_S", 0.05)
     settings = settings_factory(code_retention_days=1)
     service_factory(settings)
     engine = make_engine(settings)

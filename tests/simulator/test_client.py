@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.auth.keys import create_key
-from service.db import make_engine, upgrade
-from service.tables import events
 from simulator.client import Client, EventSender, backoff_s, retry_after_s, wait_s
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.keys import create_key
+from tabloop.core.tables import events
 from tests.service.conftest import RunningService, make_settings
 
 NOW = 1_800_000_000.0

@@ -41,7 +41,7 @@ def test_every_python_file_but_tests_and_data(tmp_path: Path) -> None:
 
 
 def test_the_default_is_the_stdlib_held_out_split() -> None:
-    from trainer.corpus import heldout_lines
+    from tabloop.core.corpus import heldout_lines
 
     assert load_lines(None)[:50] == list(heldout_lines())[:50]
 

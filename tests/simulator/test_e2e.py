@@ -34,11 +34,11 @@ import httpx
 import pytest
 import torch
 
-from service.policy.checkpoint import load_checkpoint
-from service.policy.sampling import Completion, complete, score_actions
 from simulator.population import CursorSource, in_reject_family, request_context
+from tabloop.core.corpus import heldout_lines
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.sampling import Completion, complete, score_actions
 from tests.support.procs import free_port, stop_process, wait_http_ready
-from trainer.corpus import heldout_lines
 
 pytestmark = pytest.mark.integration  # `tabloop up` in a subprocess
 

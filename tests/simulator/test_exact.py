@@ -10,7 +10,7 @@ import pytest
 from simulator.config import default_checkpoint
 from simulator.exact import check, exact_rates, fresh_cursors, fresh_lines
 from simulator.population import in_reject_family
-from trainer.corpus import CorpusLine
+from tabloop.core.corpus import CorpusLine
 
 LINES = ("import os", "", "def walk(self, top):", "    x = top + 1", "    return x")
 CORPUS = [CorpusLine(Path("m.py"), no, LINES) for no in (0, 2, 3, 4)]

@@ -33,7 +33,7 @@ from simulator.population import (
     step,
     think_time,
 )
-from trainer.corpus import CorpusLine
+from tabloop.core.corpus import CorpusLine
 
 SIM_SPEC = {
     "accept_reward": 0.75,

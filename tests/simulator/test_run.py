@@ -16,12 +16,12 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.auth.keys import create_key
-from service.config import Settings
-from service.db import make_engine, upgrade
-from service.registry.store import bootstrap
-from service.tables import events, rollouts
 from simulator.cli import main
+from tabloop.core.config import Settings
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.keys import create_key
+from tabloop.core.registry import bootstrap
+from tabloop.core.tables import events, rollouts
 from tests.service.conftest import RunningService, make_settings
 
 Served = tuple[Settings, RunningService, sa.Engine]
@@ -141,13 +141,13 @@ def test_the_live_display_renders(tmp_path: Path) -> None:
 
     from rich.console import Console
 
-    from service.rewards.core import RewardSpec
     from simulator.client import Client, EventSender
     from simulator.config import SimConfig
     from simulator.display import Display
     from simulator.population import CursorSource
     from simulator.report import RequestRecord
     from simulator.run import Simulation
+    from tabloop.core.reward import RewardSpec
     from tests.simulator.test_population import corpus_line
 
     async def render() -> str:
@@ -414,11 +414,11 @@ def test_a_baseline_phase_needs_the_admin_scope(
 def test_a_settled_event_says_what_stands_after_the_cursor(tmp_path: Path) -> None:
     import asyncio
 
-    from service.rewards.core import RewardSpec
     from simulator.client import Client, EventSender
     from simulator.config import SimConfig
     from simulator.population import CursorSource, cursor_at
     from simulator.run import Simulation
+    from tabloop.core.reward import RewardSpec
     from tests.simulator.test_population import corpus_line
 
     async def settle() -> tuple[list[dict[str, Any]], Simulation]:

@@ -386,7 +386,7 @@ def consume_all(
     from kafka import KafkaConsumer, TopicPartition
     from kafka.errors import KafkaTimeoutError
 
-    from service.stream.kafka import read_to_end
+    from tabloop.core.stream.kafka import read_to_end
 
     deadline = time.monotonic() + timeout_s
     consumer = KafkaConsumer(

@@ -17,9 +17,9 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from service.auth.keys import authenticate
-from service.config import Settings
-from service.db import make_engine
+from tabloop.core.config import Settings
+from tabloop.core.db import make_engine
+from tabloop.core.keys import authenticate
 from tests.factories import event
 from tests.support.procs import free_port, wait_http_ready
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.config import Settings
-from service.db import make_engine, upgrade
-from service.tables import audit_log
 from tabloop.cli import _bootstrap_policy, _ensure_first_admin_key, _trainer_key
+from tabloop.core.config import Settings
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.tables import audit_log
 from tests.tabloop.test_cli import env_for, run
 
 

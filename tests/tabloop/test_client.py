@@ -25,13 +25,13 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from service.auth.keys import create_key
-from service.db import make_engine, upgrade
-from service.policy.checkpoint import save_checkpoint
-from service.policy.model import GPT, ModelConfig
-from service.registry.store import bootstrap
-from service.tables import events, rollouts
 from tabloop.client import ApiError, Client, EventSender, utc_now
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.keys import create_key
+from tabloop.core.policy.checkpoint import save_checkpoint
+from tabloop.core.policy.model import GPT, ModelConfig
+from tabloop.core.registry import bootstrap
+from tabloop.core.tables import events, rollouts
 from tests.service.conftest import RunningService, make_settings
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.policy.checkpoint import load_checkpoint
-from service.policy.model import GPT
-from service.policy.sampling import Completion, complete
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.sampling import Completion, complete
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
 from trainer.deploy_check import CheckConfig, check, heldout_sample, kept_drop, snis
 from trainer.update import Batch, UpdateConfig, make_optimizer, update
@@ -192,7 +192,7 @@ def test_snis_empty() -> None:
 
 # --- the whole check on a real (tiny) policy ---------------------------------------------
 GATE = CheckConfig()
-BASE = Path(__file__).resolve().parents[2] / "service" / "policy" / "base"
+BASE = Path(__file__).resolve().parents[2] / "tabloop" / "core" / "policy" / "base"
 PROMPT = "import json\n\n\ndef load(path):\n    with open(path) as f:\n        return json."
 
 
@@ -234,7 +234,7 @@ def test_poisoned_settled_text_cannot_pass_the_gate() -> None:
     """The shipped base policy, and a batch whose settled texts are garbage pushed hard: the
     language model forgets code, and the held-out check stops it, whatever its reward estimate
     says."""
-    from trainer.corpus import read_corpus
+    from tabloop.core.corpus import read_corpus
 
     base, tokenizer, _ = load_checkpoint(BASE)
     comps = _logged(base, tokenizer, 16)

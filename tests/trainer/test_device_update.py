@@ -1,4 +1,4 @@
-"""The update in bf16 autocast, what it runs on a GPU (service/policy/device.py), here on the
+"""The update in bf16 autocast, what it runs on a GPU (tabloop/core/policy/device.py), here on the
 CPU: the job of tests/trainer/test_distributed.py (settled-text passes with generic code, the
 gate fit, replay, carried Adam moments) steps like the float32 update, and the weights and the
 moments stay float32."""
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from service.policy.device import compute
-from service.policy.model import GPT
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.device import compute
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from tests.trainer.test_distributed import CASES, make_job, run
 
 

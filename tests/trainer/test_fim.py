@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from service.policy.context import prepare_context
-from service.policy.tokenizer import CodeTokenizer, train_tokenizer
+from tabloop.core.policy.context import prepare_context
+from tabloop.core.policy.tokenizer import CodeTokenizer, train_tokenizer
 from trainer.fim import (
     MIN_BUDGET,
     FimSource,

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine, upgrade
-from service.rewards.core import RewardSpec
-from service.stream.consumer import Record
-from service.stream.topics import FEEDBACK, ROLLOUTS, encode, user_purged
-from service.tables import rewards, rollouts, utcnow
 from service.users.service import purge_user
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.reward import RewardSpec
+from tabloop.core.stream.consumer import Record
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, encode, user_purged
+from tabloop.core.tables import rewards, rollouts, utcnow
 from tests.factories import event
 from tests.service.conftest import make_settings
 from trainer.join import Join
@@ -132,7 +132,7 @@ def test_unreadable_records_are_skipped_and_counted_not_fatal(
 ) -> None:
     """Another producer's record on our topics (seen in a fault run: `{"probe": 1}` killed the
     trainer, and its restart read the same record again) is skipped; the rest is joined."""
-    from service.stream.consumer import _decode
+    from tabloop.core.stream.consumer import _decode
 
     join = Join(engine, RewardSpec(), 1)
     good = _rollout(engine, "u-1")

@@ -13,11 +13,11 @@ import sqlalchemy as sa
 
 from service.completions.schemas import CompleteRequest
 from service.completions.service import record_rollout, rollout_record
-from service.db import make_engine, upgrade
-from service.policy.sampling import STOP_LANGUAGE, Completion, unsupported_language
-from service.registry.store import bootstrap, current_deployment
-from service.rewards.core import RewardSpec
-from service.tables import rewards, utcnow
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.policy.sampling import STOP_LANGUAGE, Completion, unsupported_language
+from tabloop.core.registry import bootstrap, current_deployment
+from tabloop.core.reward import RewardSpec
+from tabloop.core.tables import rewards, utcnow
 from tests.service.conftest import make_settings
 from trainer import store
 from trainer.client import ServiceClient

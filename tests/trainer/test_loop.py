@@ -21,11 +21,11 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.auth.keys import create_key
-from service.config import Settings
-from service.db import make_engine, upgrade
-from service.registry.store import bootstrap
-from service.tables import deployments, policies, rewards, rollouts
+from tabloop.core.config import Settings
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.keys import create_key
+from tabloop.core.registry import bootstrap
+from tabloop.core.tables import deployments, policies, rewards, rollouts
 from tests.service.conftest import RunningService, make_settings
 from tests.support.procs import stop_process
 from trainer.canary import CanaryConfig
@@ -326,8 +326,8 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
 def test_a_new_reward_spec_is_followed_without_a_restart(tmp_path: Path) -> None:
     """PUT /admin/reward-spec while the trainer runs: the join's windows and the reward rows
     written afterwards use the new version; pending rollouts get the new due times."""
-    from service.rewards.core import RewardSpec, RolloutInfo
-    from service.rewards.store import current_spec, put_spec
+    from tabloop.core.reward import RewardSpec, RolloutInfo
+    from tabloop.core.reward_store import current_spec, put_spec
     from trainer.join import Join, Pending
 
     settings = make_settings(tmp_path, profile="sim")

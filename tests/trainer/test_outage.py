@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine, upgrade
-from service.registry.store import bootstrap
-from service.tables import trainer_state
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.registry import bootstrap
+from tabloop.core.tables import trainer_state
 from tests.service.conftest import make_settings
 from tests.support.postgres import PostgresServer
 from trainer.client import ServiceClient

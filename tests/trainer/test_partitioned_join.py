@@ -17,13 +17,13 @@ import pytest
 import sqlalchemy as sa
 
 from service.completions.service import record_rollout
-from service.config import Settings
-from service.db import make_engine, upgrade
 from service.events.service import ingest_events
 from service.relay import Relay
-from service.stream.consumer import partition_of
-from service.stream.kafka import ensure_topics
-from service.tables import TRAINER_MEMBER_PREFIX, rewards, rollouts, trainer_state
+from tabloop.core.config import Settings
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.stream.consumer import partition_of
+from tabloop.core.stream.kafka import ensure_topics
+from tabloop.core.tables import TRAINER_MEMBER_PREFIX, rewards, rollouts, trainer_state
 from tests.factories import event, rollout_row
 from tests.service.conftest import make_settings
 from tests.support.procs import _child_env, _Proc

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.policy.checkpoint import load_checkpoint
-from service.policy.model import ModelConfig
-from service.policy.sampling import complete, score_actions
-from service.policy.tokenizer import train_tokenizer
 from tabloop.cli import main as cli_main
-from trainer.corpus import MAX_FILE_BYTES, directory_files, read_text
+from tabloop.core.corpus import MAX_FILE_BYTES, directory_files, read_text
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.model import ModelConfig
+from tabloop.core.policy.sampling import complete, score_actions
+from tabloop.core.policy.tokenizer import train_tokenizer
 from trainer.pretrain import PretrainConfig, pretrain, split_files
 from trainer.pretrain_data import CorpusError
 

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 import trainer.pretrain as pretrain_module
-from service.policy.checkpoint import load_checkpoint
-from service.policy.model import GPT, ModelConfig, configure_optimizer
 from tabloop.cli import main as cli_main
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.model import GPT, ModelConfig, configure_optimizer
 from trainer.pretrain import SIZES, PretrainConfig, load_state, pretrain, save_state
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -14,13 +14,13 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from service.config import Settings
-from service.db import make_engine, upgrade
-from service.registry.store import current_deployment
-from service.rewards.core import RewardSpec
-from service.stream.consumer import Record
-from service.stream.topics import ROLLOUTS, encode
-from service.tables import deployments, rewards, rollouts, utcnow
+from tabloop.core.config import Settings
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.registry import current_deployment
+from tabloop.core.reward import RewardSpec
+from tabloop.core.stream.consumer import Record
+from tabloop.core.stream.topics import ROLLOUTS, encode
+from tabloop.core.tables import deployments, rewards, rollouts, utcnow
 from tests.service.conftest import make_settings
 from trainer.client import ServiceClient
 from trainer.join import Join

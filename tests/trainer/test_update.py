@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from service.policy.model import GPT
-from service.policy.sampling import Completion, complete, score_actions
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.sampling import Completion, complete, score_actions
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.settled import settled_nll, settled_targets
 from trainer.update import (
     Batch,

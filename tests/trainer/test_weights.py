@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from service.policy.model import GPT
-from service.policy.sampling import Completion, complete
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.sampling import Completion, complete
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.deploy_check import snis
 from trainer.settled import settled_nll, settled_targets
 from trainer.update import Batch, UpdateConfig, advantages, pg_loss, weighted_advantages

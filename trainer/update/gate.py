@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import functional as F
 
-from service.policy.model import GPT
-from service.policy.sampling import Action, score_actions, was_copied
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.sampling import Action, score_actions, was_copied
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.update.batch import Batch
 from trainer.update.config import UpdateConfig
 from trainer.update.loss import clip_fraction, clipped_terms
@@ -67,7 +67,7 @@ def gate_passes(
     """
     if batch.behaviour_decision_logp is None:
         return {}
-    # the gate's part of the logged decision: without the copy draw's (service.policy.sampling)
+    # the gate's part of the logged decision: without the copy draw's (tabloop.core.policy.sampling)
     old = batch.behaviour_decision_logp - torch.tensor(
         [float(a.recall["logprob"]) if a.recall else 0.0 for a in batch.actions]
     )

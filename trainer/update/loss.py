@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
-from service.policy.model import GPT
-from service.policy.sampling import score_actions
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.sampling import score_actions
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.update.batch import Batch
 from trainer.update.config import UpdateConfig
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from service.policy.device import compute, model_device
-from service.policy.model import GPT
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.device import compute, model_device
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.settled import settled_passes
 from trainer.update.batch import Batch, _to
 from trainer.update.config import UpdateConfig
@@ -120,7 +120,9 @@ def update(
     n = len(batch.actions)
     assert n > 0, "empty batch"
     assert cfg.epochs >= 1 and cfg.minibatch_size >= 1, "epochs and minibatch_size must be >= 1"
-    device = model_device(model)  # the CPU, or a GPU in bf16 autocast (service/policy/device.py)
+    device = model_device(
+        model
+    )  # the CPU, or a GPU in bf16 autocast (tabloop/core/policy/device.py)
     batch = batch.to(device)
     replay = None if replay is None else replay.to(device)
     settled_replay = None if settled_replay is None else settled_replay.to(device)

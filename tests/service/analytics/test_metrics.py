@@ -12,8 +12,8 @@ import sqlalchemy as sa
 
 from service.analytics.service import resolve_window
 from service.errors import Unprocessable
-from service.rewards.core import COMPONENTS
-from service.tables import rewards, rollouts
+from tabloop.core.reward import COMPONENTS
+from tabloop.core.tables import rewards, rollouts
 
 END = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from service.tables import TRAINER_STATE_NAME, api_keys, rollouts, trainer_state
+from tabloop.core.tables import TRAINER_STATE_NAME, api_keys, rollouts, trainer_state
 from tests.factories import event, rollout_row
 
 

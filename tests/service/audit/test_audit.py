@@ -16,8 +16,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
-from service.tables import audit_log, deployments, utcnow
+from tabloop.core.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from tabloop.core.tables import audit_log, deployments, utcnow
 from tests.service.auth.test_route_matrix import endpoints
 from tests.service.registry.test_registry import upload
 from trainer.client import ServiceClient

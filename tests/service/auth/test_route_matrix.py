@@ -16,7 +16,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.auth.keys import SCOPES, create_key, revoke_key
+from tabloop.core.keys import SCOPES, create_key, revoke_key
 
 # Meant to be reachable without a key: probes, Prometheus, the API docs, the dashboard's page
 # and its static files (the dashboard's data comes from admin routes, which need a key).

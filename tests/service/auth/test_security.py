@@ -14,8 +14,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.auth import keys
-from service.tables import api_keys
+from tabloop.core import keys
+from tabloop.core.tables import api_keys
 from tests.factories import event
 
 

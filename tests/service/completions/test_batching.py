@@ -12,9 +12,9 @@ import torch
 
 from service.completions.batching import Batcher, SamplingSettings
 from service.completions.serving import LoadedPolicy
-from service.policy.model import GPT
-from service.policy.sampling import Completion, Prompt, complete, score_actions
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.sampling import Completion, Prompt, complete, score_actions
+from tabloop.core.policy.tokenizer import CodeTokenizer
 
 SAMPLING = SamplingSettings(temperature=0.7, top_p=0.95, stop_logprob=None)
 

@@ -10,11 +10,11 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from service.db import make_engine
-from service.policy.checkpoint import load_checkpoint
-from service.policy.sampling import score_actions
-from service.stream.topics import ROLLOUTS
-from service.tables import outbox, rollouts
+from tabloop.core.db import make_engine
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.sampling import score_actions
+from tabloop.core.stream.topics import ROLLOUTS
+from tabloop.core.tables import outbox, rollouts
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"
 

@@ -15,14 +15,14 @@ import sqlalchemy as sa
 import torch
 from prometheus_client import REGISTRY
 
-from service.db import make_engine
-from service.policy.checkpoint import load_checkpoint, save_checkpoint
-from service.policy.context import SUFFIX_SHARE, following_lines
-from service.policy.model import GPT, ModelConfig
-from service.policy.sampling import DEFAULT_MAX_CONTEXT_TOKENS, STOP_LANGUAGE, score_actions
-from service.registry.store import bootstrap
-from service.stream.topics import ROLLOUTS
-from service.tables import outbox, rollouts, utcnow
+from tabloop.core.db import make_engine
+from tabloop.core.policy.checkpoint import load_checkpoint, save_checkpoint
+from tabloop.core.policy.context import SUFFIX_SHARE, following_lines
+from tabloop.core.policy.model import GPT, ModelConfig
+from tabloop.core.policy.sampling import DEFAULT_MAX_CONTEXT_TOKENS, STOP_LANGUAGE, score_actions
+from tabloop.core.registry import bootstrap
+from tabloop.core.stream.topics import ROLLOUTS
+from tabloop.core.tables import outbox, rollouts, utcnow
 from trainer.pretrain import PretrainConfig, pretrain
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"

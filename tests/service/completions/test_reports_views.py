@@ -9,8 +9,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine
-from service.tables import rollouts
+from tabloop.core.db import make_engine
+from tabloop.core.tables import rollouts
 
 
 @pytest.mark.parametrize("mode", ["embedded"])

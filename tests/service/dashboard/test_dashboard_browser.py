@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from service.auth.keys import create_key
-from service.rewards.core import RewardSpec
-from service.tables import utcnow
+from tabloop.core.keys import create_key
+from tabloop.core.reward import RewardSpec
+from tabloop.core.tables import utcnow
 from tests.factories import event
 from tests.service.registry.test_registry import upload, wait_for_routing
 from trainer.join import Join
@@ -55,8 +55,8 @@ def mode() -> str:
 def served(settings_factory: Any, service_factory: Any) -> Any:
     """The service with the shipped base policy live as v1: unlike a random tiny model, it
     shows suggestions, so the accept-rate chart has data."""
-    from service.db import make_engine
-    from service.registry.store import bootstrap
+    from tabloop.core.db import make_engine
+    from tabloop.core.registry import bootstrap
 
     settings = settings_factory(policy_poll_interval_s=0.2)
     engine = make_engine(settings)

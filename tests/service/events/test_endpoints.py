@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from service.events.schemas import EVENT_TYPES
-from service.stream.topics import FEEDBACK
-from service.tables import dead_letters, events, outbox
+from tabloop.core.stream.topics import FEEDBACK
+from tabloop.core.tables import dead_letters, events, outbox
 from tests.factories import event
 
 

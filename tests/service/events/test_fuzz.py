@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from service.events.schemas import EVENT_TYPES, parse_event
-from service.tables import dead_letters, events
+from tabloop.core.tables import dead_letters, events
 from tests.factories import event
 
 FUZZ = settings(

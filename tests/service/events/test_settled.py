@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine, upgrade
 from service.events.schemas import parse_event
 from service.events.service import ingest_events
-from service.events.settled import settled_texts
-from service.tables import events, rollouts
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.settled import settled_texts
+from tabloop.core.tables import events, rollouts
 from tests.factories import event
 from tests.service.conftest import make_settings
 

@@ -19,12 +19,12 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
 
-from service.db import make_engine
 from service.events.trust import refusal_reason
-from service.rewards.core import CLOCK_SKEW_S
-from service.rewards.store import current_spec, reward_from_db, rollout_info
-from service.stream.topics import FEEDBACK, ROLLOUTS
-from service.tables import dead_letters, events, outbox, rollouts
+from tabloop.core.db import make_engine
+from tabloop.core.reward import CLOCK_SKEW_S
+from tabloop.core.reward_store import current_spec, reward_from_db, rollout_info
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
+from tabloop.core.tables import dead_letters, events, outbox, rollouts
 from tests.factories import event, rollout_row
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"
@@ -276,7 +276,7 @@ def test_an_openai_completion_takes_native_feedback_only_from_its_key(clients: A
 # outbox rows and the dead letters. PostgreSQL: the lookup, the privacy check, and one statement
 # that writes events, outbox rows and dead letters in autocommit mode (service/events/). Both:
 # with accepts or settled reports in the batch, the workspace memory's lookup of the documents
-# they are about (service/workspace/memory.py: settle), and its update when there are some.
+# they are about (tabloop/core/memory.py: settle), and its update when there are some.
 BATCH_STATEMENTS = {"sqlite": 8, "postgresql": 5}
 
 

@@ -15,12 +15,12 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from service.db import make_engine
-from service.policy.checkpoint import load_checkpoint
-from service.policy.sampling import bytes_to_text, completion_bytes, score_actions
-from service.rewards.store import current_spec, reward_from_db, rollout_info
-from service.tables import events, rollouts
 from tabloop.client import Client, EventSender
+from tabloop.core.db import make_engine
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.sampling import bytes_to_text, completion_bytes, score_actions
+from tabloop.core.reward_store import current_spec, reward_from_db, rollout_info
+from tabloop.core.tables import events, rollouts
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"
 # Characters an untrained model's random tokens are all but sure to hold: a stop cuts them.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.policy.checkpoint import (
+from tabloop.core.policy.checkpoint import (
     MANIFEST_FILE,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
@@ -18,8 +18,8 @@ from service.policy.checkpoint import (
     save_checkpoint,
     sha256_file,
 )
-from service.policy.model import GPT
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.tokenizer import CodeTokenizer
 
 
 def _logits(model: GPT, ids: list[int]) -> torch.Tensor:
@@ -118,7 +118,7 @@ def test_loading_never_unpickles(
 
 
 # --- languages and fill-in-the-middle in the manifest ---------------------------------------
-BASE = Path(__file__).resolve().parents[3] / "service" / "policy" / "base"
+BASE = Path(__file__).resolve().parents[3] / "tabloop" / "core" / "policy" / "base"
 
 
 def test_the_shipped_base_is_python_and_says_whether_it_reads_the_suffix() -> None:
@@ -145,8 +145,8 @@ def test_a_manifest_without_languages_or_fim_reads_as_python_left_to_right(
 def test_languages_and_fim_round_trip(
     tmp_path: Path, tiny_model: GPT, small_code: list[str]
 ) -> None:
-    from service.policy.model import ModelConfig
-    from service.policy.tokenizer import train_tokenizer
+    from tabloop.core.policy.model import ModelConfig
+    from tabloop.core.policy.tokenizer import train_tokenizer
 
     fim_tok = train_tokenizer(small_code, vocab_size=400, fim=True)
     cfg = ModelConfig.from_dict({**tiny_model.config.to_dict(), "vocab_size": 400})

@@ -9,14 +9,14 @@ import random
 import pytest
 import torch
 
-from service.policy.context import (
+from tabloop.core.policy.context import (
     SUFFIX_SHARE,
     following_lines,
     prepare_context,
 )
-from service.policy.model import GPT, ModelConfig
-from service.policy.sampling import Completion, complete, score_actions
-from service.policy.tokenizer import CodeTokenizer, train_tokenizer
+from tabloop.core.policy.model import GPT, ModelConfig
+from tabloop.core.policy.sampling import Completion, complete, score_actions
+from tabloop.core.policy.tokenizer import CodeTokenizer, train_tokenizer
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"
 SUFFIX = "ad()  # after the cursor\n\n\ndef write(path, text):\n    with open(path, 'w') as f:\n"

@@ -7,7 +7,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from trainer.corpus import (
+from tabloop.core.corpus import (
     CorpusLine,
     corpus_files,
     cursor_in_line,

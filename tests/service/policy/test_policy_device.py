@@ -1,4 +1,4 @@
-"""Where the policy computes (service/policy/device.py). The machines that run these tests have
+"""Where the policy computes (tabloop/core/policy/device.py). The machines that run these tests have
 no GPU: the device names are checked here, and the bf16 path (what a GPU runs) on the CPU."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from service.policy.device import DeviceError, activation_dtype, compute, precision, resolve
-from service.policy.model import GPT, KVCache, ModelConfig
-from service.policy.sampling import Prompt, complete_batch, score_actions
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.device import DeviceError, activation_dtype, compute, precision, resolve
+from tabloop.core.policy.model import GPT, KVCache, ModelConfig
+from tabloop.core.policy.sampling import Prompt, complete_batch, score_actions
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from tests.service.conftest import make_settings
 
 PROMPTS = ["def add(a, b):\n    return ", "import os\nimport ", "for i in range(", "x = "]

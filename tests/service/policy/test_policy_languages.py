@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.policy.languages import (
+from tabloop.core.policy.languages import (
     language_of_path,
     languages_of_paths,
     metric_label,

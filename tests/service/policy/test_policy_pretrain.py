@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import trainer.pretrain as pretrain_module
-from service.policy.checkpoint import load_checkpoint
-from service.policy.model import ModelConfig
-from service.policy.sampling import complete, score_actions
-from trainer.corpus import corpus_files
+from tabloop.core.corpus import corpus_files
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.model import ModelConfig
+from tabloop.core.policy.sampling import complete, score_actions
 from trainer.pretrain import (
     PretrainConfig,
     bits_per_byte,

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from service.policy.model import GPT, RaggedKVCache
-from service.policy.sampling import (
+from tabloop.core.policy.model import GPT, RaggedKVCache
+from tabloop.core.policy.sampling import (
     Completion,
     Prompt,
     action_logprob,
@@ -19,7 +19,7 @@ from service.policy.sampling import (
     sampling_logprobs,
     score_actions,
 )
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.recall import Proposal
 
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from service.policy.context import prepare_context
-from service.policy.tokenizer import EOF_TOKEN, CodeTokenizer
+from tabloop.core.policy.context import prepare_context
+from tabloop.core.policy.tokenizer import EOF_TOKEN, CodeTokenizer
 
 SAMPLES = [
     "",

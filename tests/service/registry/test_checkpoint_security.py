@@ -15,10 +15,10 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine
-from service.policy.checkpoint import MANIFEST_FILE, WEIGHTS_FILE
-from service.registry.store import bootstrap
-from service.tables import policies, policy_artifacts
+from tabloop.core.db import make_engine
+from tabloop.core.policy.checkpoint import MANIFEST_FILE, WEIGHTS_FILE
+from tabloop.core.registry import bootstrap
+from tabloop.core.tables import policies, policy_artifacts
 from tests.service.registry.test_registry import upload
 
 

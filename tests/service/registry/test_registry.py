@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from service.completions.serving import user_bucket
-from service.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from tabloop.core.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 
 
 def upload(
@@ -96,7 +96,7 @@ def test_register_canary_promote_rollback(
     assert d["canary_version"] == 2 and d["canary_fraction"] == 0.5
     wait_for_routing(served, d["id"])
     # PostgreSQL: the connections that carried the checkpoint in (register) and out (the
-    # server's load) were closed, not pooled with megabytes of libpq buffer (service.db)
+    # server's load) were closed, not pooled with megabytes of libpq buffer (tabloop.core.db)
     assert len(closed) == (2 if engine.dialect.name == "postgresql" else 0)
     users = [f"user-{i}" for i in range(40)]
     got = versions_served(ingest, users)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from service.events.schemas import EVENT_TYPES, parse_event
-from service.rewards.core import (
+from tabloop.core.reward import (
     CLOCK_SKEW_S,
     COMPONENTS,
     Feedback,

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from service.events.service import ingest_events
-from service.rewards.core import (
+from tabloop.core.reward import (
     UNREWARDED_EVENTS,
     Feedback,
     Reward,
@@ -19,14 +19,14 @@ from service.rewards.core import (
     RolloutInfo,
     compute_reward,
 )
-from service.rewards.store import (
+from tabloop.core.reward_store import (
     MIN_RETENTION_REPORTS,
     ROLLOUT_COLUMNS,
     measured_retention,
     rewards_from_db,
     rollout_info,
 )
-from service.tables import events, rewards, rollouts
+from tabloop.core.tables import events, rewards, rollouts
 from tests.factories import event, rollout_row
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from service.rewards.core import (
+from tabloop.core.reward import (
     CLOCK_SKEW_S,
     Feedback,
     RewardSpec,
@@ -24,7 +24,7 @@ from service.rewards.core import (
     is_late,
     settle,
 )
-from service.rewards.store import rollout_info
+from tabloop.core.reward_store import rollout_info
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 DEFAULT = RewardSpec()

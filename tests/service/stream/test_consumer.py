@@ -8,11 +8,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.config import Settings
 from service.events.service import ingest_events
 from service.relay import Relay
-from service.stream.consumer import open_consumer
-from service.stream.topics import FEEDBACK, ROLLOUTS
+from tabloop.core.config import Settings
+from tabloop.core.stream.consumer import open_consumer
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
 from tests.factories import event
 
 

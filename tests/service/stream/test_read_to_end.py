@@ -1,4 +1,4 @@
-"""service.stream.kafka.read_to_end against a scripted consumer: holes a crashed broker leaves
+"""tabloop.core.stream.kafka.read_to_end against a scripted consumer: holes a crashed broker leaves
 below its high watermark, and a broker that does not answer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from kafka.errors import KafkaTimeoutError
 
-from service.stream.kafka import read_to_end
+from tabloop.core.stream.kafka import read_to_end
 
 
 class Scripted:
@@ -43,7 +43,7 @@ def test_a_hole_at_the_end_is_read_past_when_the_broker_answers(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     c = Scripted({"a": [0, 1, 2], "b": [0, 1, 2, 3]}, {"a": 6, "b": 4})  # a: 3-5 never stored
-    with caplog.at_level("WARNING", logger="service.stream.kafka"):
+    with caplog.at_level("WARNING", logger="tabloop.core.stream.kafka"):
         got = read_to_end(c, ["a", "b"], timeout_s=10, hole_s=0.3)  # type: ignore[arg-type]
     assert sorted(got) == [0, 0, 1, 1, 2, 2, 3]
     assert "a: the broker reports offsets 3-5 but serves none of them" in caplog.text

@@ -26,9 +26,9 @@ import httpx
 import pytest
 import torch
 
-from service.policy.checkpoint import save_checkpoint
-from service.policy.model import GPT, ModelConfig
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.checkpoint import save_checkpoint
+from tabloop.core.policy.model import GPT, ModelConfig
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from tests.support.procs import stop_process
 
 REPO = Path(__file__).resolve().parents[3]

@@ -21,15 +21,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.config import Settings
-from service.db import make_engine
 from service.relay import Relay
-from service.rewards.core import RewardSpec, size_scale
-from service.stream.consumer import open_consumer
-from service.stream.kafka import ensure_topics
-from service.stream.topics import FEEDBACK, ROLLOUTS
-from service.tables import events, rewards, rollouts, utcnow
-from service.workspace.memory import typed_chars
+from tabloop.core.config import Settings
+from tabloop.core.db import make_engine
+from tabloop.core.memory import typed_chars
+from tabloop.core.reward import RewardSpec, size_scale
+from tabloop.core.stream.consumer import open_consumer
+from tabloop.core.stream.kafka import ensure_topics
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
+from tabloop.core.tables import events, rewards, rollouts, utcnow
 from tests.service.tabby.conftest import (
     PREFIX_ADD,
     PREFIX_MUL,

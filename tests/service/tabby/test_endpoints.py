@@ -14,10 +14,10 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine
-from service.policy.checkpoint import load_checkpoint
-from service.stream.topics import FEEDBACK, ROLLOUTS
-from service.tables import dead_letters, events, outbox, rollouts
+from tabloop.core.db import make_engine
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
+from tabloop.core.tables import dead_letters, events, outbox, rollouts
 from tests.service.tabby.conftest import PREFIX_ADD, PREFIX_MUL
 
 

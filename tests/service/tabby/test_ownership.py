@@ -11,8 +11,8 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine
-from service.tables import dead_letters, events
+from tabloop.core.db import make_engine
+from tabloop.core.tables import dead_letters, events
 from tests.service.tabby.conftest import PREFIX_ADD
 
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import httpx
 import sqlalchemy as sa
 
-from service.tables import (
+from tabloop.core.tables import (
     TRAINER_MEMBER_PREFIX,
     TRAINER_STATE_NAME,
     rewards,

@@ -9,9 +9,9 @@ import httpx
 import orjson
 import sqlalchemy as sa
 
-from service.db import make_engine
-from service.stream.topics import FEEDBACK, ROLLOUTS, USER_PURGED
-from service.tables import dead_letters, events, outbox, rewards, rollouts, utcnow
+from tabloop.core.db import make_engine
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, USER_PURGED
+from tabloop.core.tables import dead_letters, events, outbox, rewards, rollouts, utcnow
 from tests.factories import event
 from tests.service.codescan import publish
 from tests.support.kafka import consume_all

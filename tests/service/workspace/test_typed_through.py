@@ -10,11 +10,11 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine
-from service.rewards.core import RewardSpec
-from service.rewards.store import ROLLOUT_COLUMNS, rewards_from_db, rollout_info
-from service.tables import events, rollouts
-from service.workspace.memory import TYPED_ANCHOR_CHARS, typed_chars, typed_since
+from tabloop.core.db import make_engine
+from tabloop.core.memory import TYPED_ANCHOR_CHARS, typed_chars, typed_since
+from tabloop.core.reward import RewardSpec
+from tabloop.core.reward_store import ROLLOUT_COLUMNS, rewards_from_db, rollout_info
+from tabloop.core.tables import events, rollouts
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,11 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from service.db import make_engine
-from service.policy.checkpoint import load_checkpoint
-from service.policy.sampling import score_actions
-from service.tables import rollouts, workspace_code
+from tabloop.core.db import make_engine
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.sampling import score_actions
 from tabloop.core.recall import RECALL_INPUTS
+from tabloop.core.tables import rollouts, workspace_code
 
 SECRET = "'hunter2-ab41f0-do-not-share')"
 FILE_A = (

@@ -33,7 +33,7 @@ The gate reads the completion's *model* log-probs (temperature 1, healing constr
 top-p) so its confidence features do not depend on the sampling temperature; they are inputs
 (detached), the gradient of log p(decision) flows through the gate and the hidden state.
 
-The context is `service.policy.context.prepare_context`: the prefix alone, or for a checkpoint
+The context is `tabloop.core.policy.context.prepare_context`: the prefix alone, or for a checkpoint
 trained for fill-in-the-middle the prefix and the following lines in PSM order; a Completion
 logs its ids, and recomputation reads only those. See docs/MODEL.md.
 """
@@ -48,17 +48,17 @@ from typing import Any, Protocol
 import torch
 from torch.nn import functional as F
 
-from service.policy.context import MIN_PREFIX_TOKENS, context_overhead, prepare_context
-from service.policy.defaults import (
+from tabloop.core.policy.context import MIN_PREFIX_TOKENS, context_overhead, prepare_context
+from tabloop.core.policy.defaults import (
     DEFAULT_MAX_CONTEXT_TOKENS,
     DEFAULT_STOP_LOGPROB,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     STOP_LANGUAGE,
 )
-from service.policy.device import compute, model_device
-from service.policy.model import GPT, KVCache, RaggedKVCache, gate_features
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.device import compute, model_device
+from tabloop.core.policy.model import GPT, KVCache, RaggedKVCache, gate_features
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.recall import Proposal, recall_inputs
 
 NEG_INF = float("-inf")
@@ -71,7 +71,7 @@ class Completion:
     text: str  # the sampled rest of the line (after the healed text); shown only if `shown`
     token_ids: list[int]  # sampled tokens, including the re-emitted healed text and the stop
     token_logprobs: list[float]  # log q_t(token_t) under the sampling distribution
-    context_token_ids: list[int]  # what the model saw (service.policy.context)
+    context_token_ids: list[int]  # what the model saw (tabloop.core.policy.context)
     heal_text: str  # prefix text backed off by token healing, re-emitted by token_ids first
     temperature: float  # sampling temperature used
     top_p: float | None  # nucleus used (None: no truncation)
@@ -268,7 +268,7 @@ def complete(
 
     `suffix` is the text after the cursor: a checkpoint trained for fill-in-the-middle (its
     tokenizer has the sentinels) reads the lines after the cursor's line, a left-to-right one
-    ignores it (service.policy.context). `heal=False` turns token healing off (for measuring
+    ignores it (tabloop.core.policy.context). `heal=False` turns token healing off (for measuring
     what it buys; serving keeps it on); `max_context_tokens` caps the context tokens the model
     sees (a latency/quality knob; None: all that fit).
     `stop_logprob`: the confidence stop. Sampling ends before the first token past the healed
@@ -299,12 +299,12 @@ def complete_batch(
     stop_logprob: float | None = DEFAULT_STOP_LOGPROB,
 ) -> list[Completion]:
     """`complete` for several requests at once: one forward pass for all the prompts, then one
-    per decoding step for every row still sampling (service.policy.model.RaggedKVCache). Each
+    per decoding step for every row still sampling (tabloop.core.policy.model.RaggedKVCache). Each
     row draws from its own generator in the same order as alone, so a row samples what
     `complete` samples with that generator, up to float rounding; its logged log-probs are its
     own distribution's either way.
 
-    On a GPU (the model placed there, service.policy.device) the passes run in bf16 autocast;
+    On a GPU (the model placed there, tabloop.core.policy.device) the passes run in bf16 autocast;
     each step's logits come back to the CPU in float32, where every row draws from its own
     generator."""
     device = model_device(model)

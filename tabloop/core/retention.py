@@ -32,17 +32,19 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from service.config import Settings
-from service.privacy import (
+from tabloop.core.config import Settings
+from tabloop.core.db import AnyRow
+from tabloop.core.memory import expire as expire_memory
+from tabloop.core.privacy import (
     SETTLED,
     raw_without_text,
     rollout_code_blank,
     rollout_without_code,
     settled_without_text,
 )
-from service.rewards.store import default_spec
-from service.stream.topics import FEEDBACK, ROLLOUTS
-from service.tables import (
+from tabloop.core.reward_store import default_spec
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
+from tabloop.core.tables import (
     dead_letters,
     events,
     outbox,
@@ -51,7 +53,6 @@ from service.tables import (
     trainer_state,
     utcnow,
 )
-from service.workspace.memory import expire as expire_memory
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def code_cutoff(settings: Settings, horizon_s: float, now: datetime) -> datetime
     return retention_cutoff(settings.code_retention_days, horizon_s, now)[0]
 
 
-def with_code(rows: Sequence[sa.Row]) -> list[sa.Row]:
+def with_code(rows: Sequence[AnyRow]) -> list[AnyRow]:
     """The rollout rows that still hold their code: a blanked one (privacy mode, retention)
     has no context, and an update cannot score it."""
     return [r for r in rows if r.context_token_ids]
@@ -345,7 +346,8 @@ def _horizon_s(engine: sa.Engine, profile: str) -> float:
 def _truncate_wal(engine: sa.Engine) -> None:
     """SQLite: copy the write-ahead log into the database and empty it, so that the page
     images it holds from before the blanking leave the disk too (secure_delete zeroes the
-    database file's freed space: service/db.py). Outside a transaction: on the raw connection."""
+    database file's freed space: tabloop/core/db.py). Outside a transaction: on the raw
+    connection."""
     raw = engine.raw_connection()
     try:
         cursor = raw.cursor()

@@ -6,11 +6,11 @@
                               bytes}, "tokenizer": {file, sha256}, "config", "languages",
                               "fim", ["fim_format",] "summary", "created_at"}
 
-`languages`: the language ids (service/policy/languages.py) the base was pretrained on; a
+`languages`: the language ids (tabloop/core/policy/languages.py) the base was pretrained on; a
 manifest without the field is read as ["python"] (every checkpoint written before the field
 existed, the shipped base among them, was pretrained on the Python standard library). `fim`:
 the tokenizer has the fill-in-the-middle sentinels and the model reads the suffix in
-`fim_format` (service/policy/context.py); absent means false. It is written from the tokenizer,
+`fim_format` (tabloop/core/policy/context.py); absent means false. It is written from the tokenizer,
 and loading refuses a manifest that disagrees with its tokenizer.
 
 Loading checks both SHA-256 sums before reading a byte of either file's content into a model,
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.policy.languages import DEFAULT_LANGUAGES
-from service.policy.model import GPT, ModelConfig
-from service.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.languages import DEFAULT_LANGUAGES
+from tabloop.core.policy.model import GPT, ModelConfig
+from tabloop.core.policy.tokenizer import CodeTokenizer
 
 FORMAT = "tabloop-policy/1"
 WEIGHTS_FILE = "model.safetensors"

@@ -1,5 +1,5 @@
 """How the policy samples when nothing says otherwise: the serving defaults, here so that the
-service's settings (service/config.py) read them without importing torch."""
+service's settings (tabloop/core/config.py) read them without importing torch."""
 
 DEFAULT_TEMPERATURE = 0.7  # serving default; the gate is fitted for it
 DEFAULT_TOP_P = 0.95  # serving default nucleus

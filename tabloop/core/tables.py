@@ -76,7 +76,7 @@ api_keys = sa.Table(
 )
 
 # The workspace memory: the code each person's editor sent, as it last stood, per document
-# (service/workspace/memory.py). Code text: never written for a no_train key or request, deleted
+# (tabloop/core/memory.py). Code text: never written for a no_train key or request, deleted
 # with the person, aged out by TABLOOP_CODE_RETENTION_DAYS.
 workspace_code = sa.Table(
     "workspace_code",
@@ -113,7 +113,7 @@ events = sa.Table(
     sa.Column("payload", JSONType, nullable=False),  # the validated event as received
     sa.Index("ix_events_user_id_occurred_at", "user_id", "occurred_at"),
     sa.Index("ix_events_suggestion_id", "suggestion_id"),
-    # settled text is code: the retention job walks these by age (service/retention.py)
+    # settled text is code: the retention job walks these by age (tabloop/core/retention.py)
     sa.Index(
         "ix_events_code_settled_received_at",
         "received_at",
@@ -186,7 +186,7 @@ rollouts = sa.Table(
     # NULL (older rows): len(text).
     sa.Column("text_chars", sa.Integer(), nullable=True),
     sa.Column("shown", sa.Boolean(), nullable=False),
-    # the copy proposal and the copy head's draw (service.policy.sampling.Completion.recall);
+    # the copy proposal and the copy head's draw (tabloop.core.policy.sampling.Completion.recall);
     # JSON null where the request had none. Code: blanked like `text` (service/privacy.py)
     sa.Column("recall", JSONType, nullable=True),
     sa.Column("gate_prob_show", sa.Float(), nullable=False),
@@ -267,7 +267,7 @@ rewards = sa.Table(
     sa.Column("policy_version", sa.Integer(), nullable=False),
     sa.Column("rollout_created_at", UTCDateTime(), nullable=False),
     sa.Column("value", sa.Float(), nullable=False),
-    # abstained|accepted|rejected|ignored|unviewed (service/rewards/core.py OUTCOMES)
+    # abstained|accepted|rejected|ignored|unviewed (tabloop/core/reward.py OUTCOMES)
     sa.Column("outcome", sa.String(16), nullable=False),
     sa.Column("components", JSONType, nullable=False),
     sa.Column("spec_version", sa.Integer(), nullable=False),

@@ -16,8 +16,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.auth.keys import PREFIX, ApiKey
-from service.tables import audit_log, utcnow
+from tabloop.core.keys import PREFIX, ApiKey
+from tabloop.core.tables import audit_log, utcnow
 
 OK = "ok"
 MAX_TARGET_CHARS = 300  # a user id is at most 256

@@ -47,8 +47,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from service.tables import rollouts, utcnow, workspace_code
 from tabloop.core.recall import SEPARATOR, Text
+from tabloop.core.tables import rollouts, utcnow, workspace_code
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Where the policy computes: the CPU in float32, or a CUDA GPU in bf16 autocast.
 
-`TABLOOP_DEVICE` (service.config.Settings.device) names it for serving, updates and
+`TABLOOP_DEVICE` (tabloop.core.config.Settings.device) names it for serving, updates and
 `tabloop pretrain --device`: "auto" (a GPU when torch sees one, else the CPU), "cpu", "cuda" or
 "cuda:N". Weights stay float32 everywhere (the optimizer's master copy, checkpoints); on a GPU the
 forward and backward passes run in bf16 autocast, and log-probs are taken in float32.

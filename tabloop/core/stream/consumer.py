@@ -15,8 +15,8 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from service.config import Settings
-from service.tables import outbox, trainer_state, utcnow
+from tabloop.core.config import Settings
+from tabloop.core.tables import outbox, trainer_state, utcnow
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 
-from service.config import Settings
-from service.stream.topics import ALL_TOPICS, FEEDBACK, ROLLOUTS
+from tabloop.core.config import Settings
+from tabloop.core.stream.topics import ALL_TOPICS, FEEDBACK, ROLLOUTS
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The policy registry: versions, their checkpoint files, and the deployment timeline.
 
-A checkpoint is the three files of `service.policy.checkpoint` (weights, tokenizer, manifest).
+A checkpoint is the three files of `tabloop.core.policy.checkpoint` (weights, tokenizer, manifest).
 They are stored in the database, so every worker on every host can load any version; each
 process caches them under its data dir. The routing state is the last `deployments` row:
 a live version and at most one canary with the share of users it gets.
@@ -18,16 +18,17 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.audit import store as audit
-from service.errors import Conflict, NotFound, Unprocessable
-from service.policy.checkpoint import (
+from tabloop.core import audit
+from tabloop.core.db import AnyRow
+from tabloop.core.errors import Conflict, NotFound, Unprocessable
+from tabloop.core.policy.checkpoint import (
     MANIFEST_FILE,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
     CheckpointError,
     load_checkpoint,
 )
-from service.tables import deployments, policies, policy_artifacts, utcnow
+from tabloop.core.tables import deployments, policies, policy_artifacts, utcnow
 
 FILES = (MANIFEST_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
 
@@ -69,6 +70,8 @@ def validate_checkpoint(files: dict[str, bytes]) -> dict[str, Any]:
             load_checkpoint(tmp)  # safetensors parse + shapes against the config
         except CheckpointError as e:
             raise Unprocessable(f"checkpoint does not load: {e}") from None
+    if not isinstance(manifest, dict):
+        raise Unprocessable("manifest.json is not a JSON object")
     return manifest
 
 
@@ -144,11 +147,11 @@ def artifact_files(conn: sa.Connection, version: int) -> dict[str, bytes]:
     return files
 
 
-def get_policy_row(conn: sa.Connection, version: int) -> sa.Row | None:
+def get_policy_row(conn: sa.Connection, version: int) -> AnyRow | None:
     return conn.execute(sa.select(policies).where(policies.c.version == version)).first()
 
 
-def list_policy_rows(conn: sa.Connection) -> list[sa.Row]:
+def list_policy_rows(conn: sa.Connection) -> list[AnyRow]:
     return list(conn.execute(sa.select(policies).order_by(policies.c.version.desc())).all())
 
 
@@ -162,7 +165,7 @@ def deployment_history(conn: sa.Connection, limit: int = 100) -> list[Deployment
     return [_deployment(r) for r in rows]
 
 
-def _deployment(row: sa.Row) -> Deployment:
+def _deployment(row: AnyRow) -> Deployment:
     return Deployment(
         row.id,
         row.created_at,
@@ -299,7 +302,8 @@ def rolled_back_version(conn: sa.Connection, rollback: Deployment) -> int | None
     ).first()
     if before is None:
         return None
-    return before.canary_version if before.canary_version is not None else before.live_version
+    version = before.canary_version if before.canary_version is not None else before.live_version
+    return None if version is None else int(version)
 
 
 def bootstrap(conn: sa.Connection, base_dir: Path) -> int | None:

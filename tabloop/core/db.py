@@ -8,18 +8,21 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import orjson
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
-from service.config import Settings
+from tabloop.core.config import Settings
 
 log = logging.getLogger(__name__)
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+# a result row of any columns (sa.Row is generic over the columns' types)
+AnyRow: TypeAlias = sa.Row[*tuple[Any, ...]]
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
 def _json_dumps(value: Any) -> str:

@@ -10,7 +10,7 @@ and the completion shown to the user is what comes after them.
 
 Control tokens: `<|eof|>` separates files in training and ends a generation. A tokenizer trained
 for fill-in-the-middle (`train_tokenizer(..., fim=True)`) also has the three sentinels of the
-PSM layout (`<|fim_prefix|>`, `<|fim_suffix|>`, `<|fim_middle|>`, service/policy/context.py);
+PSM layout (`<|fim_prefix|>`, `<|fim_suffix|>`, `<|fim_middle|>`, tabloop/core/policy/context.py);
 their presence is what makes a checkpoint read the suffix.
 """
 

@@ -17,7 +17,8 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from service.tables import api_keys, utcnow
+from tabloop.core.db import AnyRow
+from tabloop.core.tables import api_keys, utcnow
 
 SCOPES = ("ingest", "deploy", "admin")
 PREFIX = "tlk_"
@@ -105,7 +106,7 @@ def authenticate(conn: sa.Connection, token: str) -> ApiKey | None:
     return _to_key(row)
 
 
-def _to_key(row: sa.Row) -> ApiKey:
+def _to_key(row: AnyRow) -> ApiKey:
     return ApiKey(
         row.id,
         row.name,

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from service.policy.device import activation_dtype
+from tabloop.core.policy.device import activation_dtype
 from tabloop.core.recall import COPY_INIT, RECALL_INPUTS
 
 # Gate inputs besides the hidden state, in this order (see `gate_features`).

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.policy.defaults import DEFAULT_STOP_LOGPROB, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from tabloop.core.policy.defaults import DEFAULT_STOP_LOGPROB, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 # The default of trainer_max_share: above any one honest person's share of the simulation's
 # requests (at most a tenth of them), so it binds on outliers: two people sending ten times as
@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     # prefix, and this many of the suffix and of the snippets together; the model itself reads
     # only max_prefix_chars and max_suffix_chars of them
     max_recall_chars: int = Field(200_000, ge=0)
-    # the workspace memory (service/workspace/memory.py): how often each API process checks for
+    # the workspace memory (tabloop/core/memory.py): how often each API process checks for
     # changed documents, and what one person's and one workspace's newest documents may fill
     memory_refresh_s: float = Field(2.0, gt=0)
     memory_person_bytes: int = Field(4_000_000, ge=0)
@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     torch_threads: int = Field(1, ge=1, le=64)
     # Where the policy computes, for serving and the trainer's updates: auto (a CUDA GPU when
     # torch sees one, else the CPU), cpu, cuda or cuda:N. A GPU computes in bf16 autocast
-    # (service/policy/device.py).
+    # (tabloop/core/policy/device.py).
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     # Concurrent completions of one policy share their forward passes: an inference thread
     # takes every request waiting (at most this many; 1: one at a time), after waiting at most

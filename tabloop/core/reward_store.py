@@ -14,9 +14,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.policy.defaults import STOP_LANGUAGE
-from service.privacy import trainable
-from service.rewards.core import (
+from tabloop.core.policy.defaults import STOP_LANGUAGE
+from tabloop.core.privacy import trainable
+from tabloop.core.reward import (
     REWARD_SPECS,
     UNREWARDED_EVENTS,
     UNVIEWED,
@@ -26,7 +26,7 @@ from service.rewards.core import (
     RolloutInfo,
     compute_reward,
 )
-from service.tables import events, reward_specs, rewards, rollouts, utcnow
+from tabloop.core.tables import events, reward_specs, rewards, rollouts, utcnow
 
 
 def trainable_reward() -> sa.ColumnElement[bool]:
@@ -253,7 +253,7 @@ def replay(
 ) -> dict[str, Any]:
     """Recompute the rewards of rollouts created in [start, end) under `spec`. Stored rewards
     are not changed (a trained policy may have used them); the summary compares the two."""
-    from service.tables import rewards
+    from tabloop.core.tables import rewards
 
     rows = conn.execute(
         sa.select(*ROLLOUT_COLUMNS, rewards.c.value.label("stored"))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
 
-from service.events.schemas import EVENT_TYPES
+from tabloop.core.events import EVENT_TYPES
 
 # Client clocks drift: an event stamped up to this long before its rollout was created still
 # counts for it (a reject cannot precede its suggestion, but a slow clock can say it did).

@@ -18,7 +18,7 @@ rollout logs exactly these ids, so rescoring a logged rollout never tokenizes te
 
 from __future__ import annotations
 
-from service.policy.tokenizer import CodeTokenizer, Healing
+from tabloop.core.policy.tokenizer import CodeTokenizer, Healing
 
 CHARS_PER_TOKEN_BOUND = 8  # characters kept per context token before encoding
 SUFFIX_SHARE = 4  # the suffix gets at most 1 / SUFFIX_SHARE of the context budget

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import sqlalchemy as sa
 
-from service.tables import events, rollouts
+from tabloop.core.tables import events, rollouts
 
 CODE_SETTLED = "code_settled"
 _CHUNK = 1000  # suggestion ids per query: well under SQLite's bound-parameter limit

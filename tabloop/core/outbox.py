@@ -12,13 +12,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.stream.topics import encode
-from service.tables import outbox, utcnow
+from tabloop.core.stream.topics import encode
+from tabloop.core.tables import outbox, utcnow
 
 
 def outbox_row(
     topic: str, key: str, value: dict[str, Any], *, now: datetime, embedded: bool
-) -> dict:
+) -> dict[str, Any]:
     return {
         "topic": topic,
         "key": key,
