@@ -13,6 +13,7 @@ COPY trainer ./trainer
 COPY tabloop ./tabloop
 COPY simulator ./simulator
 COPY migrations ./migrations
+COPY benchmarks ./benchmarks
 RUN pip install . \
     && useradd --create-home --uid 10001 tabloop \
     && mkdir -p /data && chown tabloop:tabloop /data

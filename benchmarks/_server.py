@@ -12,8 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support.procs import stop_process, wait_http_ready  # noqa: E402
+from tabloop.testing.procs import stop_process, wait_http_ready
 
 TABLOOP = str(Path(sys.executable).parent / "tabloop")
 

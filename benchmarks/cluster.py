@@ -1,7 +1,7 @@
 """Full mode on this machine, as docker-compose.yml runs it, with handles to break every part.
 
-PostgreSQL (tests/support/postgres.PostgresServer, fast=False: fsync and synchronous_commit on),
-a Tansu broker with durable S3 storage (tests/support/kafka.KafkaBroker(durable=True): messages
+PostgreSQL (tabloop/testing/postgres.PostgresServer, fast=False: fsync and synchronous_commit on),
+a Tansu broker with durable S3 storage (tabloop/testing/kafka.KafkaBroker(durable=True): messages
 and committed offsets survive a SIGKILL), then `tabloop serve`, `tabloop relay` and
 `tabloop train` (with a deploy-scoped key), each in its own process group. Used by
 benchmarks/faults.py and soak.py.
@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.ingest import Proc, clean_env, free_port, tabloop, wait_ready
 
-from benchmarks.ingest import Proc, clean_env, free_port, tabloop, wait_ready  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DATABASE = "tabloop_faults"
 APPS = ("serve", "relay", "train")
@@ -61,8 +60,8 @@ class Cluster:
     # -- start and stop ------------------------------------------------------------------
 
     def start(self) -> Cluster:
-        from tests.support.kafka import KafkaBroker
-        from tests.support.postgres import PostgresServer
+        from tabloop.testing.kafka import KafkaBroker
+        from tabloop.testing.postgres import PostgresServer
 
         # its own mkdtemp: the `postgres` OS user must be able to reach it (see PostgresServer)
         self._pg_dir = Path(tempfile.mkdtemp(prefix="tabloop-faults-pg-"))

@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._server import Server, tabloop_up  # noqa: E402
-from tabloop.core.corpus import sample_cursors  # noqa: E402
+from benchmarks._server import Server, tabloop_up
+from tabloop.core.corpus import sample_cursors
 
 
 def pct(xs: list[float], q: float) -> float:

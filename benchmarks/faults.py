@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -42,12 +41,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import plugin
+from benchmarks.cluster import DATABASE, Cluster, one, wait_for
+from benchmarks.ingest import machine
 
-from benchmarks import plugin  # noqa: E402
-from benchmarks.cluster import DATABASE, Cluster, one, wait_for  # noqa: E402
-from benchmarks.ingest import machine  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SHORT = "broker-kill,relay-kill,pg-kill,trainer-kill"
 FULL = (
@@ -197,7 +195,7 @@ def verify(cluster: Cluster, plugins: plugin.Plugins) -> dict[str, Any]:
 
     from service.relay import HEADER
     from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
-    from tests.support.kafka import consume_all
+    from tabloop.testing.kafka import consume_all
 
     out: dict[str, Any] = {}
     with psycopg.connect(cluster.pg.dsn(DATABASE), autocommit=True) as conn:

@@ -51,19 +51,18 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.ingest import sim_reward_spec  # noqa: E402
-from simulator.baseline import complete_and_score, complete_cursor  # noqa: E402
-from simulator.population import (  # noqa: E402
+from benchmarks.ingest import sim_reward_spec
+from simulator.baseline import complete_and_score, complete_cursor
+from simulator.population import (
     CursorSource,
     PopulationConfig,
     draw_person,
     matched_fraction,
     size_scale,
 )
-from tabloop.core.corpus import heldout_lines  # noqa: E402
-from tabloop.core.policy.checkpoint import load_checkpoint  # noqa: E402
-from tabloop.core.policy.sampling import score_actions  # noqa: E402
+from tabloop.core.corpus import heldout_lines
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.sampling import score_actions
 
 BASE = Path(__file__).resolve().parent.parent / "tabloop" / "core" / "policy" / "base"
 LIVE_LABELS = 300  # judged suggestions: about what three or four live batches hold

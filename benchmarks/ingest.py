@@ -19,8 +19,8 @@ after a warm-up:
 Modes:
 - embedded: the API of `tabloop up` (SQLite in WAL mode, the outbox is the log, no broker),
   run as `tabloop serve` without the in-process trainer that `tabloop up` adds;
-- full: PostgreSQL (tests/support/postgres.PostgresServer, fast=False: fsync, synchronous_commit
-  and full_page_writes on, so a 202 is durable) + Tansu (tests/support/kafka.KafkaBroker,
+- full: PostgreSQL (tabloop/testing/postgres.PostgresServer, fast=False: fsync, synchronous_commit
+  and full_page_writes on, so a 202 is durable) + Tansu (tabloop/testing/kafka.KafkaBroker,
   in-memory storage), `tabloop serve` (TABLOOP_WORKERS=--workers) and `tabloop relay` draining
   the outbox;
 - naive: benchmarks/naive_ingest.py on the same PostgreSQL and broker (per event: one ORM
@@ -61,10 +61,9 @@ from typing import Any
 
 import orjson
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.loadgen import BATCH, HOST, USERS, Load, Stats, closed_loop, open_loop
 
-from benchmarks.loadgen import BATCH, HOST, USERS, Load, Stats, closed_loop, open_loop  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 NAIVE = Path(__file__).resolve().parent / "naive_ingest.py"
 
@@ -254,7 +253,7 @@ def base_checkpoint(work: Path) -> Path:
 
 
 def free_port() -> int:
-    from tests.support.procs import free_port as fp
+    from tabloop.testing.procs import free_port as fp
 
     return fp()
 
@@ -339,8 +338,8 @@ class Bench:
     def pg_and_broker(self) -> tuple[Any, Any]:
         """PostgreSQL with durable commits and a Tansu broker (the naive mode's; a full run
         starts its own)."""
-        from tests.support.kafka import KafkaBroker
-        from tests.support.postgres import PostgresServer
+        from tabloop.testing.kafka import KafkaBroker
+        from tabloop.testing.postgres import PostgresServer
 
         if self.pg is None:
             # its own mkdtemp: the `postgres` OS user must be able to reach it (see PostgresServer)
@@ -522,7 +521,7 @@ class Bench:
 
     def full(self, tree: Tree = WORK) -> Result:
         from tabloop.core.stream.topics import FEEDBACK
-        from tests.support.kafka import KafkaBroker, consume_all
+        from tabloop.testing.kafka import KafkaBroker, consume_all
 
         pg, _ = self.pg_and_broker()
         self.runs += 1
@@ -626,7 +625,7 @@ class Bench:
         return result
 
     def naive(self, tree: Tree = WORK) -> Result:
-        from tests.support.kafka import create_topics
+        from tabloop.testing.kafka import create_topics
 
         pg, broker = self.pg_and_broker()
         url = pg.create_database("naive_bench")

@@ -27,16 +27,15 @@ from typing import Any
 
 import sqlalchemy as sa
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.ingest import Proc, clean_env, tabloop
+from tabloop.core.config import load_settings
+from tabloop.core.db import make_engine
+from tabloop.core.stream.kafka import ensure_topics, make_producer
+from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, encode
+from tabloop.core.tables import TRAINER_MEMBER_PREFIX, events, rewards, rollouts, trainer_state
+from tabloop.testing.factories import rollout_row
 
-from benchmarks.ingest import Proc, clean_env, tabloop  # noqa: E402
-from tabloop.core.config import load_settings  # noqa: E402
-from tabloop.core.db import make_engine  # noqa: E402
-from tabloop.core.stream.kafka import ensure_topics, make_producer  # noqa: E402
-from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, encode  # noqa: E402
-from tabloop.core.tables import TRAINER_MEMBER_PREFIX, events, rewards, rollouts, trainer_state  # noqa: E402
-from tests.factories import rollout_row  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PARTITIONS = 6
 PEOPLE = 200
@@ -166,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from tests.support.kafka import KafkaBroker
-    from tests.support.postgres import PostgresServer
+    from tabloop.testing.kafka import KafkaBroker
+    from tabloop.testing.postgres import PostgresServer
 
     work = Path(tempfile.mkdtemp(prefix="tabloop-join-"))
     pg_dir = Path(tempfile.mkdtemp(prefix="tabloop-join-pg-"))  # reachable by `postgres`

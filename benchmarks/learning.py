@@ -43,7 +43,6 @@ import dataclasses
 import hashlib
 import json
 import random
-import sys
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -51,21 +50,20 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.ingest import parse_pairs, sim_reward_spec  # noqa: E402
-from simulator.baseline import at_threshold, complete_and_score, complete_cursor  # noqa: E402
-from simulator.population import (  # noqa: E402
+from benchmarks.ingest import parse_pairs, sim_reward_spec
+from simulator.baseline import at_threshold, complete_and_score, complete_cursor
+from simulator.population import (
     CursorSource,
     PopulationConfig,
     decide,
     decision_reward,
     draw_person,
 )
-from tabloop.core.corpus import exact_match, heldout_lines, lines_of  # noqa: E402
-from tabloop.core.policy.checkpoint import load_checkpoint  # noqa: E402
-from trainer.candidate import split_for_check, train_candidate  # noqa: E402
-from trainer.loop import TrainerConfig  # noqa: E402
-from trainer.update import Batch  # noqa: E402
+from tabloop.core.corpus import exact_match, heldout_lines, lines_of
+from tabloop.core.policy.checkpoint import load_checkpoint
+from trainer.candidate import split_for_check, train_candidate
+from trainer.loop import TrainerConfig
+from trainer.update import Batch
 
 BASE = Path(__file__).resolve().parent.parent / "tabloop" / "core" / "policy" / "base"
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -36,9 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tabloop.core.corpus import (  # noqa: E402
+from tabloop.core.corpus import (
     Cursor,
     corpus_files,
     cursors_from,
@@ -46,9 +43,9 @@ from tabloop.core.corpus import (  # noqa: E402
     exact_match,
     prefix_match,
 )
-from tabloop.core.policy.checkpoint import WEIGHTS_FILE, load_checkpoint  # noqa: E402
-from tabloop.core.policy.model import GPT, KVCache  # noqa: E402
-from tabloop.core.policy.sampling import (  # noqa: E402
+from tabloop.core.policy.checkpoint import WEIGHTS_FILE, load_checkpoint
+from tabloop.core.policy.model import GPT, KVCache
+from tabloop.core.policy.sampling import (
     DEFAULT_MAX_CONTEXT_TOKENS,
     DEFAULT_STOP_LOGPROB,
     DEFAULT_TEMPERATURE,
@@ -56,8 +53,8 @@ from tabloop.core.policy.sampling import (  # noqa: E402
     Completion,
     complete,
 )
-from tabloop.core.policy.tokenizer import CodeTokenizer  # noqa: E402
-from trainer.pretrain import (  # noqa: E402
+from tabloop.core.policy.tokenizer import CodeTokenizer
+from trainer.pretrain import (
     ACCEPT_REWARD,
     CHARS_EXPONENT,
     CHARS_NORM,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -23,9 +22,7 @@ from kafka import KafkaProducer
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Session, mapped_column
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.events.schemas import parse_event  # noqa: E402
+from service.events.schemas import parse_event
 
 TOPIC = "bench.naive"
 

@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-# the repository first: benchmarks/trainer.py would shadow the trainer package
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tabloop.core.policy.model import GPT, ModelConfig  # noqa: E402
-from trainer.pretrain import cpu_has_bf16  # noqa: E402
+# the repository first: benchmarks/training.py would shadow the trainer package
+from tabloop.core.policy.model import GPT, ModelConfig
+from trainer.pretrain import cpu_has_bf16
 
 
 def step_seconds(bf16: bool, steps: int, batch: int) -> float:

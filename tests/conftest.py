@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # ============================================================================
 # Service fixtures: real PostgreSQL and a real Kafka-protocol broker.
-# Test infrastructure (see tests/support/ and scripts/test.sh); nothing is
+# Test infrastructure (see tabloop/testing/ and scripts/test.sh); nothing is
 # skipped: if a service cannot start, the fixture raises with the log tail.
 #
 #   postgres_server  session   PostgresServer (fsync off), one per test session
@@ -14,7 +14,7 @@ from __future__ import annotations
 #   durable_kafka    function  KafkaBroker with durable S3 storage (SeaweedFS),
 #                              for kill()/restart() tests; closed after the test
 #
-# Import helpers from `tests.support.procs`, `.postgres` and `.kafka` (pyproject:
+# Import helpers from `tabloop.testing.procs`, `.postgres` and `.kafka` (pyproject:
 # pythonpath = ["."], --import-mode=importlib).
 # ============================================================================
 import shutil
@@ -29,8 +29,8 @@ import torch
 
 from tabloop.core.policy.model import GPT, ModelConfig
 from tabloop.core.policy.tokenizer import CodeTokenizer, train_tokenizer
-from tests.support.kafka import KafkaBroker
-from tests.support.postgres import PostgresServer
+from tabloop.testing.kafka import KafkaBroker
+from tabloop.testing.postgres import PostgresServer
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Tests of the test infrastructure itself (tests/support/, tests/conftest.py)."""
+"""Tests of the test infrastructure itself (tabloop/testing/, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import psycopg
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from tests.support.kafka import (
+from tabloop.testing.kafka import (
     KafkaBroker,
     committed_offsets,
     consume_all,
     create_topics,
     kafka_ready,
 )
-from tests.support.postgres import PostgresServer
-from tests.support.procs import free_port
+from tabloop.testing.postgres import PostgresServer
+from tabloop.testing.procs import free_port
 
 # consumer-group settings for Tansu: it holds a JoinGroup for half the session
 GROUP_KW = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}

@@ -26,8 +26,8 @@ from tabloop.core.policy.model import GPT, ModelConfig
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.stream.topics import ALL_TOPICS
 from tabloop.core.tables import outbox, utcnow
-from tests.factories import event
-from tests.support.kafka import consume_all
+from tabloop.testing.factories import event
+from tabloop.testing.kafka import consume_all
 
 
 def showing_checkpoint(tokenizer: CodeTokenizer, out: Path) -> Path:

@@ -16,7 +16,7 @@ import uvicorn
 from tabloop.core.config import Settings
 from tabloop.core.db import make_engine, upgrade
 from tabloop.core.keys import create_key
-from tests.support.procs import free_port
+from tabloop.testing.procs import free_port
 
 
 class RunningService:

@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from tabloop.core.tables import dead_letters, events, outbox, rollouts
-from tests.factories import event
+from tabloop.testing.factories import event
 
 JSON = {"Content-Type": "application/json"}
 

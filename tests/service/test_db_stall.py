@@ -15,9 +15,9 @@ import pytest
 from service.deps import DB_STALL_S, Health
 from tabloop.core.db import make_engine, upgrade
 from tabloop.core.keys import create_key
-from tests.factories import event
+from tabloop.testing.factories import event
+from tabloop.testing.postgres import PostgresServer
 from tests.service.conftest import RunningService, make_settings
-from tests.support.postgres import PostgresServer
 
 
 @pytest.mark.parametrize(

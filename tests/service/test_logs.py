@@ -126,7 +126,7 @@ def test_settled_text_is_never_logged(
     from tabloop.core.reward import RewardSpec
     from tabloop.core.stream.consumer import Record
     from tabloop.core.tables import outbox
-    from tests.factories import event
+    from tabloop.testing.factories import event
     from trainer.join import Join
 
     text = f"return {SETTLED_MARKER}(x)"

@@ -32,7 +32,7 @@ from tabloop.core.registry import current_deployment
 from tabloop.core.reward_store import current_spec, rollout_info
 from tabloop.core.settled import settled_texts
 from tabloop.core.tables import rewards, rollouts, utcnow
-from tests.factories import event
+from tabloop.testing.factories import event
 from tests.service.codescan import (
     Markers,
     client_for,

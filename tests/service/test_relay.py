@@ -24,9 +24,9 @@ from tabloop.core.db import make_engine
 from tabloop.core.outbox import Backlog, backlog
 from tabloop.core.stream.topics import FEEDBACK
 from tabloop.core.tables import events, outbox
-from tests.factories import event
+from tabloop.testing.factories import event
+from tabloop.testing.kafka import consume_all
 from tests.service.conftest import make_settings
-from tests.support.kafka import consume_all
 
 
 @pytest.fixture

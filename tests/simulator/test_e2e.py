@@ -38,7 +38,7 @@ from simulator.population import CursorSource, in_reject_family, request_context
 from tabloop.core.corpus import heldout_lines
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.sampling import Completion, complete, score_actions
-from tests.support.procs import free_port, stop_process, wait_http_ready
+from tabloop.testing.procs import free_port, stop_process, wait_http_ready
 
 pytestmark = pytest.mark.integration  # `tabloop up` in a subprocess
 

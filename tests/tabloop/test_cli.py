@@ -20,8 +20,8 @@ import torch
 from tabloop.core.config import Settings
 from tabloop.core.db import make_engine
 from tabloop.core.keys import authenticate
-from tests.factories import event
-from tests.support.procs import free_port, wait_http_ready
+from tabloop.testing.factories import event
+from tabloop.testing.procs import free_port, wait_http_ready
 
 # every test runs the `tabloop` program in a subprocess (tests/conftest.py, the marker)
 pytestmark = pytest.mark.integration

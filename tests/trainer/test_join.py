@@ -19,7 +19,7 @@ from tabloop.core.reward import RewardSpec
 from tabloop.core.stream.consumer import Record
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, encode, user_purged
 from tabloop.core.tables import rewards, rollouts, utcnow
-from tests.factories import event
+from tabloop.testing.factories import event
 from tests.service.conftest import make_settings
 from trainer.join import Join
 

@@ -26,8 +26,8 @@ from tabloop.core.db import make_engine, upgrade
 from tabloop.core.keys import create_key
 from tabloop.core.registry import bootstrap
 from tabloop.core.tables import deployments, policies, rewards, rollouts
+from tabloop.testing.procs import stop_process
 from tests.service.conftest import RunningService, make_settings
-from tests.support.procs import stop_process
 from trainer.canary import CanaryConfig
 from trainer.client import ServiceClient
 from trainer.deploy_check import CheckConfig

@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from tabloop.core.db import make_engine, upgrade
 from tabloop.core.registry import bootstrap
 from tabloop.core.tables import trainer_state
+from tabloop.testing.postgres import PostgresServer
 from tests.service.conftest import make_settings
-from tests.support.postgres import PostgresServer
 from trainer.client import ServiceClient
 from trainer.loop import Trainer
 

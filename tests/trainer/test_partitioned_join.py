@@ -24,9 +24,9 @@ from tabloop.core.db import make_engine, upgrade
 from tabloop.core.stream.consumer import partition_of
 from tabloop.core.stream.kafka import ensure_topics
 from tabloop.core.tables import TRAINER_MEMBER_PREFIX, rewards, rollouts, trainer_state
-from tests.factories import event, rollout_row
+from tabloop.testing.factories import event, rollout_row
+from tabloop.testing.procs import _child_env, _Proc
 from tests.service.conftest import make_settings
-from tests.support.procs import _child_env, _Proc
 
 pytestmark = pytest.mark.integration  # PostgreSQL, the broker and three trainer processes
 

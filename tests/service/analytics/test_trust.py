@@ -11,7 +11,7 @@ import httpx
 import sqlalchemy as sa
 
 from tabloop.core.tables import TRAINER_STATE_NAME, api_keys, rollouts, trainer_state
-from tests.factories import event, rollout_row
+from tabloop.testing.factories import event, rollout_row
 
 
 def z(at: datetime) -> str:

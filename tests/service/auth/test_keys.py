@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from tabloop.core.keys import ApiKey, KeyCache
-from tests.factories import event
+from tabloop.testing.factories import event
 
 KEY = ApiKey("k1", "plugin", frozenset({"ingest"}), datetime(2026, 1, 1, tzinfo=UTC))
 

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from tabloop.core import keys
 from tabloop.core.tables import api_keys
-from tests.factories import event
+from tabloop.testing.factories import event
 
 
 @pytest.mark.parametrize("mode", ["embedded"])  # the limiter is per process, whatever the mode

@@ -21,7 +21,7 @@ import pytest
 from tabloop.core.keys import create_key
 from tabloop.core.reward import RewardSpec
 from tabloop.core.tables import utcnow
-from tests.factories import event
+from tabloop.testing.factories import event
 from tests.service.registry.test_registry import upload, wait_for_routing
 from trainer.join import Join
 

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from tabloop.core.tables import TRAINER_STATE_NAME, rollouts, trainer_state
-from tests.factories import event, rollout_row
+from tabloop.testing.factories import event, rollout_row
 from tests.service.dashboard.test_dashboard_browser import (  # noqa: F401 (fixtures)
     browser_page,
     mode,

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from service.events.schemas import EVENT_TYPES
 from tabloop.core.stream.topics import FEEDBACK
 from tabloop.core.tables import dead_letters, events, outbox
-from tests.factories import event
+from tabloop.testing.factories import event
 
 
 def post(client: httpx.Client, evs: list[dict[str, Any]]) -> httpx.Response:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from service.events.schemas import EVENT_TYPES, parse_event
 from tabloop.core.tables import dead_letters, events
-from tests.factories import event
+from tabloop.testing.factories import event
 
 FUZZ = settings(
     max_examples=300,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.events.schemas import EVENT_TYPES, parse_event
-from tests.factories import event
+from tabloop.testing.factories import event
 
 
 @pytest.mark.parametrize("type_", EVENT_TYPES)

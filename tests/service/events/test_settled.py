@@ -15,7 +15,7 @@ from service.events.service import ingest_events
 from tabloop.core.db import make_engine, upgrade
 from tabloop.core.settled import settled_texts
 from tabloop.core.tables import events, rollouts
-from tests.factories import event
+from tabloop.testing.factories import event
 from tests.service.conftest import make_settings
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -25,7 +25,7 @@ from tabloop.core.reward import CLOCK_SKEW_S
 from tabloop.core.reward_store import current_spec, reward_from_db, rollout_info
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
 from tabloop.core.tables import dead_letters, events, outbox, rollouts
-from tests.factories import event, rollout_row
+from tabloop.testing.factories import event, rollout_row
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"
 SUGGESTION_TYPES = ("view", "accept", "reject", "code_retained", "code_settled")

@@ -29,7 +29,7 @@ from tabloop.core.reward import (
     show_thresholds,
     size_scale,
 )
-from tests.factories import event as event_json
+from tabloop.testing.factories import event as event_json
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 DEFAULT = RewardSpec()

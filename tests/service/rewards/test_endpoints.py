@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.factories import event
+from tabloop.testing.factories import event
 
 
 def test_reward_spec_versions(client: httpx.Client) -> None:

@@ -27,7 +27,7 @@ from tabloop.core.reward_store import (
     rollout_info,
 )
 from tabloop.core.tables import events, rewards, rollouts
-from tests.factories import event, rollout_row
+from tabloop.testing.factories import event, rollout_row
 
 
 def one_by_one(conn: sa.Connection, r: RolloutInfo, spec: RewardSpec) -> Reward:

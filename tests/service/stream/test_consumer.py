@@ -13,7 +13,7 @@ from service.relay import Relay
 from tabloop.core.config import Settings
 from tabloop.core.stream.consumer import open_consumer
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
-from tests.factories import event
+from tabloop.testing.factories import event
 
 
 def read_until(consumer: Any, ids: set[str], rounds: int = 120) -> list:

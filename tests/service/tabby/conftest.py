@@ -29,7 +29,7 @@ import torch
 from tabloop.core.policy.checkpoint import save_checkpoint
 from tabloop.core.policy.model import GPT, ModelConfig
 from tabloop.core.policy.tokenizer import CodeTokenizer
-from tests.support.procs import stop_process
+from tabloop.testing.procs import stop_process
 
 REPO = Path(__file__).resolve().parents[3]
 AGENT_VERSION = "1.5.0"

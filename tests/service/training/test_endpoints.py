@@ -15,7 +15,7 @@ from tabloop.core.tables import (
     rollouts,
     trainer_state,
 )
-from tests.factories import rollout_row
+from tabloop.testing.factories import rollout_row
 
 
 def test_pause_and_resume(client: httpx.Client) -> None:

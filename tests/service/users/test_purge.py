@@ -12,9 +12,9 @@ import sqlalchemy as sa
 from tabloop.core.db import make_engine
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, USER_PURGED
 from tabloop.core.tables import dead_letters, events, outbox, rewards, rollouts, utcnow
-from tests.factories import event
+from tabloop.testing.factories import event
+from tabloop.testing.kafka import consume_all
 from tests.service.codescan import publish
-from tests.support.kafka import consume_all
 
 TABLES = {"rollouts": rollouts, "events": events, "rewards": rewards}
 

@@ -1,10 +1,10 @@
 """Test infrastructure: the real processes the test suite (and benchmarks/) start.
 
-* :mod:`tests.support.procs`: free ports, the process handling every service shares (own
+* :mod:`tabloop.testing.procs`: free ports, the process handling every service shares (own
   session, parent-death signal, cleanup at interpreter exit and on SIGTERM), and helpers for
   HTTP processes (``wait_http_ready``, ``stop_process``);
-* :mod:`tests.support.postgres`: ``PostgresServer``, a throwaway PostgreSQL cluster;
-* :mod:`tests.support.kafka`: ``KafkaBroker`` (Tansu, optionally on SeaweedFS S3) and the
+* :mod:`tabloop.testing.postgres`: ``PostgresServer``, a throwaway PostgreSQL cluster;
+* :mod:`tabloop.testing.kafka`: ``KafkaBroker`` (Tansu, optionally on SeaweedFS S3) and the
   kafka-python helpers (``create_topics``, ``consume_all``, ``committed_offsets``, ...).
 
 ``tests/conftest.py`` builds the pytest fixtures on them. Import from the modules themselves

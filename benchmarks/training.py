@@ -1,6 +1,6 @@
 """The trainer's speed: update throughput, reward-join latency, and freshness.
 
-    python benchmarks/trainer.py [--minutes 6] [--batch 256] [--nproc N] [--update-only]
+    python benchmarks/training.py [--minutes 6] [--batch 256] [--nproc N] [--update-only]
                                  [--device auto|cpu|cuda]
 
 1. Update throughput: rollouts/s through one policy-gradient update of the shipped base policy
@@ -22,7 +22,6 @@ import copy
 import datetime as dt
 import random
 import statistics
-import sys
 import threading
 import time
 import uuid
@@ -32,16 +31,15 @@ import httpx
 import sqlalchemy as sa
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._server import tabloop_up  # noqa: E402
-from tabloop.core.corpus import sample_cursors  # noqa: E402
-from tabloop.core.policy.checkpoint import load_checkpoint  # noqa: E402
-from tabloop.core.policy.device import precision, resolve  # noqa: E402
-from tabloop.core.policy.model import GPT  # noqa: E402
-from tabloop.core.policy.sampling import complete  # noqa: E402
-from tabloop.core.policy.tokenizer import CodeTokenizer  # noqa: E402
-from trainer.distributed import UpdatePool  # noqa: E402
-from trainer.update import Batch, UpdateConfig  # noqa: E402
+from benchmarks._server import tabloop_up
+from tabloop.core.corpus import sample_cursors
+from tabloop.core.policy.checkpoint import load_checkpoint
+from tabloop.core.policy.device import precision, resolve
+from tabloop.core.policy.model import GPT
+from tabloop.core.policy.sampling import complete
+from tabloop.core.policy.tokenizer import CodeTokenizer
+from trainer.distributed import UpdatePool
+from trainer.update import Batch, UpdateConfig
 
 BASE = Path(__file__).resolve().parent.parent / "tabloop" / "core" / "policy" / "base"
 

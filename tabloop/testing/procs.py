@@ -1,4 +1,4 @@
-"""Ports and process handling for the test services (tests/support/postgres.py, kafka.py).
+"""Ports and process handling for the test services (tabloop/testing/postgres.py, kafka.py).
 
 Every process is started in its own session/process group, with a parent-death
 signal (``setpriv --pdeathsig``) so it dies with the Python process that started

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tests.support.procs import (
+from tabloop.testing.procs import (
     LOCALHOST,
     ServiceError,
     _child_env,

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.procs import (
+from tabloop.testing.procs import (
     LOCALHOST,
     ServiceError,
     _child_env,
