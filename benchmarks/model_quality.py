@@ -54,17 +54,15 @@ from tabloop.core.policy.sampling import (
     complete,
 )
 from tabloop.core.policy.tokenizer import CodeTokenizer
+from tabloop.core.reward import RewardSpec, size_scale
 from trainer.pretrain import (
-    ACCEPT_REWARD,
-    CHARS_EXPONENT,
-    CHARS_NORM,
-    REJECT_PENALTY,
     bits_per_byte,
-    heldout_loss,
+    stream_loss,
     tokenize_files,
 )
 
 BUCKETS = (("1-3", 1, 3), ("4-10", 4, 10), ("11+", 11, 10**9))
+SPEC = RewardSpec()  # the default reward spec, as the accept reward and reject penalty
 
 
 def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
@@ -87,7 +85,7 @@ def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
 
 
 def accept_reward(chars: int) -> float:
-    return ACCEPT_REWARD * (min(chars, 3 * CHARS_NORM) / CHARS_NORM) ** CHARS_EXPONENT
+    return SPEC.accept_reward * size_scale(chars, SPEC)
 
 
 def is_prefix_right(c: Completion, cur: Cursor) -> bool:
@@ -132,7 +130,7 @@ def gate_report(comps: Sequence[Completion], cursors: Sequence[Cursor]) -> None:
         total = 0.0
         for c, r, s in zip(comps, right, show, strict=True):
             if s and c.text:
-                total += accept_reward(len(c.text)) if r else -REJECT_PENALTY
+                total += accept_reward(len(c.text)) if r else -SPEC.reject_penalty
         return total / len(comps)
 
     shown = [c.shown for c in comps]
@@ -287,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     held = tokenize_files(tok, heldout)
     with torch.inference_mode():
-        loss = heldout_loss(model, held.tokens, model.config.block_size)
+        loss = stream_loss(model, held.tokens, model.config.block_size)
     print(
         f"held-out: {held.files} files, {len(held.tokens):,} tokens, {held.n_bytes:,} bytes: "
         f"{loss:.4f} nats/token, {bits_per_byte(loss, len(held.tokens), held.n_bytes):.4f} "

@@ -30,7 +30,7 @@ from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
 from service.openai import endpoints as openai_endpoints
 from service.openapi import install_openapi
-from service.registry import endpoints as policy_endpoints
+from service.policies import endpoints as policy_endpoints
 from service.rewards import endpoints as reward_endpoints
 from service.tabby import endpoints as tabby_endpoints
 from service.training import endpoints as training_endpoints

@@ -9,15 +9,8 @@ from typing import Any
 
 import httpx
 
+from tabloop.client import ApiError
 from tabloop.core.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
-
-
-class ApiError(RuntimeError):
-    """The service answered with an error status (a 503 while its database is away, a 409...)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class ServiceClient:
@@ -28,9 +21,7 @@ class ServiceClient:
 
     def _ok(self, r: httpx.Response) -> Any:
         if r.status_code >= 400:
-            raise ApiError(
-                f"{r.request.method} {r.request.url.path}: {r.status_code} {r.text}", r.status_code
-            )
+            raise ApiError(r.status_code, f"{r.request.method} {r.request.url.path}: {r.text}")
         return r.json()
 
     def register(self, ckpt: Path, parent: int | None, summary: dict[str, Any]) -> int:

@@ -29,8 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tabloop.core.policy.device import compute, model_device
-from tabloop.core.policy.model import GPT
+from tabloop.core.policy.model import GPT, heldout_loss
 from tabloop.core.policy.sampling import Action, score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
 
@@ -129,20 +128,6 @@ def kept_drop(
     a = w / w.sum() - v / v.sum()
     est = live + float(a @ k)
     return live, est, math.sqrt(float((a * a) @ ((k - live) ** 2)))
-
-
-@torch.no_grad()
-def heldout_loss(model: GPT, tokens: torch.Tensor, batch: int = 8) -> float:
-    """Mean next-token cross-entropy (nats) over rows of `tokens` (N, T+1), on the model's
-    device (bf16 autocast on a GPU; the loss in float32)."""
-    losses = []
-    device = model_device(model)
-    with compute(device):
-        for i in range(0, tokens.size(0), batch):
-            chunk = tokens[i : i + batch].to(device)
-            _, loss = model(chunk[:, :-1], chunk[:, 1:])
-            losses.append(float(loss) * chunk.size(0))
-    return sum(losses) / tokens.size(0)
 
 
 @torch.no_grad()

@@ -53,10 +53,12 @@ from tabloop.core.policy.model import (
     GPT,
     ModelConfig,
     configure_optimizer,
+    heldout_loss,
     init_gate,
 )
 from tabloop.core.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete, score_actions
 from tabloop.core.policy.tokenizer import FIM_TOKENS, CodeTokenizer, train_tokenizer
+from tabloop.core.reward import RewardSpec
 from trainer.fim import FimSource
 from trainer.pretrain_data import (
     CorpusError,
@@ -68,8 +70,8 @@ from trainer.pretrain_data import (
 
 log = logging.getLogger(__name__)
 
-# Default reward spec (DESIGN.md) used to turn the gate's P(accept) into a show decision.
-ACCEPT_REWARD, REJECT_PENALTY, CHARS_NORM, CHARS_EXPONENT = 0.75, 0.25, 20.0, 0.5
+# the default reward spec (DESIGN.md), which turns the gate's P(accept) into a show decision
+_SPEC = RewardSpec()
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,9 @@ def show_offset() -> tuple[float, float]:
     worth it iff logit P + log(accept / reject) + exponent * log(chars / norm) > 0.
     """
     return (
-        math.log(ACCEPT_REWARD / REJECT_PENALTY) - CHARS_EXPONENT * math.log(CHARS_NORM),
-        CHARS_EXPONENT,
+        math.log(_SPEC.accept_reward / _SPEC.reject_penalty)
+        - _SPEC.chars_exponent * math.log(_SPEC.chars_norm),
+        _SPEC.chars_exponent,
     )
 
 
@@ -174,30 +177,17 @@ def split_files(cfg: PretrainConfig) -> tuple[list[Path], list[Path]]:
     return corpus_split(cfg.corpus, cfg.max_files)
 
 
-@torch.no_grad()
-def heldout_loss(
+def stream_loss(
     model: GPT, data: np.ndarray, block: int, max_windows: int | None = None, batch: int = 16
 ) -> float:
-    """Mean next-token loss (nats) over non-overlapping windows (evenly spaced subset), on the
-    model's device (bf16 autocast on a GPU, as `compute` has it)."""
+    """Mean next-token loss (nats) over non-overlapping windows of a token stream (an evenly
+    spaced subset of at most `max_windows`), by the core's `heldout_loss`."""
     # a stream shorter than one window (a small corpus's held-out files) is one shorter window
     starts = list(range(0, max(len(data) - block - 1, 1), block))
     if max_windows is not None and len(starts) > max_windows:
         starts = [starts[i * len(starts) // max_windows] for i in range(max_windows)]
-    device = model_device(model)
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(starts), batch):
-        xs = [data[s : s + block + 1].astype(np.int64) for s in starts[i : i + batch]]
-        xy = torch.from_numpy(np.stack(xs)).to(device)
-        with compute(device):
-            _, loss = model(xy[:, :-1], xy[:, 1:])
-        assert loss is not None
-        total += float(loss) * xy[:, 1:].numel()
-        count += xy[:, 1:].numel()
-    model.train(was_training)
-    return total / max(count, 1)
+    rows = np.stack([data[s : s + block + 1].astype(np.int64) for s in starts])
+    return heldout_loss(model, torch.from_numpy(rows), batch)
 
 
 # --- resume state (safetensors + JSON, never pickle) -------------------------------------
@@ -480,7 +470,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
             for group in opt.param_groups:
                 group["lr"] = lr
             if it % cfg.eval_every == 0 and it > 0:
-                ho = heldout_loss(model, heldout.tokens, block, cfg.eval_windows)
+                ho = stream_loss(model, heldout.tokens, block, cfg.eval_windows)
                 history.append(
                     {
                         "iter": it,
@@ -528,7 +518,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
             )
 
     model.eval()
-    final_ho = heldout_loss(model, heldout.tokens, block)
+    final_ho = stream_loss(model, heldout.tokens, block)
     bpb = bits_per_byte(final_ho, len(heldout.tokens), heldout.n_bytes)
     log.info("final held-out loss %.4f nats/token, %.4f bits/byte", final_ho, bpb)
     gate_fit: dict[str, float] = {}

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.analytics import service
+from service.analytics import queries
 from service.analytics.schemas import MetricsOut
 from service.deps import AdminKey, CtxDep
 from service.errors import Unprocessable
@@ -46,7 +46,7 @@ def get_metrics(
         str | None,
         Query(
             description="bucket size, same format; default window/30 (at least 10 s); at most "
-            f"{service.MAX_BUCKETS} buckets per window",
+            f"{queries.MAX_BUCKETS} buckets per window",
             examples=["2m"],
         ),
     ] = None,
@@ -61,7 +61,7 @@ def get_metrics(
 ) -> MetricsOut:
     """Suggestions, shown and accept rates, retention, characters per request, mean reward and
     latency percentiles per policy version, over the window and per bucket (docs/METRICS.md)."""
-    window_s, bucket_s = service.resolve_window(window=window, bucket=bucket)
-    end = service.resolve_end(_parse_end(to))
+    window_s, bucket_s = queries.resolve_window(window=window, bucket=bucket)
+    end = queries.resolve_end(_parse_end(to))
     with ctx.engine.connect() as conn:
-        return service.metrics(conn, window_s=window_s, bucket_s=bucket_s, end=end)
+        return queries.metrics(conn, window_s=window_s, bucket_s=bucket_s, end=end)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from service.completions.rollout import serve
 from service.completions.schemas import CompleteRequest, CompleteResponse
-from service.completions.service import serve
 from service.deps import CtxDep, IngestKey
 from service.privacy import NoTrainHeader, in_privacy_mode
 

@@ -12,8 +12,8 @@ from fastapi.routing import APIRoute
 
 from service.deps import CtxDep, IngestKey
 from service.errors import PayloadTooLarge
+from service.events.ingest import check_admission, ingest_events
 from service.events.schemas import EventBatch, IngestResult
-from service.events.service import check_admission, ingest_events
 
 
 class _OrjsonRequest(Request):

@@ -11,11 +11,11 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from service.completions.service import serve
+from service.completions.rollout import serve
 from service.deps import CtxDep, IngestKey
 from service.openai.errors import OpenAIRoute
 from service.openai.schemas import CompletionRequest, CompletionResponse, OpenAIErrorBody
-from service.openai.service import answer, event_stream, native_request
+from service.openai.translate import answer, event_stream, native_request
 from service.privacy import NoTrainHeader, in_privacy_mode
 
 router = APIRouter(prefix="/openai/v1", tags=["openai"], route_class=OpenAIRoute)

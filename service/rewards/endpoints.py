@@ -21,20 +21,7 @@ from tabloop.core.tables import MAX_VERSION
 router = APIRouter(prefix="/admin", tags=["admin: rewards"])
 
 
-_SPEC: JsonDict = {
-    "accept_reward": 0.75,
-    "reject_penalty": 0.25,
-    "abstain_reward": 0.0,
-    "chars_norm": 20,
-    "chars_exponent": 0.5,
-    "decision_window_s": 30,
-    "retention_checks_s": [30, 120, 300, 600],
-    "horizon_s": 600,
-    "provisional_accept_weight": 1.0,
-    "switch_penalty": 0.5,
-    "switch_window_s": 300,
-    "churn_penalty": 1.0,
-}
+_SPEC: JsonDict = RewardSpec().to_dict()  # the defaults, as the example
 
 
 _THRESHOLDS: list[JsonValue] = [

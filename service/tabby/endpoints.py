@@ -11,13 +11,13 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 
-from service.completions.service import serve
+from service.completions.rollout import serve
 from service.deps import CtxDep, IngestKey
+from service.events.ingest import check_admission
 from service.events.schemas import IngestResult
-from service.events.service import check_admission
 from service.openapi import error_responses
 from service.privacy import NoTrainHeader, in_privacy_mode
-from service.tabby import service
+from service.tabby import translate
 from service.tabby.schemas import (
     ServerSetting,
     TabbyCompletionRequest,
@@ -32,13 +32,13 @@ router = APIRouter(prefix="/tabby", tags=["tabby"])
 @router.get("/v1/health", response_model=TabbyHealth)
 def get_health(_key: IngestKey, ctx: CtxDep) -> TabbyHealth:
     """The service as a Tabby server describes itself (tabby-agent checks the key with it)."""
-    return service.health(ctx)
+    return translate.health(ctx)
 
 
 @router.post("/v1/health", response_model=TabbyHealth)
 def post_health(_key: IngestKey, ctx: CtxDep) -> TabbyHealth:
     """The same as GET (older Tabby clients POST it)."""
-    return service.health(ctx)
+    return translate.health(ctx)
 
 
 @router.get("/v1beta/server_setting", response_model=ServerSetting)
@@ -59,9 +59,9 @@ async def post_completions(
     or none when the policy abstains. The person is `user`, or the key's name without it.
     Privacy mode: a `no_train` key, or the `X-Tabloop-No-Train: 1` header (tabby-agent's
     `server.requestHeaders`)."""
-    native = in_privacy_mode(service.complete_request(req, key), key, no_train)
+    native = in_privacy_mode(translate.complete_request(req, key), key, no_train)
     served = await serve(ctx, native, api_key_id=key.id, workspace=key.workspace)
-    return service.completion_response(served)
+    return translate.completion_response(served)
 
 
 @router.post(
@@ -83,4 +83,4 @@ def post_events(
     event about no shown completion is kept in dead_letters and reported in `rejected` (still a
     2xx: the client can do nothing about it)."""
     check_admission(ctx)
-    return service.ingest_tabby_event(ctx, ev, select_kind, key)
+    return translate.ingest_tabby_event(ctx, ev, select_kind, key)

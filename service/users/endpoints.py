@@ -8,8 +8,8 @@ from fastapi import APIRouter, Path
 
 from service.audit.recorder import AuditEntry
 from service.deps import ADMIN, CtxDep, audited
+from service.users.purge import purge_user
 from service.users.schemas import PurgeOut, Removed
-from service.users.service import purge_user
 
 router = APIRouter(prefix="/admin/users", tags=["admin: users"])
 

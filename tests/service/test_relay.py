@@ -232,7 +232,7 @@ def test_database_outage_answers_503_then_recovers(
 
 def test_relay_header_names_the_outbox_row(full_settings: Settings, kafka_broker: Any) -> None:
     engine = make_engine(full_settings)
-    from service.events.service import ingest_events
+    from service.events.ingest import ingest_events
 
     ev = event(user_id="header-check")
     ingest_events(engine, [ev], api_key_id=None, max_event_bytes=10_000, embedded=False)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.users.service import purge_user
+from service.users.purge import purge_user
 from tabloop.core.db import make_engine, upgrade
 from tabloop.core.reward import RewardSpec
 from tabloop.core.stream.consumer import Record
@@ -159,8 +159,8 @@ def test_code_settled_is_neither_awaited_nor_late_and_changes_no_reward(
 ) -> None:
     """Two like rollouts, one with code_settled reports (before its rollout reached the join,
     while pending, and after its reward was final): same due time, same reward, no late event."""
+    from service.events.ingest import ingest_events
     from service.events.schemas import parse_event
-    from service.events.service import ingest_events
 
     join = Join(engine, RewardSpec(), 1)
     settled_one, plain = _rollout(engine, "u-1"), _rollout(engine, "u-1")

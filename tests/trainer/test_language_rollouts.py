@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from service.completions.rollout import record_rollout, rollout_record
 from service.completions.schemas import CompleteRequest
-from service.completions.service import record_rollout, rollout_record
 from tabloop.core.db import make_engine, upgrade
 from tabloop.core.policy.sampling import STOP_LANGUAGE, Completion, unsupported_language
 from tabloop.core.registry import bootstrap, current_deployment

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.completions.service import record_rollout
-from service.events.service import ingest_events
+from service.completions.rollout import record_rollout
+from service.events.ingest import ingest_events
 from service.relay import Relay
 from tabloop.core.config import Settings
 from tabloop.core.db import make_engine, upgrade

@@ -910,7 +910,8 @@ def test_generic_mix_holds_generic_code_while_settled_text_is_learned(
 ) -> None:
     """The pretraining mix: the same settled-text steps with generic code mixed in lose less
     on generic code than without, and still learn the settled text."""
-    from trainer.deploy_check import heldout_loss, heldout_sample
+    from tabloop.core.policy.model import heldout_loss
+    from trainer.deploy_check import heldout_sample
 
     generic = heldout_sample(tiny_tokenizer, "\n".join(small_code), rows=32, length=48, seed=1)
     probe = heldout_sample(tiny_tokenizer, "\n".join(small_code), rows=8, length=48, seed=2)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from tabloop.core.policy.device import activation_dtype
+from tabloop.core.policy.device import activation_dtype, compute, model_device
 from tabloop.core.recall import COPY_INIT, RECALL_INPUTS
 
 # Gate inputs besides the hidden state, in this order (see `gate_features`).
@@ -335,3 +335,25 @@ def configure_optimizer(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
+
+
+@torch.no_grad()
+def heldout_loss(model: GPT, rows: torch.Tensor, batch: int = 8) -> float:
+    """Mean next-token cross-entropy (nats) per token over `rows` (N, T+1) of token ids, with
+    dropout off, on the model's device (bf16 autocast on a GPU; the loss in float32). The
+    pretraining evaluation and the deploy check both measure held-out code with it."""
+    device = model_device(model)
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        with compute(device):
+            for i in range(0, rows.size(0), batch):
+                chunk = rows[i : i + batch].to(device)
+                _, loss = model(chunk[:, :-1], chunk[:, 1:])
+                assert loss is not None
+                total += float(loss) * chunk[:, 1:].numel()
+                count += chunk[:, 1:].numel()
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)

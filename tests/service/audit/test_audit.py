@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from tabloop.core.policy.checkpoint import MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 from tabloop.core.tables import audit_log, deployments, utcnow
 from tests.service.auth.test_route_matrix import endpoints
-from tests.service.registry.test_registry import upload
+from tests.service.policies.test_registry import upload
 from trainer.client import ServiceClient
 
 

@@ -22,7 +22,7 @@ from tabloop.core.keys import create_key
 from tabloop.core.reward import RewardSpec
 from tabloop.core.tables import utcnow
 from tabloop.testing.factories import event
-from tests.service.registry.test_registry import upload, wait_for_routing
+from tests.service.policies.test_registry import upload, wait_for_routing
 from trainer.join import Join
 
 pytestmark = pytest.mark.integration  # chromium

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from service.events.ingest import ingest_events
 from service.events.schemas import parse_event
-from service.events.service import ingest_events
 from tabloop.core.db import make_engine, upgrade
 from tabloop.core.settled import settled_texts
 from tabloop.core.tables import events, rollouts

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import sqlalchemy as sa
 
-from service.events.service import ingest_events
+from service.events.ingest import ingest_events
 from tabloop.core.reward import (
     UNREWARDED_EVENTS,
     Feedback,

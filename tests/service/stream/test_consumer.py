@@ -8,7 +8,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.events.service import ingest_events
+from service.events.ingest import ingest_events
 from service.relay import Relay
 from tabloop.core.config import Settings
 from tabloop.core.stream.consumer import open_consumer

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from service.completions.schemas import CompleteRequest
 from service.deps import AppContext
 from service.errors import Unavailable, Unprocessable
-from service.events.service import ingest_events
+from service.events.ingest import ingest_events
 from service.metrics import COMPLETIONS, UNSUPPORTED_LANGUAGE
 from tabloop.core.config import Settings
 from tabloop.core.memory import SNIPPETS, remember, typed_through

@@ -13,8 +13,8 @@ from typing import Literal
 import orjson
 from pydantic import ValidationError
 
+from service.completions.rollout import Served
 from service.completions.schemas import CompleteRequest
-from service.completions.service import Served
 from service.errors import BadRequest
 from service.openai.schemas import Choice, CompletionRequest, CompletionResponse, Usage
 from tabloop.core.config import Settings

@@ -20,12 +20,12 @@ import sqlalchemy as sa
 import torch
 from pydantic import ValidationError
 
+from service.completions.rollout import Served
 from service.completions.schemas import MAX_SNIPPETS, CompleteRequest
-from service.completions.service import Served
 from service.deps import AppContext
 from service.errors import Unprocessable
+from service.events.ingest import ingest_events
 from service.events.schemas import IngestResult, RejectedEvent
-from service.events.service import ingest_events
 from service.metrics import INGEST_EVENTS
 from service.tabby.schemas import (
     COMPLETION_ID_PREFIX,

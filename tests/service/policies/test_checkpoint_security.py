@@ -19,7 +19,7 @@ from tabloop.core.db import make_engine
 from tabloop.core.policy.checkpoint import MANIFEST_FILE, WEIGHTS_FILE
 from tabloop.core.registry import bootstrap
 from tabloop.core.tables import policies, policy_artifacts
-from tests.service.registry.test_registry import upload
+from tests.service.policies.test_registry import upload
 
 
 @pytest.fixture
