@@ -39,7 +39,7 @@ from tabloop.core.policy.model import GPT
 from tabloop.core.policy.sampling import complete
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.distributed import UpdatePool
-from trainer.update import Batch, UpdateConfig
+from trainer.update import Batch, UpdateConfig, UpdateInputs
 
 BASE = Path(__file__).resolve().parent.parent / "tabloop" / "core" / "policy" / "base"
 
@@ -96,7 +96,7 @@ def _timed_updates(
             opt = torch.optim.AdamW(m.parameters(), lr=cfg.learning_rate)
             torch.manual_seed(0)
             t0 = time.perf_counter()
-            pool.update(m, ref, tok, batch, opt, cfg)
+            pool.update(UpdateInputs(m, ref, tok, batch, opt, cfg))
             if device == "cuda":
                 torch.cuda.synchronize()
             secs.append(time.perf_counter() - t0)

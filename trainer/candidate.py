@@ -17,7 +17,14 @@ import torch
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.distributed import UpdatePool
-from trainer.update import Batch, UpdateConfig, carry_state, make_optimizer, update
+from trainer.update import (
+    Batch,
+    UpdateConfig,
+    UpdateInputs,
+    carry_state,
+    make_optimizer,
+    update,
+)
 
 T = TypeVar("T")
 
@@ -57,8 +64,10 @@ def train_candidate(
     model.requires_grad_(True)
     optimizer = make_optimizer(model, cfg)
     carry_state(optimizer, optimizer_state)
-    args = (model, ref, tokenizer, batch, optimizer, cfg, replay, settled_replay, generic)
-    metrics = pool.update(*args) if pool is not None else update(*args)
+    inputs = UpdateInputs(
+        model, ref, tokenizer, batch, optimizer, cfg, replay, settled_replay, generic
+    )
+    metrics = pool.update(inputs) if pool is not None else update(inputs)
     model.eval()
     model.requires_grad_(False)
     return Candidate(model, metrics, copy.deepcopy(optimizer.state_dict()))

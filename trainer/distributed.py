@@ -50,7 +50,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from tabloop.core.policy.model import GPT, ModelConfig
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.ranks import DataParallel, RankFailed
-from trainer.update import Batch, UpdateConfig, update
+from trainer.update import Batch, UpdateConfig, UpdateInputs, update
 
 POLL_S = 0.05  # how often an idle worker looks for a job (and for its parent)
 PREFIX = "tabloop/update"  # the pool's keys in a shared store (torchrun's)
@@ -107,33 +107,23 @@ class Job:
     generic: torch.Tensor | None
 
     @classmethod
-    def of(
-        cls,
-        model: GPT,
-        ref_model: GPT,
-        tokenizer: CodeTokenizer,
-        batch: Batch,
-        optimizer: torch.optim.Optimizer,
-        cfg: UpdateConfig,
-        replay: Batch | None,
-        settled_replay: Batch | None,
-        generic: torch.Tensor | None,
-    ) -> Job:
+    def of(cls, inputs: UpdateInputs) -> Job:
+        model, optimizer = inputs.model, inputs.optimizer
         index = {id(p): i for i, p in enumerate(model.parameters())}
         groups = [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-        portable = _portable(batch)
+        portable = _portable(inputs.batch)
         assert portable is not None
         return cls(
-            tokenizer=tokenizer.to_json(),
+            tokenizer=inputs.tokenizer.to_json(),
             model=(model.config.to_dict(), model.state_dict()),
-            ref_model=(ref_model.config.to_dict(), ref_model.state_dict()),
+            ref_model=(inputs.ref_model.config.to_dict(), inputs.ref_model.state_dict()),
             requires_grad=[p.requires_grad for p in model.parameters()],
             optimizer=(type(optimizer), groups, optimizer.state_dict()),
-            cfg=cfg,
+            cfg=inputs.cfg,
             batch=portable,
-            replay=_portable(replay),
-            settled_replay=_portable(settled_replay),
-            generic=generic,
+            replay=_portable(inputs.replay),
+            settled_replay=_portable(inputs.settled_replay),
+            generic=inputs.generic,
         )
 
     def run(self, group: DataParallel) -> dict[str, float]:
@@ -148,7 +138,7 @@ class Job:
         optimizer = cls([{"params": [params[i] for i in g]} for g in groups])
         optimizer.load_state_dict(state)  # the moments and every group's settings
         tokenizer = CodeTokenizer.from_json(self.tokenizer)
-        return update(
+        inputs = UpdateInputs(
             model,
             ref_model,
             tokenizer,
@@ -158,8 +148,8 @@ class Job:
             self.replay,
             self.settled_replay,
             self.generic,
-            group=group,
         )
+        return update(inputs, group=group)
 
 
 def _model(config: dict[str, Any], state: dict[str, torch.Tensor]) -> GPT:
@@ -372,21 +362,10 @@ class UpdatePool:
                 raise RankFailed(f"workers did not start: {self._failures() or 'timed out'}")
             time.sleep(POLL_S)
 
-    def update(
-        self,
-        model: GPT,
-        ref_model: GPT,
-        tokenizer: CodeTokenizer,
-        batch: Batch,
-        optimizer: torch.optim.Optimizer,
-        cfg: UpdateConfig,
-        replay: Batch | None = None,
-        settled_replay: Batch | None = None,
-        generic: torch.Tensor | None = None,
-    ) -> dict[str, float]:
-        """update() with these arguments on every rank; rank 0's metrics. Raises RankFailed
-        when a rank dies or fails: `model` and `optimizer` are then partly stepped (discard
-        them), and the next update starts new workers first."""
+    def update(self, inputs: UpdateInputs) -> dict[str, float]:
+        """update() of `inputs` on every rank; rank 0's metrics. Raises RankFailed when a rank
+        dies or fails: the model and the optimizer are then partly stepped (discard them), and
+        the next update starts new workers first."""
         if self._broken:
             if not self._restartable:
                 raise RankFailed("a rank failed earlier: torchrun's ranks cannot be restarted")
@@ -394,29 +373,13 @@ class UpdatePool:
         group = self.group
         assert group is not None or self.nproc == 1, "the pool is closed"
         if group is None:
-            return update(
-                model, ref_model, tokenizer, batch, optimizer, cfg, replay, settled_replay, generic
-            )
+            return update(inputs)
         assert self._store is not None
         try:
             self._store.set(f"job/{self._jobs}", "update")
             self._jobs += 1
-            job = Job.of(
-                model, ref_model, tokenizer, batch, optimizer, cfg, replay, settled_replay, generic
-            )
-            send_job(group, job)
-            return update(
-                model,
-                ref_model,
-                tokenizer,
-                batch,
-                optimizer,
-                cfg,
-                replay,
-                settled_replay,
-                generic,
-                group=group,
-            )
+            send_job(group, Job.of(inputs))
+            return update(inputs, group=group)
         except RankFailed as e:
             self._broken = True
             raise RankFailed(f"{e}; {self._failures() or 'no rank reported an error'}") from e

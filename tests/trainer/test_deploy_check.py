@@ -17,7 +17,7 @@ from tabloop.core.policy.sampling import Completion, complete
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
 from trainer.deploy_check import CheckConfig, check, heldout_sample, kept_drop, snis
-from trainer.update import Batch, UpdateConfig, make_optimizer, update
+from trainer.update import Batch, UpdateConfig, UpdateInputs, make_optimizer, update
 
 CFG = CanaryConfig(
     min_rollouts=100,
@@ -244,12 +244,14 @@ def test_poisoned_settled_text_cannot_pass_the_gate() -> None:
     candidate.requires_grad_(True)
     cfg = UpdateConfig(learning_rate=1e-3, kl_coef=0.0, settled_epochs=5, minibatch_size=4)
     update(
-        candidate,
-        base,
-        tokenizer,
-        Batch.of(comps, rewards, poison),
-        make_optimizer(candidate, cfg),
-        cfg,
+        UpdateInputs(
+            candidate,
+            base,
+            tokenizer,
+            Batch.of(comps, rewards, poison),
+            make_optimizer(candidate, cfg),
+            cfg,
+        )
     )
     heldout = heldout_sample(tokenizer, read_corpus("train"), rows=8, length=64)
     result = check(

@@ -24,7 +24,7 @@ from tabloop.core.policy.tokenizer import CodeTokenizer, train_tokenizer
 from tests.conftest import SMALL_SOURCES, STDLIB
 from trainer.deploy_check import heldout_sample
 from trainer.distributed import RankFailed, UpdatePool
-from trainer.update import Batch, UpdateConfig, carry_state, make_optimizer, update
+from trainer.update import Batch, UpdateConfig, UpdateInputs, carry_state, make_optimizer, update
 
 # every test starts worker ranks in processes of their own (tests/conftest.py, the marker)
 pytestmark = pytest.mark.integration
@@ -97,7 +97,7 @@ def make_job(
     model = copy.deepcopy(tiny_model).requires_grad_(True)
     cfg = UpdateConfig(learning_rate=1e-3, settled_epochs=0)
     optimizer = make_optimizer(model, cfg)
-    update(model, tiny_model, tiny_tokenizer, batch, optimizer, cfg)
+    update(UpdateInputs(model, tiny_model, tiny_tokenizer, batch, optimizer, cfg))
     return {
         "model": model,
         "ref_model": tiny_model,
@@ -118,10 +118,19 @@ def run(
     model = copy.deepcopy(job["model"])
     optimizer = make_optimizer(model, cfg)
     carry_state(optimizer, copy.deepcopy(job["state"]))  # Adam steps its moments in place
-    args = (job["ref_model"], job["tokenizer"], job["batch"], optimizer, cfg)
-    extra = (job["replay"], job["settled_replay"], job["generic"])
+    inputs = UpdateInputs(
+        model,
+        job["ref_model"],
+        job["tokenizer"],
+        job["batch"],
+        optimizer,
+        cfg,
+        job["replay"],
+        job["settled_replay"],
+        job["generic"],
+    )
     torch.manual_seed(7)  # the shuffles: rank 0's global RNG, as on one process
-    metrics = (update if pool is None else pool.update)(model, *args, *extra)
+    metrics = update(inputs) if pool is None else pool.update(inputs)
     return model, metrics, optimizer.state_dict()
 
 

@@ -18,6 +18,7 @@ from trainer.settled import settled_nll, settled_targets
 from trainer.update import (
     Batch,
     UpdateConfig,
+    UpdateInputs,
     advantages,
     bernoulli_entropy,
     carry_state,
@@ -261,12 +262,14 @@ def test_update_moves_the_gate_toward_the_better_decision(
     p_before = torch.sigmoid(score_actions(tiny_model, tiny_tokenizer, [shown]).gate_logit)
     cfg = UpdateConfig(learning_rate=1e-2, kl_coef=0.0, train_gate_only=gate_only)
     update(
-        tiny_model,
-        copy.deepcopy(tiny_model),
-        tiny_tokenizer,
-        batch,
-        make_optimizer(tiny_model, cfg),
-        cfg,
+        UpdateInputs(
+            tiny_model,
+            copy.deepcopy(tiny_model),
+            tiny_tokenizer,
+            batch,
+            make_optimizer(tiny_model, cfg),
+            cfg,
+        )
     )
     with torch.no_grad():
         p_after = torch.sigmoid(score_actions(tiny_model, tiny_tokenizer, [shown]).gate_logit)
@@ -294,12 +297,14 @@ def test_zero_variance_batch_changes_nothing(
         minibatch_size=3,
     )
     m = update(
-        tiny_model,
-        copy.deepcopy(tiny_model),
-        tiny_tokenizer,
-        batch,
-        make_optimizer(tiny_model, cfg),
-        cfg,
+        UpdateInputs(
+            tiny_model,
+            copy.deepcopy(tiny_model),
+            tiny_tokenizer,
+            batch,
+            make_optimizer(tiny_model, cfg),
+            cfg,
+        )
     )
     assert m["charts/grad_norm"] == 0.0
     after = _params(tiny_model)
@@ -321,12 +326,14 @@ def test_zero_variance_batch_still_feels_the_regularisers(
     before = _params(tiny_model)
     cfg = UpdateConfig(learning_rate=1e-3, kl_coef=kl_coef, entropy_coef=entropy_coef)
     update(
-        tiny_model,
-        ref,
-        tiny_tokenizer,
-        _batch(comps, [0.5] * len(comps)),
-        make_optimizer(tiny_model, cfg),
-        cfg,
+        UpdateInputs(
+            tiny_model,
+            ref,
+            tiny_tokenizer,
+            _batch(comps, [0.5] * len(comps)),
+            make_optimizer(tiny_model, cfg),
+            cfg,
+        )
     )
     after = _params(tiny_model)
     assert any(not torch.equal(before[n], after[n]) for n in before)
@@ -454,12 +461,14 @@ def test_update_minibatches_and_leaves_the_models_as_it_found_them(
     cfg = UpdateConfig(learning_rate=1e-3, epochs=2, minibatch_size=3, entropy_coef=0.01)
     rewards = [0.75 if c.shown else 0.0 for c in comps]
     m = update(
-        tiny_model,
-        ref,
-        tiny_tokenizer,
-        _batch(comps, rewards),
-        make_optimizer(tiny_model, cfg),
-        cfg,
+        UpdateInputs(
+            tiny_model,
+            ref,
+            tiny_tokenizer,
+            _batch(comps, rewards),
+            make_optimizer(tiny_model, cfg),
+            cfg,
+        )
     )
     assert {
         "losses/total",
@@ -490,7 +499,11 @@ def test_train_gate_only_leaves_the_language_model_alone(
     cfg = UpdateConfig(learning_rate=1e-2, train_gate_only=True)
     # an optimizer over every parameter (as the caller may build): the LM still must not move
     opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-2, weight_decay=0.0)
-    update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, _batch(comps, rewards), opt, cfg)
+    update(
+        UpdateInputs(
+            tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, _batch(comps, rewards), opt, cfg
+        )
+    )
     after = _params(tiny_model)
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed and all(n.startswith("gate.") for n in changed), changed
@@ -526,7 +539,7 @@ def test_carry_state_continues_adam_on_a_copy(
     batch = _batch(comps, [0.75 if c.shown else -0.25 for c in comps])
     cfg = UpdateConfig(learning_rate=1e-3)
     first = make_optimizer(tiny_model, cfg)
-    update(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, first, cfg)
+    update(UpdateInputs(tiny_model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, first, cfg))
     state = copy.deepcopy(first.state_dict())
 
     nxt = copy.deepcopy(tiny_model)
@@ -539,7 +552,7 @@ def test_carry_state_continues_adam_on_a_copy(
     assert float(moved["step"]) == 1.0
     was = first.state[dict(tiny_model.named_parameters())["h.0.ln_1.weight"]]
     assert torch.equal(moved["exp_avg"], was["exp_avg"])
-    update(nxt, copy.deepcopy(tiny_model), tiny_tokenizer, batch, second, slower)
+    update(UpdateInputs(nxt, copy.deepcopy(tiny_model), tiny_tokenizer, batch, second, slower))
     assert float(second.state[p]["step"]) == 2.0
 
     fresh = make_optimizer(nxt, cfg)
@@ -599,7 +612,9 @@ def test_synthetic_learning_gate_follows_the_reward(
         if history[-1][0] < 0.1 and history[-1][1] > 0.9:  # margin over the noisy estimate
             break
         rewards = [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b]
-        m = update(tiny_model, ref, tiny_tokenizer, _batch(a + b, rewards), optimizer, cfg)
+        m = update(
+            UpdateInputs(tiny_model, ref, tiny_tokenizer, _batch(a + b, rewards), optimizer, cfg)
+        )
         assert m["charts/ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # on-policy
     assert history[0] == pytest.approx((0.5, 0.5), abs=1e-6)
     final_a, final_b = p_show(rollouts(FAMILY_A, 8)), p_show(rollouts(FAMILY_B, 8))  # fresh samples
@@ -621,7 +636,14 @@ def test_gate_passes_move_the_gate_further_and_leave_the_language_model_alone(
         cfg = UpdateConfig(learning_rate=1e-4, kl_coef=0.0, gate_epochs=gate_epochs)
         torch.manual_seed(0)
         m = update(
-            model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, make_optimizer(model, cfg), cfg
+            UpdateInputs(
+                model,
+                copy.deepcopy(tiny_model),
+                tiny_tokenizer,
+                batch,
+                make_optimizer(model, cfg),
+                cfg,
+            )
         )
         assert m.get("gate/steps", 0) == gate_epochs
         after[gate_epochs] = model
@@ -647,12 +669,14 @@ def test_gate_passes_stop_at_the_clip(
     batch = _batch([shown, abstained], [reward, 0.0])
     cfg = UpdateConfig(learning_rate=2e-6, kl_coef=0.0, clip_eps=0.2, gate_epochs=400)
     update(
-        tiny_model,
-        copy.deepcopy(tiny_model),
-        tiny_tokenizer,
-        batch,
-        make_optimizer(tiny_model, cfg),
-        cfg,
+        UpdateInputs(
+            tiny_model,
+            copy.deepcopy(tiny_model),
+            tiny_tokenizer,
+            batch,
+            make_optimizer(tiny_model, cfg),
+            cfg,
+        )
     )
     with torch.no_grad():
         p = torch.sigmoid(score_actions(tiny_model, tiny_tokenizer, [shown]).gate_logit).item()
@@ -692,12 +716,14 @@ def test_gate_fit_shows_where_showing_paid(tiny_model: GPT, tiny_tokenizer: Code
     before = _params(tiny_model)
     cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0, gate_fit_min_shown=0)
     m = update(
-        tiny_model,
-        copy.deepcopy(tiny_model),
-        tiny_tokenizer,
-        _batch(a + b, rewards),
-        make_optimizer(tiny_model, cfg),
-        cfg,
+        UpdateInputs(
+            tiny_model,
+            copy.deepcopy(tiny_model),
+            tiny_tokenizer,
+            _batch(a + b, rewards),
+            make_optimizer(tiny_model, cfg),
+            cfg,
+        )
     )
     assert m["gate_fit/fitted"] == 1.0
     assert m["gate_fit/shown"] == sum(c.shown and bool(c.text) for c in a + b)
@@ -724,20 +750,24 @@ def test_gate_fit_learns_from_the_replayed_verdicts(
     cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0, gate_fit_min_shown=0)
     alone = copy.deepcopy(tiny_model)
     m = update(
-        alone, copy.deepcopy(tiny_model), tiny_tokenizer, now, make_optimizer(alone, cfg), cfg
+        UpdateInputs(
+            alone, copy.deepcopy(tiny_model), tiny_tokenizer, now, make_optimizer(alone, cfg), cfg
+        )
     )
     assert m["gate_fit/fitted"] == 0.0 and m["gate_fit/shown"] == 0
     fresh_a, fresh_b = _families(tiny_model, tiny_tokenizer, seed=1)
     # the PG step on an all-abstain batch (all advantages 0) leaves the gate where it was
     assert _p_show(alone, tiny_tokenizer, fresh_a) == pytest.approx(0.5, abs=0.02)
     m = update(
-        tiny_model,
-        copy.deepcopy(tiny_model),
-        tiny_tokenizer,
-        now,
-        make_optimizer(tiny_model, cfg),
-        cfg,
-        replay=earlier,
+        UpdateInputs(
+            tiny_model,
+            copy.deepcopy(tiny_model),
+            tiny_tokenizer,
+            now,
+            make_optimizer(tiny_model, cfg),
+            cfg,
+            replay=earlier,
+        )
     )
     assert m["gate_fit/fitted"] == 1.0 and m["gate_fit/shown"] == len(shown)
     assert _p_show(tiny_model, tiny_tokenizer, fresh_a) < 0.2
@@ -762,7 +792,14 @@ def test_gate_fit_sharpness_scales_the_logit(
             gate_fit_sharpness=sharpness,
         )
         update(
-            model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, make_optimizer(model, cfg), cfg
+            UpdateInputs(
+                model,
+                copy.deepcopy(tiny_model),
+                tiny_tokenizer,
+                batch,
+                make_optimizer(model, cfg),
+                cfg,
+            )
         )
         with torch.no_grad():
             logits[sharpness] = score_actions(model, tiny_tokenizer, a + b).gate_logit
@@ -792,7 +829,14 @@ def test_gate_fit_sharpness_grows_with_the_verdicts(
             gate_fit_sharpness_max=cap,
         )
         m = update(
-            model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, make_optimizer(model, cfg), cfg
+            UpdateInputs(
+                model,
+                copy.deepcopy(tiny_model),
+                tiny_tokenizer,
+                batch,
+                make_optimizer(model, cfg),
+                cfg,
+            )
         )
         sharpness[cap] = m["gate_fit/sharpness"]
         with torch.no_grad():
@@ -814,7 +858,14 @@ def test_gate_fit_waits_for_enough_verdicts(tiny_model: GPT, tiny_tokenizer: Cod
             train_gate_only=True, gate_fit=True, gate_fit_min_shown=need, gate_epochs=2
         )
         m = update(
-            model, copy.deepcopy(tiny_model), tiny_tokenizer, batch, make_optimizer(model, cfg), cfg
+            UpdateInputs(
+                model,
+                copy.deepcopy(tiny_model),
+                tiny_tokenizer,
+                batch,
+                make_optimizer(model, cfg),
+                cfg,
+            )
         )
         assert m["gate_fit/fitted"] == fitted
         assert ("gate/steps" in m) == (not fitted)
@@ -875,12 +926,14 @@ def test_update_moves_tokens_toward_settled_text_and_away_from_rejected_suggesti
     settled_before, rejected_before = logps()
     cfg = UpdateConfig(learning_rate=3e-3, kl_coef=0.0, settled_epochs=3)
     metrics = update(
-        tiny_model,
-        copy.deepcopy(tiny_model),
-        tiny_tokenizer,
-        batch,
-        make_optimizer(tiny_model, cfg),
-        cfg,
+        UpdateInputs(
+            tiny_model,
+            copy.deepcopy(tiny_model),
+            tiny_tokenizer,
+            batch,
+            make_optimizer(tiny_model, cfg),
+            cfg,
+        )
     )
     settled_after, rejected_after = logps()
     assert metrics["settled/examples"] == 1
@@ -898,7 +951,9 @@ def test_embeddings_stay_as_pretrained_unless_asked(
         model = copy.deepcopy(tiny_model)
         before = _params(model)
         cfg = UpdateConfig(learning_rate=1e-2, train_embeddings=train_embeddings)
-        update(model, tiny_model, tiny_tokenizer, batch, make_optimizer(model, cfg), cfg)
+        update(
+            UpdateInputs(model, tiny_model, tiny_tokenizer, batch, make_optimizer(model, cfg), cfg)
+        )
         after = _params(model)
         assert not torch.equal(before["h.0.ln_1.weight"], after["h.0.ln_1.weight"])
         for name in ("wte.weight", "wpe.weight"):
@@ -931,13 +986,15 @@ def test_generic_mix_holds_generic_code_while_settled_text_is_learned(
             generic_rows=16,
         )
         update(
-            model,
-            tiny_model,
-            tiny_tokenizer,
-            Batch.of(comps, [0.0] * len(comps), texts),
-            make_optimizer(model, cfg),
-            cfg,
-            generic=generic,
+            UpdateInputs(
+                model,
+                tiny_model,
+                tiny_tokenizer,
+                Batch.of(comps, [0.0] * len(comps), texts),
+                make_optimizer(model, cfg),
+                cfg,
+                generic=generic,
+            )
         )
         with torch.no_grad():
             learned = settled_nll(model, comps[:1], [(0, target)]).item()
@@ -958,23 +1015,27 @@ def test_settled_text_is_evidence_only_for_its_own_rollout(
     cfg = UpdateConfig(learning_rate=1e-2, kl_coef=0.0, settled_epochs=2)
     before = _params(tiny_model)
     metrics = update(
-        tiny_model,
-        copy.deepcopy(tiny_model),
-        tiny_tokenizer,
-        batch,
-        make_optimizer(tiny_model, cfg),
-        cfg,
+        UpdateInputs(
+            tiny_model,
+            copy.deepcopy(tiny_model),
+            tiny_tokenizer,
+            batch,
+            make_optimizer(tiny_model, cfg),
+            cfg,
+        )
     )
     assert metrics["settled/examples"] == 0
     assert all(torch.equal(before[n], p) for n, p in _params(tiny_model).items())
     frozen = dataclasses.replace(cfg, train_gate_only=True)
     batch = Batch.of(comps, [0.0, 0.0], ["x = 1", "y = 2"])
     update(
-        tiny_model,
-        copy.deepcopy(tiny_model),
-        tiny_tokenizer,
-        batch,
-        make_optimizer(tiny_model, frozen),
-        frozen,
+        UpdateInputs(
+            tiny_model,
+            copy.deepcopy(tiny_model),
+            tiny_tokenizer,
+            batch,
+            make_optimizer(tiny_model, frozen),
+            frozen,
+        )
     )
     assert all(torch.equal(before[n], p) for n, p in _params(tiny_model).items())

@@ -33,7 +33,7 @@ share of the weighted batch loss. Dropout is off during the update: the ratio co
 function the server sampled from.
 """
 
-from trainer.update.batch import Batch
+from trainer.update.batch import Batch, UpdateInputs
 from trainer.update.config import UpdateConfig
 from trainer.update.gate import fit_gate_to_rewards, gate_inputs, gate_passes
 from trainer.update.loss import (
@@ -52,6 +52,7 @@ __all__ = [
     "PG_METRICS",
     "Batch",
     "UpdateConfig",
+    "UpdateInputs",
     "advantages",
     "bernoulli_entropy",
     "carry_state",

@@ -9,7 +9,10 @@ from typing import Any
 
 import torch
 
+from tabloop.core.policy.model import GPT
 from tabloop.core.policy.sampling import Action
+from tabloop.core.policy.tokenizer import CodeTokenizer
+from trainer.update.config import UpdateConfig
 
 
 @dataclass
@@ -93,3 +96,22 @@ class Batch:
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
+
+
+@dataclass
+class UpdateInputs:
+    """One update's arguments (`update()`, and the ranks of a data-parallel one): the policy
+    being updated, the reference it is held to, what it learns from, its optimizer and the
+    settings. `replay`: earlier batches' rollouts with their rewards (the gate's fit);
+    `settled_replay`: earlier rollouts with the text people settled on; `generic`: windows of
+    generic code for the settled passes' pretraining mix."""
+
+    model: GPT
+    ref_model: GPT
+    tokenizer: CodeTokenizer
+    batch: Batch
+    optimizer: torch.optim.Optimizer
+    cfg: UpdateConfig
+    replay: Batch | None = None
+    settled_replay: Batch | None = None
+    generic: torch.Tensor | None = None

@@ -14,7 +14,7 @@ from tabloop.core.policy.device import compute, model_device
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.settled import settled_passes
-from trainer.update.batch import Batch, _to
+from trainer.update.batch import Batch, UpdateInputs, _to
 from trainer.update.config import UpdateConfig
 from trainer.update.gate import fit_gate_to_rewards, gate_passes
 from trainer.update.loss import PG_METRICS, pg_loss, weighted_advantages
@@ -89,19 +89,9 @@ def _updating(
         ref_model.train(modes[1])
 
 
-def update(
-    model: GPT,
-    ref_model: GPT,
-    tokenizer: CodeTokenizer,
-    batch: Batch,
-    optimizer: torch.optim.Optimizer,
-    cfg: UpdateConfig,
-    replay: Batch | None = None,
-    settled_replay: Batch | None = None,
-    generic: torch.Tensor | None = None,
-    group: DataParallel | None = None,
-) -> dict[str, float]:
-    """`cfg.epochs` passes of shuffled minibatches over `batch`; the mean metrics of the steps.
+def update(inputs: UpdateInputs, group: DataParallel | None = None) -> dict[str, float]:
+    """`cfg.epochs` passes of shuffled minibatches over `inputs.batch`; the mean metrics of the
+    steps.
     Then the settled-text passes (`cfg.settled_epochs`, on `batch` and `settled_replay`: earlier
     rollouts with the text people settled on), then the gate passes, or with `cfg.gate_fit` the
     gate's fit on the shown rollouts of `batch` and `replay` (earlier batches' rollouts with
@@ -117,6 +107,9 @@ def update(
     minibatch and the gradients are summed over the ranks before each step, so every rank takes
     the steps one process takes here (up to float rounding); shuffles are rank 0's.
     """
+    model, ref_model, tokenizer = inputs.model, inputs.ref_model, inputs.tokenizer
+    batch, optimizer, cfg = inputs.batch, inputs.optimizer, inputs.cfg
+    replay, settled_replay, generic = inputs.replay, inputs.settled_replay, inputs.generic
     n = len(batch.actions)
     assert n > 0, "empty batch"
     assert cfg.epochs >= 1 and cfg.minibatch_size >= 1, "epochs and minibatch_size must be >= 1"
