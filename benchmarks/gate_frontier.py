@@ -62,7 +62,7 @@ from simulator.population import (
 )
 from tabloop.core.corpus import heldout_lines
 from tabloop.core.policy.checkpoint import load_checkpoint
-from tabloop.core.policy.sampling import score_actions
+from tabloop.core.policy.scoring import score_actions
 
 BASE = Path(__file__).resolve().parent.parent / "tabloop" / "core" / "policy" / "base"
 LIVE_LABELS = 300  # judged suggestions: about what three or four live batches hold

@@ -96,7 +96,7 @@ def parse_pairs(items: list[str]) -> dict[str, Any]:
 def sim_reward_spec(pairs: list[str]) -> dict[str, Any]:
     """The sim profile's reward spec with `--reward name=value` pairs changed, validated as the
     service validates a PUT; a clear exit on a bad field."""
-    from tabloop.core.reward import RewardSpec
+    from tabloop.core.reward_spec import RewardSpec
 
     try:
         return RewardSpec.from_dict({**RewardSpec.sim().to_dict(), **parse_pairs(pairs)}).to_dict()

@@ -43,6 +43,7 @@ from tabloop.core.corpus import (
     exact_match,
     prefix_match,
 )
+from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.checkpoint import WEIGHTS_FILE, load_checkpoint
 from tabloop.core.policy.model import GPT, KVCache
 from tabloop.core.policy.sampling import (
@@ -50,11 +51,10 @@ from tabloop.core.policy.sampling import (
     DEFAULT_STOP_LOGPROB,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
-    Completion,
     complete,
 )
 from tabloop.core.policy.tokenizer import CodeTokenizer
-from tabloop.core.reward import RewardSpec, size_scale
+from tabloop.core.reward_spec import RewardSpec, size_scale
 from trainer.pretrain import (
     bits_per_byte,
     stream_loss,

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from tabloop.core.corpus import heldout_lines
-    from tabloop.core.reward import RewardSpec
+    from tabloop.core.reward_spec import RewardSpec
 
     p = argparse.ArgumentParser(prog="python -m simulator.baseline", description=__doc__)
     p.add_argument("--cursors", type=int, default=2000, help="held-out cursors (half choose)")

@@ -97,7 +97,7 @@ log = logging.getLogger("tabloop.simulate")
 async def fetch_spec(client: Client) -> tuple[dict[str, Any], str]:
     """(spec, where it came from): the service's current spec, or the sim profile's defaults when
     the key lacks the admin scope (403)."""
-    from tabloop.core.reward import RewardSpec
+    from tabloop.core.reward_spec import RewardSpec
 
     status, body = await client.get("/admin/reward-spec")
     if status == 200 and isinstance(body, dict) and isinstance(body.get("spec"), dict):

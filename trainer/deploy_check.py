@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tabloop.core.policy.actions import Action
 from tabloop.core.policy.model import GPT, heldout_loss
-from tabloop.core.policy.sampling import Action, score_actions
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
 
 

@@ -33,14 +33,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 # never reads it, so it neither moves a rollout's due time nor counts as late (docs/REWARD.md). A
 # view is: arriving after the reward is final, it would have turned an unviewed rollout into an
 # ignored one.
-from tabloop.core.reward import (
-    SUGGESTION_EVENTS,
-    Feedback,
-    Reward,
-    RewardSpec,
-    RolloutInfo,
-    finalize_at,
-)
+from tabloop.core.reward import SUGGESTION_EVENTS, Feedback, Reward, RolloutInfo, finalize_at
+from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.reward_store import BATCH, MeasuredRetention, rewards_from_db, rollout_info
 from tabloop.core.stream.consumer import Record
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, is_user_purged

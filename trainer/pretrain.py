@@ -56,9 +56,10 @@ from tabloop.core.policy.model import (
     heldout_loss,
     init_gate,
 )
-from tabloop.core.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete, score_actions
+from tabloop.core.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import FIM_TOKENS, CodeTokenizer, train_tokenizer
-from tabloop.core.reward import RewardSpec
+from tabloop.core.reward_spec import RewardSpec
 from trainer.fim import FimSource
 from trainer.pretrain_data import (
     CorpusError,

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import functional as F
 
+from tabloop.core.policy.actions import Action
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.sampling import Action
 from tabloop.core.policy.tokenizer import CodeTokenizer
 
 if TYPE_CHECKING:  # trainer/update/step.py imports this module

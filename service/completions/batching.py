@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from service.completions.serving import LoadedPolicy
 from service.metrics import COMPLETE_BATCH_SIZE, COMPLETE_QUEUE_SECONDS, COMPLETE_SECONDS
-from tabloop.core.policy.sampling import Completion, Prompt, complete_batch
+from tabloop.core.policy.actions import Completion
+from tabloop.core.policy.sampling import Prompt, complete_batch
 
 log = logging.getLogger(__name__)
 

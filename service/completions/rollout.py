@@ -20,9 +20,10 @@ from service.metrics import COMPLETIONS, UNSUPPORTED_LANGUAGE
 from tabloop.core.config import Settings
 from tabloop.core.memory import SNIPPETS, remember, typed_through
 from tabloop.core.outbox import outbox_row
+from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.context import following_lines
 from tabloop.core.policy.languages import metric_label, request_language, supports
-from tabloop.core.policy.sampling import Completion, Prompt, unsupported_language
+from tabloop.core.policy.sampling import Prompt, unsupported_language
 from tabloop.core.privacy import rollout_without_code
 from tabloop.core.recall import Text, propose
 from tabloop.core.stream.topics import ROLLOUTS

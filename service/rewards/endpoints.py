@@ -15,7 +15,7 @@ from service.deps import ADMIN, AdminKey, AppContext, CtxDep, audited
 from service.errors import NotFound, Unprocessable
 from service.openapi import error_responses
 from tabloop.core import reward_store as store
-from tabloop.core.reward import RewardSpec, show_thresholds
+from tabloop.core.reward_spec import RewardSpec, show_thresholds
 from tabloop.core.tables import MAX_VERSION
 
 router = APIRouter(prefix="/admin", tags=["admin: rewards"])

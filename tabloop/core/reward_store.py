@@ -17,15 +17,14 @@ import sqlalchemy as sa
 from tabloop.core.policy.defaults import STOP_LANGUAGE
 from tabloop.core.privacy import trainable
 from tabloop.core.reward import (
-    REWARD_SPECS,
     UNREWARDED_EVENTS,
     UNVIEWED,
     Feedback,
     Reward,
-    RewardSpec,
     RolloutInfo,
     compute_reward,
 )
+from tabloop.core.reward_spec import REWARD_SPECS, RewardSpec
 from tabloop.core.tables import events, reward_specs, rewards, rollouts, utcnow
 
 

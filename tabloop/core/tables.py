@@ -186,7 +186,7 @@ rollouts = sa.Table(
     # NULL (older rows): len(text).
     sa.Column("text_chars", sa.Integer(), nullable=True),
     sa.Column("shown", sa.Boolean(), nullable=False),
-    # the copy proposal and the copy head's draw (tabloop.core.policy.sampling.Completion.recall);
+    # the copy proposal and the copy head's draw (tabloop.core.policy.actions.Completion.recall);
     # JSON null where the request had none. Code: blanked like `text` (service/privacy.py)
     sa.Column("recall", JSONType, nullable=True),
     sa.Column("gate_prob_show", sa.Float(), nullable=False),

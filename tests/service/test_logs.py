@@ -123,7 +123,7 @@ def test_settled_text_is_never_logged(
     import orjson
     import sqlalchemy as sa
 
-    from tabloop.core.reward import RewardSpec
+    from tabloop.core.reward_spec import RewardSpec
     from tabloop.core.stream.consumer import Record
     from tabloop.core.tables import outbox
     from tabloop.testing.factories import event

@@ -36,8 +36,10 @@ import torch
 
 from simulator.population import CursorSource, in_reject_family, request_context
 from tabloop.core.corpus import heldout_lines
+from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.checkpoint import load_checkpoint
-from tabloop.core.policy.sampling import Completion, complete, score_actions
+from tabloop.core.policy.sampling import complete
+from tabloop.core.policy.scoring import score_actions
 from tabloop.testing.procs import free_port, stop_process, wait_http_ready
 
 pytestmark = pytest.mark.integration  # `tabloop up` in a subprocess

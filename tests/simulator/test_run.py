@@ -147,7 +147,7 @@ def test_the_live_display_renders(tmp_path: Path) -> None:
     from simulator.population import CursorSource
     from simulator.report import RequestRecord
     from simulator.run import Simulation
-    from tabloop.core.reward import RewardSpec
+    from tabloop.core.reward_spec import RewardSpec
     from tests.simulator.test_population import corpus_line
 
     async def render() -> str:
@@ -418,7 +418,7 @@ def test_a_settled_event_says_what_stands_after_the_cursor(tmp_path: Path) -> No
     from simulator.config import SimConfig
     from simulator.population import CursorSource, cursor_at
     from simulator.run import Simulation
-    from tabloop.core.reward import RewardSpec
+    from tabloop.core.reward_spec import RewardSpec
     from tests.simulator.test_population import corpus_line
 
     async def settle() -> tuple[list[dict[str, Any]], Simulation]:

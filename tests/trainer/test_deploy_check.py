@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.sampling import Completion, complete
+from tabloop.core.policy.sampling import complete
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.canary import ArmStats, CanaryConfig, arm_stats, canary_verdict
 from trainer.deploy_check import CheckConfig, check, heldout_sample, kept_drop, snis

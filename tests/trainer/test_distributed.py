@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import torch
 
+from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.model import GPT, ModelConfig
-from tabloop.core.policy.sampling import Completion, complete
+from tabloop.core.policy.sampling import complete
 from tabloop.core.policy.tokenizer import CodeTokenizer, train_tokenizer
 from tests.conftest import SMALL_SOURCES, STDLIB
 from trainer.deploy_check import heldout_sample

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from service.users.purge import purge_user
 from tabloop.core.db import make_engine, upgrade
-from tabloop.core.reward import RewardSpec
+from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.stream.consumer import Record
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, encode, user_purged
 from tabloop.core.tables import rewards, rollouts, utcnow

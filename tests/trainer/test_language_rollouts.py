@@ -14,9 +14,10 @@ import sqlalchemy as sa
 from service.completions.rollout import record_rollout, rollout_record
 from service.completions.schemas import CompleteRequest
 from tabloop.core.db import make_engine, upgrade
-from tabloop.core.policy.sampling import STOP_LANGUAGE, Completion, unsupported_language
+from tabloop.core.policy.actions import Completion
+from tabloop.core.policy.sampling import STOP_LANGUAGE, unsupported_language
 from tabloop.core.registry import bootstrap, current_deployment
-from tabloop.core.reward import RewardSpec
+from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.tables import rewards, utcnow
 from tests.service.conftest import make_settings
 from trainer import store

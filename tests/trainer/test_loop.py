@@ -326,7 +326,8 @@ def test_kill_9_loses_no_reward_and_trains_nothing_twice(
 def test_a_new_reward_spec_is_followed_without_a_restart(tmp_path: Path) -> None:
     """PUT /admin/reward-spec while the trainer runs: the join's windows and the reward rows
     written afterwards use the new version; pending rollouts get the new due times."""
-    from tabloop.core.reward import RewardSpec, RolloutInfo
+    from tabloop.core.reward import RolloutInfo
+    from tabloop.core.reward_spec import RewardSpec
     from tabloop.core.reward_store import current_spec, put_spec
     from trainer.join import Join, Pending
 

@@ -13,7 +13,8 @@ from tabloop.cli import main as cli_main
 from tabloop.core.corpus import MAX_FILE_BYTES, directory_files, read_text
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.model import ModelConfig
-from tabloop.core.policy.sampling import complete, score_actions
+from tabloop.core.policy.sampling import complete
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import train_tokenizer
 from trainer.pretrain import PretrainConfig, pretrain, split_files
 from trainer.pretrain_data import CorpusError

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from tabloop.core.config import Settings
 from tabloop.core.db import make_engine, upgrade
 from tabloop.core.registry import current_deployment
-from tabloop.core.reward import RewardSpec
+from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.stream.consumer import Record
 from tabloop.core.stream.topics import ROLLOUTS, encode
 from tabloop.core.tables import deployments, rewards, rollouts, utcnow

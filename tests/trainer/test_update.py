@@ -11,8 +11,10 @@ import math
 import pytest
 import torch
 
+from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.sampling import Completion, complete, score_actions
+from tabloop.core.policy.sampling import complete
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.settled import settled_nll, settled_targets
 from trainer.update import (

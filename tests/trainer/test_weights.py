@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
+from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.sampling import Completion, complete
+from tabloop.core.policy.sampling import complete
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.deploy_check import snis
 from trainer.settled import settled_nll, settled_targets

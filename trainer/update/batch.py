@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 
+from tabloop.core.policy.actions import Action
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.sampling import Action
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.update.config import UpdateConfig
 
 
 @dataclass
 class Batch:
-    actions: Sequence[Action]  # logged rollouts (tabloop.core.policy.sampling.Completion or rows)
+    actions: Sequence[Action]  # logged rollouts (tabloop.core.policy.actions.Completion or rows)
     behaviour_logp: torch.Tensor  # (B,) logged logprob_total of each action (the serving policy)
     rewards: torch.Tensor  # (B,) finalized rewards
     # the same per part, for per-part ratios: each action's token log-probs and its decision's

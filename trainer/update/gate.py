@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import functional as F
 
+from tabloop.core.policy.actions import Action, was_copied
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.sampling import Action, score_actions, was_copied
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.update.batch import Batch
 from trainer.update.config import UpdateConfig

@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.sampling import score_actions
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.update.batch import Batch
 from trainer.update.config import UpdateConfig

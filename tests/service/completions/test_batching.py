@@ -12,8 +12,10 @@ import torch
 
 from service.completions.batching import Batcher, SamplingSettings
 from service.completions.serving import LoadedPolicy
+from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.sampling import Completion, Prompt, complete, score_actions
+from tabloop.core.policy.sampling import Prompt, complete
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
 
 SAMPLING = SamplingSettings(temperature=0.7, top_p=0.95, stop_logprob=None)

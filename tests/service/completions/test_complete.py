@@ -12,7 +12,7 @@ import torch
 
 from tabloop.core.db import make_engine
 from tabloop.core.policy.checkpoint import load_checkpoint
-from tabloop.core.policy.sampling import score_actions
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.stream.topics import ROLLOUTS
 from tabloop.core.tables import outbox, rollouts
 

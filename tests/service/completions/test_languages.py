@@ -19,7 +19,8 @@ from tabloop.core.db import make_engine
 from tabloop.core.policy.checkpoint import load_checkpoint, save_checkpoint
 from tabloop.core.policy.context import SUFFIX_SHARE, following_lines
 from tabloop.core.policy.model import GPT, ModelConfig
-from tabloop.core.policy.sampling import DEFAULT_MAX_CONTEXT_TOKENS, STOP_LANGUAGE, score_actions
+from tabloop.core.policy.sampling import DEFAULT_MAX_CONTEXT_TOKENS, STOP_LANGUAGE
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.registry import bootstrap
 from tabloop.core.stream.topics import ROLLOUTS
 from tabloop.core.tables import outbox, rollouts, utcnow

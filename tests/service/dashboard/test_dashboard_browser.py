@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tabloop.core.keys import create_key
-from tabloop.core.reward import RewardSpec
+from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.tables import utcnow
 from tabloop.testing.factories import event
 from tests.service.policies.test_registry import upload, wait_for_routing

@@ -17,8 +17,9 @@ import torch
 
 from tabloop.client import Client, EventSender
 from tabloop.core.db import make_engine
+from tabloop.core.policy.actions import bytes_to_text, completion_bytes
 from tabloop.core.policy.checkpoint import load_checkpoint
-from tabloop.core.policy.sampling import bytes_to_text, completion_bytes, score_actions
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.reward_store import current_spec, reward_from_db, rollout_info
 from tabloop.core.tables import events, rollouts
 

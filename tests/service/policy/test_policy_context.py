@@ -9,13 +9,15 @@ import random
 import pytest
 import torch
 
+from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.context import (
     SUFFIX_SHARE,
     following_lines,
     prepare_context,
 )
 from tabloop.core.policy.model import GPT, ModelConfig
-from tabloop.core.policy.sampling import Completion, complete, score_actions
+from tabloop.core.policy.sampling import complete
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer, train_tokenizer
 
 PREFIX = "import os\n\n\ndef read(path):\n    with open(path) as f:\n        return f.re"

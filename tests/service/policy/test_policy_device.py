@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from tabloop.core.policy.device import DeviceError, activation_dtype, compute, precision, resolve
 from tabloop.core.policy.model import GPT, KVCache, ModelConfig
-from tabloop.core.policy.sampling import Prompt, complete_batch, score_actions
+from tabloop.core.policy.sampling import Prompt, complete_batch
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from tests.service.conftest import make_settings
 

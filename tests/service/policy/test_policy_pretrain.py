@@ -13,7 +13,8 @@ import trainer.pretrain as pretrain_module
 from tabloop.core.corpus import corpus_files
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.model import ModelConfig
-from tabloop.core.policy.sampling import complete, score_actions
+from tabloop.core.policy.sampling import complete
+from tabloop.core.policy.scoring import score_actions
 from trainer.pretrain import (
     PretrainConfig,
     bits_per_byte,

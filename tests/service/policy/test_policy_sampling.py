@@ -7,18 +7,10 @@ import random
 import pytest
 import torch
 
+from tabloop.core.policy.actions import Completion, constraint_steps, sampling_logprobs
 from tabloop.core.policy.model import GPT, RaggedKVCache
-from tabloop.core.policy.sampling import (
-    Completion,
-    Prompt,
-    action_logprob,
-    batch_action_logprobs,
-    complete,
-    complete_batch,
-    constraint_steps,
-    sampling_logprobs,
-    score_actions,
-)
+from tabloop.core.policy.sampling import Prompt, complete, complete_batch
+from tabloop.core.policy.scoring import action_logprob, batch_action_logprobs, score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.recall import Proposal
 

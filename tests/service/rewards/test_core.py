@@ -19,16 +19,13 @@ from tabloop.core.reward import (
     COMPONENTS,
     Feedback,
     Reward,
-    RewardSpec,
     RolloutInfo,
     compute_reward,
     finalize_at,
     is_late,
     settle,
-    show_threshold,
-    show_thresholds,
-    size_scale,
 )
+from tabloop.core.reward_spec import RewardSpec, show_threshold, show_thresholds, size_scale
 from tabloop.testing.factories import event as event_json
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

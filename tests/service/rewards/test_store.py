@@ -11,14 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from service.events.ingest import ingest_events
-from tabloop.core.reward import (
-    UNREWARDED_EVENTS,
-    Feedback,
-    Reward,
-    RewardSpec,
-    RolloutInfo,
-    compute_reward,
-)
+from tabloop.core.reward import UNREWARDED_EVENTS, Feedback, Reward, RolloutInfo, compute_reward
+from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.reward_store import (
     MIN_RETENTION_REPORTS,
     ROLLOUT_COLUMNS,

@@ -17,13 +17,13 @@ import pytest
 from tabloop.core.reward import (
     CLOCK_SKEW_S,
     Feedback,
-    RewardSpec,
     RolloutInfo,
     compute_reward,
     finalize_at,
     is_late,
     settle,
 )
+from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.reward_store import rollout_info
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

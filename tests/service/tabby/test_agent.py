@@ -25,7 +25,7 @@ from service.relay import Relay
 from tabloop.core.config import Settings
 from tabloop.core.db import make_engine
 from tabloop.core.memory import typed_chars
-from tabloop.core.reward import RewardSpec, size_scale
+from tabloop.core.reward_spec import RewardSpec, size_scale
 from tabloop.core.stream.consumer import open_consumer
 from tabloop.core.stream.kafka import ensure_topics
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from tabloop.core.db import make_engine
 from tabloop.core.memory import TYPED_ANCHOR_CHARS, typed_chars, typed_since
-from tabloop.core.reward import RewardSpec
+from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.reward_store import ROLLOUT_COLUMNS, rewards_from_db, rollout_info
 from tabloop.core.tables import events, rollouts
 

@@ -16,7 +16,7 @@ import torch
 
 from tabloop.core.db import make_engine
 from tabloop.core.policy.checkpoint import load_checkpoint
-from tabloop.core.policy.sampling import score_actions
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.recall import RECALL_INPUTS
 from tabloop.core.tables import rollouts, workspace_code
 
