@@ -10,12 +10,9 @@ policy-gradient step, gate the candidate, register it and deploy it as a canary.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -27,19 +24,15 @@ import torch
 from kafka.errors import KafkaError
 
 from tabloop.core.config import Settings
-from tabloop.core.db import StandbyLock, blob_transaction
-from tabloop.core.policy.checkpoint import load_checkpoint, save_checkpoint
+from tabloop.core.policy.checkpoint import save_checkpoint
 from tabloop.core.policy.device import resolve
-from tabloop.core.policy.model import GPT
-from tabloop.core.policy.tokenizer import CodeTokenizer
-from tabloop.core.registry import Deployment, artifact_files, current_deployment, write_files
+from tabloop.core.registry import Deployment, current_deployment
 from tabloop.core.retention import code_cutoff
 from tabloop.core.reward_store import current_spec
 from tabloop.core.settled import settled_texts
 from tabloop.core.status import HistoryEntry, TrainerStatus
-from tabloop.core.stream.consumer import KafkaLogConsumer, LogConsumer, open_consumer, partition_of
+from tabloop.core.stream.consumer import open_consumer
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS
-from tabloop.core.tables import TRAINER_MEMBER_PREFIX as MEMBER_PREFIX
 from tabloop.core.tables import TRAINER_STATE_NAME as STATE_NAME
 from tabloop.core.tables import (
     reward_specs,
@@ -52,9 +45,10 @@ from trainer.candidate import split_for_check, train_candidate
 from trainer.caps import cap_weights, capped
 from trainer.client import ApiError, ServiceClient
 from trainer.config import TrainerConfig
-from trainer.deploy_check import check, heldout_sample
+from trainer.deploy_check import check
 from trainer.distributed import RankFailed, UpdatePool
 from trainer.join import Join
+from trainer.membership import Membership, upsert_state
 from trainer.metrics import (
     BATCH_FILL,
     CANARY_VERDICTS,
@@ -63,25 +57,14 @@ from trainer.metrics import (
     PENDING,
     UPDATES,
 )
+from trainer.policies import Policies
 from trainer.update import Batch
 
 log = logging.getLogger(__name__)
 
-TRAINER_LOCK_ID = 0x7AB1_00B1  # pg_advisory_lock key held by the active trainer (relay: ...B0)
 CAPPED_BATCHES = 50  # batches whose capped people and keys the state keeps (trainer_state.info)
 HISTORY = 50  # the trainer's decisions the state keeps
 CAPPED_LISTED = 20  # the most capped people (and keys) kept per batch, most weight removed first
-
-
-def lineage_root(parents: Mapping[int, int | None], version: int) -> int:
-    """The root of `version`'s lineage in `parents` (version -> parent), followed parent by
-    parent: a base registered later (pretrained on another corpus) is the root of its own
-    descendants, not the oldest base. A cycle or a missing parent ends the walk."""
-    seen = {version}
-    while (parent := parents.get(version)) is not None and parent not in seen:
-        version = parent
-        seen.add(version)
-    return version
 
 
 class Trainer:
@@ -99,19 +82,15 @@ class Trainer:
         self.cfg = cfg or TrainerConfig.for_settings(settings)
         self.pool = pool
         self.state = TrainerStatus()
-        self._policies: dict[int, tuple[GPT, CodeTokenizer]] = {}
-        self._languages: dict[int, tuple[str, ...]] = {}  # per version: its base's languages
         self._last_heartbeat = 0.0
         self._canary_due = 0.0  # monotonic time of the next reading of a canary's arms
         self.paused = False
         self.horizon = timedelta(0)  # the reward spec's, set when the loop starts
         self._optimizer_state: dict[str, Any] | None = None  # Adam's moments, kept across updates
-        self.lock = StandbyLock(engine, TRAINER_LOCK_ID, "trainer")
-        self._leading = False
-        self._following = False  # said that another member leads
-        self.partitions: set[int] = set()  # the rollout partitions this member joins (Kafka)
-        self.member = f"{socket.gethostname()}:{os.getpid()}"
+        self.membership = Membership(settings, engine, self.cfg.group, self.state)
+        self.lock = self.membership.lock
         self.device = resolve(settings.device)  # where updates and checks compute
+        self.policies = Policies(settings, engine, self.device, self.cfg)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -149,7 +128,7 @@ class Trainer:
         join = Join(self.engine, spec, spec_version)
         self.horizon = timedelta(seconds=spec.horizon_s)
         if partitioned:  # each member joins the people of its partitions (Join.recover on them)
-            consumer = self._open_member(join)
+            consumer = self.membership.open(join)
             log.info("trainer starting as a member of consumer group %s", self.cfg.group)
         else:
             recovered = join.recover()
@@ -169,7 +148,7 @@ class Trainer:
                 consumer.commit(records)
                 if self._heartbeat(join):
                     self._follow_spec(join)
-                if self.paused or not self.leading:
+                if self.paused or not self.membership.leading:
                     continue
                 with self.engine.connect() as conn:
                     dep = current_deployment(conn)
@@ -185,48 +164,8 @@ class Trainer:
             consumer.close()
         self.state.state = "stopped"
         self._heartbeat(join, force=True)
-        self._leave()
+        self.membership.leave()
         log.info("trainer stopped")
-
-    def _open_member(self, join: Join) -> LogConsumer:
-        """Join the consumer group: partitions taken from this member are dropped from its
-        join, and the pending rollouts of those it is given are read back from the database."""
-        consumer: KafkaLogConsumer | None = None
-        self.partitions = set()
-
-        def owner(tps: set[tuple[str, int]]) -> Callable[[str], bool]:
-            assert consumer is not None
-            parts = {p for t, p in tps if t == ROLLOUTS}
-            n = consumer.partitions(ROLLOUTS)
-            return lambda user_id: partition_of(user_id, n) in parts
-
-        def revoked(tps: set[tuple[str, int]]) -> None:
-            dropped = join.drop(owner(tps)) if tps else 0
-            self.partitions -= {p for t, p in tps if t == ROLLOUTS}
-            log.info("partitions revoked: %d pending rollouts handed over", dropped)
-
-        def assigned(tps: set[tuple[str, int]]) -> None:
-            recovered = join.recover(owner(tps)) if tps else 0
-            self.partitions |= {p for t, p in tps if t == ROLLOUTS}
-            log.info(
-                "partitions %s assigned: %d rollouts pending from the database",
-                sorted(self.partitions),
-                recovered,
-            )
-
-        consumer = KafkaLogConsumer(
-            self.settings, self.cfg.group, [ROLLOUTS, FEEDBACK], revoked, assigned
-        )
-        return consumer
-
-    @property
-    def leading(self) -> bool:
-        """Whether this process trains, judges canaries and deploys: the one holding the
-        trainer lock (always, on SQLite). Other members only join; one of them takes over
-        within a heartbeat when the leader's database connection goes."""
-        if self.settings.embedded:
-            return True
-        return self._leading
 
     # -- training --------------------------------------------------------------------------
     def _code_kept(self) -> list[Any]:
@@ -291,8 +230,8 @@ class Trainer:
             store.stamp_trained(self.engine, [r.suggestion_id for r in rows], None)
             self._remember("skipped", dep.live_version, f"all {len(rows)} rewards equal")
             return
-        live_model, tokenizer = self._policy(dep.live_version)
-        ref_model, _ = self._policy(self._base_version(dep.live_version))
+        live_model, tokenizer = self.policies.get(dep.live_version)
+        ref_model, _ = self.policies.get(self.policies.base_version(dep.live_version))
         rows.sort(key=lambda r: r.suggestion_id)  # random uuids: an unbiased train/gate split
         train_rows, gate_rows = split_for_check(rows, self.cfg.gate_fraction)
         batch = self._with_settled(train_rows)
@@ -304,7 +243,11 @@ class Trainer:
         )
         earlier_settled = self._settled_replay_rows()
         settled = self._with_settled(earlier_settled) if earlier_settled else None
-        generic = self._generic(tokenizer, live_model) if self.cfg.update.generic_mix > 0 else None
+        generic = (
+            self.policies.generic(tokenizer, live_model)
+            if self.cfg.update.generic_mix > 0
+            else None
+        )
         pool = self._update_pool() if self.cfg.nproc > 1 or self.pool is not None else None
         try:
             candidate = train_candidate(
@@ -334,7 +277,7 @@ class Trainer:
             model,
             live_model,
             tokenizer,
-            self._heldout(tokenizer, model),
+            self.policies.heldout(tokenizer, model),
             gate_rows,
             torch.tensor([r.logprob_total for r in gate_rows]),
             torch.tensor([r.value for r in gate_rows]),
@@ -373,7 +316,7 @@ class Trainer:
                 parent=dep.live_version,
                 summary=summary,
                 overwrite=True,
-                languages=self._languages[dep.live_version],
+                languages=self.policies.languages[dep.live_version],
             )
             version = self.client.register(ckpt, dep.live_version, summary)
         store.stamp_trained(self.engine, ids, version)
@@ -487,57 +430,6 @@ class Trainer:
         entry = HistoryEntry(at=utcnow().isoformat(), event=event, version=version, reason=why)
         self.state.history = [*self.state.history, entry][-HISTORY:]
 
-    def _base_version(self, version: int) -> int:
-        """The pretrained base `version` descends from: the KL reference of its updates."""
-        return lineage_root(store.parents(self.engine), version)
-
-    def _policy(self, version: int) -> tuple[GPT, CodeTokenizer]:
-        if version not in self._policies:
-            directory = self.settings.data_dir / "trainer" / f"v{version}"
-            if not (directory / "manifest.json").exists():
-                with blob_transaction(self.engine) as conn:
-                    write_files(directory, artifact_files(conn, version))
-            model, tokenizer, manifest = load_checkpoint(directory)
-            model.requires_grad_(False)
-            model.to(self.device)
-            self._policies[version] = (model, tokenizer)
-            self._languages[version] = manifest.languages
-            if len(self._policies) > 4:  # keep the base and the recent ones
-                base = self._base_version(version)
-                for v in sorted(self._policies)[:-3]:
-                    if v != base:
-                        del self._policies[v]
-        return self._policies[version]
-
-    def _heldout(self, tokenizer: CodeTokenizer, model: GPT) -> torch.Tensor:
-        """The gate's fixed sample of generic code (made once per tokenizer and context size):
-        the standard library's training split, which the people never edit, so the check
-        measures forgetting, not what the people's own code taught."""
-        length = min(self.cfg.heldout_len, model.config.block_size - 1)
-        key = (tokenizer.to_json().__hash__(), length)
-        if getattr(self, "_heldout_key", None) != key:
-            from tabloop.core.corpus import read_corpus
-
-            self._heldout_tokens = heldout_sample(
-                tokenizer, read_corpus("train"), self.cfg.heldout_rows, length
-            )
-            self._heldout_key = key
-        return self._heldout_tokens
-
-    def _generic(self, tokenizer: CodeTokenizer, model: GPT) -> torch.Tensor:
-        """Windows of generic code for the settled passes' pretraining mix: the training split,
-        as pretraining saw it (another seed than the gate's sample, which it must not train)."""
-        length = min(self.cfg.heldout_len, model.config.block_size - 1)
-        key = (tokenizer.to_json().__hash__(), length)
-        if getattr(self, "_generic_key", None) != key:
-            from tabloop.core.corpus import read_corpus
-
-            self._generic_tokens = heldout_sample(
-                tokenizer, read_corpus("train"), self.cfg.generic_rows, length, seed=1
-            )
-            self._generic_key = key
-        return self._generic_tokens
-
     def _follow_spec(self, join: Join) -> None:
         """Pick up a reward spec put since the last look (the check is one indexed max())."""
         with self.engine.connect() as conn:
@@ -561,7 +453,7 @@ class Trainer:
             if self.settings.embedded:
                 self.lock.check()  # lost with its connection: a standby may be active; restart
             else:
-                self._lead()
+                self.membership.lead()
         oldest = min((p.rollout.created_at for p in join.pending.values()), default=None)
         joined: dict[str, Any] = dict(
             pending=len(join.pending),
@@ -579,9 +471,8 @@ class Trainer:
         now = utcnow()
         with self.engine.begin() as conn:
             if not self.settings.embedded:
-                member = {**joined, "partitions": sorted(self.partitions), "leader": self.leading}
-                _upsert_state(conn, MEMBER_PREFIX + self.member, heartbeat_at=now, info=member)
-            if not self.leading:
+                self.membership.write_row(conn, joined, now)
+            if not self.membership.leading:
                 return True
             row = conn.execute(
                 sa.select(trainer_state.c.paused).where(trainer_state.c.name == STATE_NAME)
@@ -589,47 +480,7 @@ class Trainer:
             self.paused = bool(row and row.paused)
             if self.paused:
                 self.state.state = "paused"
-            _upsert_state(
+            upsert_state(
                 conn, STATE_NAME, heartbeat_at=now, info=self.state.model_dump(mode="json")
             )
         return True
-
-    def _lead(self) -> None:
-        """Take the trainer lock if it is free (one attempt); a leader whose lock connection
-        died raises (SQLAlchemyError) and restarts its round, as a standby would take over."""
-        was = self._leading
-        try:
-            self._leading = self.lock.try_acquire()
-        except sa.exc.SQLAlchemyError:
-            self._leading = False
-            raise
-        if self._leading and not was:
-            log.info("this member (%s) now leads: it trains and deploys", self.member)
-            self.state.state = "collecting"
-        elif not self._leading and not self._following:
-            log.info("another trainer leads; this member (%s) joins its partitions", self.member)
-        self._following = not self._leading
-
-    def _leave(self) -> None:
-        """A clean stop: this member's row goes (a killed member's row goes stale instead)."""
-        if self.settings.embedded:
-            return
-        try:
-            with self.engine.begin() as conn:
-                conn.execute(
-                    trainer_state.delete().where(
-                        trainer_state.c.name == MEMBER_PREFIX + self.member
-                    )
-                )
-        except sa.exc.SQLAlchemyError as e:
-            log.warning("could not remove this member's row: %s", str(e).split("\n")[0])
-
-
-def _upsert_state(conn: sa.Connection, name: str, **values: Any) -> None:
-    """Write a trainer_state row's heartbeat and info (the paused flag is the operator's)."""
-    now = utcnow()
-    updated = conn.execute(
-        trainer_state.update().where(trainer_state.c.name == name).values(**values, updated_at=now)
-    )
-    if updated.rowcount == 0:
-        conn.execute(trainer_state.insert().values(name=name, **values, updated_at=now))

@@ -31,7 +31,8 @@ from tests.service.conftest import RunningService, make_settings
 from trainer.canary import CanaryConfig
 from trainer.client import ServiceClient
 from trainer.deploy_check import CheckConfig
-from trainer.loop import Trainer, TrainerConfig, lineage_root
+from trainer.loop import Trainer, TrainerConfig
+from trainer.policies import lineage_root
 from trainer.update import UpdateConfig
 
 # a deploy check every candidate passes: these tests are about the loop, not the gate
