@@ -55,11 +55,9 @@ from tabloop.core.policy.sampling import (
 )
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.reward_spec import RewardSpec, size_scale
-from trainer.pretrain import (
-    bits_per_byte,
-    stream_loss,
-    tokenize_files,
-)
+from trainer.pretrain.config import bits_per_byte
+from trainer.pretrain.data import tokenize_files
+from trainer.pretrain.run import stream_loss
 
 BUCKETS = (("1-3", 1, 3), ("4-10", 4, 10), ("11+", 11, 10**9))
 SPEC = RewardSpec()  # the default reward spec, as the accept reward and reject penalty

@@ -33,7 +33,8 @@ PROBE = """
 import importlib, json, pkgutil, sys
 package = importlib.import_module(sys.argv[1])
 for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-    importlib.import_module(info.name)
+    if not info.name.endswith(".__main__"):  # a program, run when imported
+        importlib.import_module(info.name)
 print(json.dumps(sorted(sys.modules)))
 """
 

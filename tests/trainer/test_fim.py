@@ -17,7 +17,7 @@ from trainer.fim import (
     line_spans,
     split_at,
 )
-from trainer.pretrain_data import get_batch, tokenize_texts
+from trainer.pretrain.data import get_batch, tokenize_texts
 
 BLOCK = 64
 

@@ -17,7 +17,7 @@ from tabloop.core.policy.sampling import complete
 from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import train_tokenizer
 from trainer.pretrain import PretrainConfig, pretrain, split_files
-from trainer.pretrain_data import CorpusError
+from trainer.pretrain.data import CorpusError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 RUST = """use std::collections::HashMap;

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import trainer.pretrain as pretrain_module
+import trainer.pretrain.run as pretrain_module
 from tabloop.cli import main as cli_main
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.model import GPT, ModelConfig, configure_optimizer

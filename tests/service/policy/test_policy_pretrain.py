@@ -9,20 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.pretrain as pretrain_module
+import trainer.pretrain.run as pretrain_module
 from tabloop.core.corpus import corpus_files
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.model import ModelConfig
 from tabloop.core.policy.sampling import complete
 from tabloop.core.policy.scoring import score_actions
-from trainer.pretrain import (
-    PretrainConfig,
-    bits_per_byte,
-    get_lr,
-    pretrain,
-    refit_gate,
-    split_files,
-)
+from trainer.pretrain import PretrainConfig, pretrain, split_files
+from trainer.pretrain.config import bits_per_byte, get_lr
+from trainer.pretrain.gate import refit_gate
 
 TINY = dict(
     max_files=12,

@@ -28,156 +28,61 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from safetensors.torch import load_file, save_file
-from torch.nn import functional as F
 
-from tabloop.core.corpus import Cursor, cursors_from, prefix_match, read_text
+from tabloop.core.corpus import cursors_from, read_text
 from tabloop.core.policy.checkpoint import load_checkpoint, save_checkpoint
-from tabloop.core.policy.device import DeviceError, compute, model_device, resolve
+from tabloop.core.policy.device import DeviceError, compute, resolve
 from tabloop.core.policy.languages import languages_of_paths
 from tabloop.core.policy.model import (
-    GATE_FEATURES,
     GPT,
     ModelConfig,
     configure_optimizer,
     heldout_loss,
     init_gate,
 )
-from tabloop.core.policy.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, complete
-from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import FIM_TOKENS, CodeTokenizer, train_tokenizer
-from tabloop.core.reward_spec import RewardSpec
 from trainer.fim import FimSource
-from trainer.pretrain_data import (
+from trainer.pretrain.config import (
+    DEFAULT_SIZE,
+    SIZES,
+    PretrainConfig,
+    bits_per_byte,
+    budget_progress,
+    config_json,
+    get_lr,
+    split_files,
+)
+from trainer.pretrain.data import (
     CorpusError,
-    corpus_split,
     get_batch,
     tokenize_files,
     tokenize_texts,
 )
+from trainer.pretrain.gate import (
+    fit_gate,
+    refit_gate,
+)
+from trainer.pretrain.state import (
+    load_state,
+    save_state,
+)
 
 log = logging.getLogger(__name__)
 
-# the default reward spec (DESIGN.md), which turns the gate's P(accept) into a show decision
-_SPEC = RewardSpec()
-
-
-@dataclass(frozen=True)
-class Size:
-    """A named base size (`--size`): the architecture (its vocab_size is the tokenizer's) and the
-    sequences per step."""
-
-    model: ModelConfig
-    batch_size: int
-
-
-SIZES: dict[str, Size] = {
-    # the shipped base's architecture, sized for a CPU
-    "cpu": Size(ModelConfig(n_layer=3, n_head=6, n_embd=192, block_size=192), batch_size=24),
-    # about 27 M parameters with a 4096-token vocabulary, a longer context, for one GPU
-    "gpu": Size(ModelConfig(n_layer=8, n_head=8, n_embd=512, block_size=512), batch_size=64),
-}
-DEFAULT_SIZE = "cpu"
-
-
-@dataclass
-class PretrainConfig:
-    out_dir: Path  # checkpoint directory to write (resume state goes to out_dir/resume)
-    corpus: Path | None = None  # a directory of code to train on (None: the standard library)
-    # share of training rows in fill-in-the-middle order (0: left to right only, and the
-    # tokenizer has no sentinels). Bavarian et al. 2022 train with 0.5; at this model size and a
-    # 24-minute budget a FIM base completes lines half as often as a left-to-right one
-    # (docs/MODEL.md), so the default is 0
-    fim_rate: float = 0.0
-    fim_max_new_tokens: int = 32  # longest FIM middle (serving's default max_new_tokens)
-    # continue from this checkpoint (its tokenizer, architecture and weights) instead of
-    # starting from scratch; with fim_rate > 0 and a left-to-right checkpoint, the three
-    # sentinels are appended to its vocabulary and get new embedding rows
-    init: Path | None = None
-    minutes: float = 20.0  # wall-clock budget of the training loop
-    seed: int = 0  # seeds init, data order, gate-fitting samples
-    resume: bool = False  # continue from out_dir/resume if it exists
-    max_iters: int | None = None  # exact iteration budget instead of minutes (reproducible)
-    model: ModelConfig = field(
-        default_factory=lambda: replace(SIZES[DEFAULT_SIZE].model)
-    )  # the shipped base's architecture
-    vocab_size: int = 4096  # BPE vocabulary (overrides model.vocab_size)
-    batch_size: int = SIZES[DEFAULT_SIZE].batch_size  # sequences per step
-    learning_rate: float = 3e-3  # peak learning rate (3e-3 beat 1e-3 in a 200-step trial)
-    min_lr: float = 2e-4  # learning rate at the end of the cosine
-    warmup_iters: int = 100  # linear warmup steps
-    weight_decay: float = 0.1  # AdamW decay on matrices
-    beta2: float = 0.99  # AdamW beta2 (small model, small batches)
-    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
-    # where to train: "auto" (a CUDA GPU if torch sees one, else the CPU), "cpu", "cuda",
-    # "cuda:N" (tabloop.core.policy.device.resolve)
-    device: str = "auto"
-    # bf16 autocast on the CPU: None = where the CPU computes bf16 natively (cpu_has_bf16:
-    # about 1.6x faster than fp32 there; without it, emulated, about 10x slower). On a GPU the
-    # passes always run in bf16 autocast
-    amp: bool | None = None
-    threads: int | None = None  # torch threads (None: leave torch's default)
-    eval_every: int = 250  # iterations between held-out evaluations
-    eval_windows: int = 96  # held-out windows per periodic evaluation (final: all)
-    save_every_s: float = 120.0  # seconds between resume-state saves
-    max_files: int | None = None  # use only the first N train/held-out files (smoke tests)
-    gate_examples: int = 1500  # train-split completions used to fit the gate (0: keep init)
-    progress: bool = True  # show the rich progress bar
-    keep_state: bool = False  # keep out_dir/resume after a finished run
-
-
-# --- pure helpers ------------------------------------------------------------------------
-def get_lr(it: int, progress: float, cfg: PretrainConfig) -> float:
-    """Linear warmup over iterations, then cosine from the peak to min_lr over the budget."""
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    p = min(max(progress, 0.0), 1.0)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * p)) * (cfg.learning_rate - cfg.min_lr)
-
-
-def budget_progress(it: int, elapsed_s: float, cfg: PretrainConfig) -> float:
-    """Fraction of the budget used: iterations if max_iters is set, else wall-clock."""
-    if cfg.max_iters is not None:
-        return it / cfg.max_iters if cfg.max_iters > 0 else 1.0  # 0: no step at all
-    return elapsed_s / max(cfg.minutes * 60.0, 1e-9)
-
-
-def bits_per_byte(loss_nats_per_token: float, n_tokens: int, n_bytes: int) -> float:
-    return loss_nats_per_token / math.log(2) * n_tokens / max(n_bytes, 1)
-
-
-def show_offset() -> tuple[float, float]:
-    """(bias, log1p_bytes weight) that turn logit P(accept) into logit p(show) under the spec.
-
-    Showing pays P * accept * s - (1 - P) * reject with s = (chars / norm) ** exponent, so it is
-    worth it iff logit P + log(accept / reject) + exponent * log(chars / norm) > 0.
-    """
-    return (
-        math.log(_SPEC.accept_reward / _SPEC.reject_penalty)
-        - _SPEC.chars_exponent * math.log(_SPEC.chars_norm),
-        _SPEC.chars_exponent,
-    )
-
 
 # --- data --------------------------------------------------------------------------------
-def split_files(cfg: PretrainConfig) -> tuple[list[Path], list[Path]]:
-    """The train and held-out files of the configured corpus (the stdlib, or cfg.corpus)."""
-    return corpus_split(cfg.corpus, cfg.max_files)
-
-
 def stream_loss(
     model: GPT, data: np.ndarray, block: int, max_windows: int | None = None, batch: int = 16
 ) -> float:
@@ -189,127 +94,6 @@ def stream_loss(
         starts = [starts[i * len(starts) // max_windows] for i in range(max_windows)]
     rows = np.stack([data[s : s + block + 1].astype(np.int64) for s in starts])
     return heldout_loss(model, torch.from_numpy(rows), batch)
-
-
-# --- resume state (safetensors + JSON, never pickle) -------------------------------------
-# Written as CPU tensors and read onto the CPU, whatever device the model is on: a run started
-# on a GPU resumes on a CPU and the other way round.
-def save_state(
-    d: Path, model: GPT, opt: torch.optim.Optimizer, gen: torch.Generator, meta: dict[str, Any]
-) -> None:
-    tmp = d.with_name(d.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-        str(tmp / "model.safetensors"),
-    )
-    sd = opt.state_dict()
-    tensors = {
-        f"{i}.{k}": (v.reshape(-1) if v.dim() == 0 else v).detach().cpu().contiguous()
-        for i, st in sd["state"].items()
-        for k, v in st.items()
-    }
-    tensors["generator"] = gen.get_state()
-    save_file(tensors, str(tmp / "optim.safetensors"))
-    meta = dict(meta, param_groups=sd["param_groups"])
-    (tmp / "state.json").write_text(json.dumps(meta, indent=2, default=str))
-    shutil.rmtree(d, ignore_errors=True)
-    tmp.rename(d)
-
-
-def load_state(d: Path, model: GPT, opt: torch.optim.Optimizer, gen: torch.Generator) -> dict:
-    """Read the state saved by `save_state` into `model`, `opt` and the CPU generator `gen`;
-    the tensors are read onto the CPU and copied to the model's device (the optimizer's
-    load_state_dict puts the moments on their parameters' device)."""
-    meta = json.loads((d / "state.json").read_text())
-    model.load_state_dict(load_file(str(d / "model.safetensors"), device="cpu"))
-    tensors = load_file(str(d / "optim.safetensors"), device="cpu")
-    gen.set_state(tensors.pop("generator"))
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, v in tensors.items():
-        i, name = key.split(".", 1)
-        state.setdefault(int(i), {})[name] = v.reshape(()) if name == "step" else v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    return meta
-
-
-# --- the gate ----------------------------------------------------------------------------
-def fit_gate(
-    model: GPT,
-    tokenizer: CodeTokenizer,
-    cursors: Sequence[Cursor],
-    seed: int,
-    max_new_tokens: int = 32,
-) -> dict[str, float]:
-    """Fit the gate on train-split cursors, then shift it to a reward-aware show decision.
-
-    Label: the sampled completion (serving temperature/top-p) is non-empty and a prefix of the
-    true rest of the line (what a simulated user would accept). A logistic regression on the
-    gate's inputs (L2 on the hidden-state weights) estimates P(accept); the spec offset
-    (`show_offset`) then turns it into p(show), so p(show) > 1/2 where showing pays.
-
-    On the model's device: sampling and scoring as serving does there (bf16 autocast on a
-    GPU, draws from a CPU generator), the regression in float32.
-    """
-    device = model_device(model)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    model.eval()
-    with compute(device):
-        comps = [
-            complete(
-                model,
-                tokenizer,
-                c.prefix,
-                c.suffix,
-                max_new_tokens,
-                DEFAULT_TEMPERATURE,
-                DEFAULT_TOP_P,
-                gen,
-            )
-            for c in cursors
-        ]
-        with torch.no_grad():
-            parts = [
-                score_actions(model, tokenizer, comps[i : i + 128])
-                for i in range(0, len(comps), 128)
-            ]
-    labels = torch.tensor(
-        [
-            float(prefix_match(c.text, cur.rest_of_line))
-            for c, cur in zip(comps, cursors, strict=True)
-        ],
-        device=device,
-    )
-    h = torch.cat([p.gate_hidden for p in parts]).to(device, torch.float32)
-    x = torch.cat([p.gate_inputs for p in parts]).to(device, torch.float32)
-    nonempty = torch.tensor([bool(c.text) for c in comps], device=device)
-    h, x, y = h[nonempty], x[nonempty], labels[nonempty]
-    if not len(y):  # nothing to fit on (a model too young to be sure of any token): keep it
-        return {"examples": len(comps), "nonempty": 0}
-    gate = model.gate
-    params = list(gate.parameters())
-    opt = torch.optim.Adam(params, lr=0.05)
-    for _ in range(400):
-        logit = gate(h, x)
-        loss = (
-            F.binary_cross_entropy_with_logits(logit, y) + 1e-3 * gate.hidden.weight.square().sum()
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        p = torch.sigmoid(gate(h, x))
-        fit_loss = float(F.binary_cross_entropy(p, y))
-        bias, w_bytes = show_offset()
-        gate.features.bias.add_(bias)
-        gate.features.weight[0, GATE_FEATURES.index("log1p_bytes")] += w_bytes
-    return {
-        "examples": len(comps),
-        "nonempty": int(nonempty.sum()),
-        "accept_rate": float(y.mean()) if len(y) else 0.0,
-        "bce": fit_loss,
-    }
 
 
 # --- the loop ----------------------------------------------------------------------------
@@ -442,7 +226,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
             "elapsed_s": elapsed,
             "tokens_seen": tokens_seen,
             "history": history,
-            "config": _config_json(cfg),
+            "config": config_json(cfg),
         }
         save_state(state_dir, model, opt, gen, meta)
         (state_dir / "tokenizer.json").write_text(tokenizer.to_json())
@@ -544,7 +328,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
         "params": model.num_params(),
         "gate_fit": gate_fit,
         "init": init_info,
-        "config": _config_json(cfg),
+        "config": config_json(cfg),
         "history": history,
     }
     save_checkpoint(
@@ -561,50 +345,6 @@ def pretrain(cfg: PretrainConfig) -> Path:
     if not cfg.keep_state:
         shutil.rmtree(state_dir, ignore_errors=True)
     return out
-
-
-def refit_gate(
-    ckpt: Path,
-    examples: int,
-    seed: int,
-    corpus: Path | None = None,
-    device: torch.device | None = None,
-) -> dict[str, float]:
-    """Fit the gate of the checkpoint at `ckpt` again from its initial state, on `examples`
-    train-split completions sampled as serving samples them now (after a change to sampling,
-    such as the confidence stop), keeping the language model; rewrites the checkpoint in
-    place, with its version, and records the fit in the summary as `gate_refit`. The cursors
-    come from `corpus`, else the corpus the checkpoint was pretrained on. Sampled on `device`
-    (default: the CPU)."""
-    model, tokenizer, manifest = load_checkpoint(ckpt)
-    model.to(device or torch.device("cpu"))
-    init_gate(model.gate, model.config.gate_scale, model.config.gate_threshold)
-    if corpus is None:
-        trained_on = manifest.summary.get("config", {}).get("corpus")
-        corpus = None if trained_on is None else Path(trained_on)
-    train_paths, _ = split_files(PretrainConfig(out_dir=ckpt, corpus=corpus))
-    fit = fit_gate(model, tokenizer, cursors_from(train_paths, examples, seed), seed)
-    summary = {**manifest.summary, "gate_refit": {**fit, "seed": seed}}
-    save_checkpoint(
-        ckpt,
-        model,
-        tokenizer,
-        version=manifest.version,
-        parent=manifest.parent,
-        summary=summary,
-        dtype=manifest.weights_dtype,
-        overwrite=True,
-        languages=manifest.languages,
-    )
-    return fit
-
-
-def _config_json(cfg: PretrainConfig) -> dict[str, Any]:
-    d = asdict(cfg)
-    d["out_dir"] = str(cfg.out_dir)
-    d["corpus"] = None if cfg.corpus is None else str(cfg.corpus)
-    d["init"] = None if cfg.init is None else str(cfg.init)
-    return d
 
 
 def main(argv: Sequence[str] | None = None) -> int:
