@@ -228,7 +228,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m simulator.baseline`: the baseline alone, as JSON (for `tabloop simulate
-    --baseline-json`, or `python -m simulator.report --baseline`)."""
+    --baseline-json`, or `python -m simulator.plot --baseline`)."""
     import argparse
     import json
     import sys

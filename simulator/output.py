@@ -17,6 +17,7 @@ from rich.console import Console
 from simulator import phases
 from simulator import report as rpt
 from simulator.display import print_summary
+from simulator.plot import plot
 
 if TYPE_CHECKING:
     from simulator.config import SimConfig, SimulationState
@@ -180,7 +181,7 @@ def write_outputs(
         for r in sim.records:
             f.write(json.dumps(asdict(r)) + "\n")
     (cfg.out / "settled_lines.json").write_text(json.dumps(sorted(sim.settled_lines)))
-    rpt.plot(report, cfg.out / "learning_curve.png")
+    plot(report, cfg.out / "learning_curve.png")
     print_summary(console, report, cfg.out)
 
 

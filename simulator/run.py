@@ -44,24 +44,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
-import signal
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from rich.console import Console
-
 from simulator import phases
 from simulator import report as rpt
 from simulator.client import ApiError, Client, EventSender
-from simulator.config import Counters, SimConfig, default_checkpoint, utc_z
-from simulator.corpus import corpus_paths, load_lines
+from simulator.config import Counters, SimConfig, utc_z
 from simulator.display import Display
-from simulator.output import build_report, write_outputs
 from simulator.population import (
     AdversaryKind,
     CursorSource,
@@ -86,7 +80,7 @@ from simulator.population import (
     think_time,
 )
 from simulator.writing import WritingSource
-from tabloop.core.corpus import Cursor, corpus_files
+from tabloop.core.corpus import Cursor
 
 log = logging.getLogger("tabloop.simulate")
 
@@ -461,91 +455,3 @@ class Simulation:
                     await task
             display.done = True
             await display_task
-
-
-async def simulate(cfg: SimConfig, console: Console) -> dict[str, Any]:
-    client = Client(cfg.api, cfg.key, seed=cfg.seed)
-    admin_client = Client(cfg.api, cfg.admin_key, seed=cfg.seed) if cfg.admin_key else None
-    control: phases.TrainerControl | None = None
-    sim: Simulation | None = None
-    try:
-        spec, spec_source = await fetch_spec(admin_client or client)
-        admin = not spec_source.startswith("sim defaults")
-        console.print(
-            f"reward spec: {spec_source}: decision window {spec['decision_window_s']} s, "
-            f"retention checks {spec['retention_checks_s']} s, horizon "
-            f"{spec['horizon_s']} s",
-            highlight=False,
-        )
-        source = CursorSource(load_lines(cfg.corpus))
-        if cfg.corpus is not None:
-            console.print(f"corpus: {len(source.lines)} lines under {cfg.corpus}", highlight=False)
-        control = await phases.start(
-            cfg.baseline_minutes, cfg.minutes, (admin_client or client) if admin else None, console
-        )
-        sender = EventSender(
-            client, batch_size=cfg.event_batch_size, flush_interval_s=cfg.flush_interval_s
-        )
-        writing = None
-        if cfg.mode == "write":
-            paths = (
-                sorted(corpus_files("heldout")) if cfg.corpus is None else corpus_paths(cfg.corpus)
-            )
-            writing = WritingSource(paths)
-            console.print(f"writing mode: {len(paths)} files, top to bottom", highlight=False)
-        sim = Simulation(cfg, spec, source, client, sender, control, writing)
-        display = Display(cfg, admin, console, admin_client)
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGINT, sim.interrupted.set)
-        loop.add_signal_handler(signal.SIGTERM, sim.interrupted.set)
-        try:
-            await sim.run(display)
-        finally:
-            loop.remove_signal_handler(signal.SIGINT)
-            loop.remove_signal_handler(signal.SIGTERM)
-            await phases.resume(control, sim.now(), console)
-        deployments = training = None
-        if admin:
-            reader = admin_client or client
-            status, body = await reader.get("/admin/deployments", limit=1000)
-            if status == 200:
-                deployments = rpt.timeline(body, sim.started_at, sim.now() + 1)
-            status, body = await reader.get("/admin/training")
-            training = body if status == 200 else None
-    finally:
-        if sim is None:  # failed before the people started: still never leave it paused
-            await phases.resume(control, 0.0, console)
-        await client.aclose()
-        if admin_client is not None:
-            await admin_client.aclose()
-    baseline = None
-    if cfg.baseline_json:
-        baseline = json.loads(cfg.baseline_json.read_text())
-    elif cfg.baseline_cursors:
-        from simulator import baseline as bl
-
-        checkpoint = cfg.baseline_checkpoint or default_checkpoint()
-        console.print(
-            f"baseline: the base policy on {cfg.baseline_cursors} cursors of the people's code ..."
-        )
-        baseline = await asyncio.to_thread(
-            bl.run,
-            checkpoint,
-            source,
-            cfg.population,
-            spec,
-            cfg.baseline_cursors,
-            cfg.seed,
-            max_new_tokens=cfg.max_new_tokens,
-        )
-    report = build_report(
-        cfg,
-        sim,
-        spec_source,
-        deployments,
-        training,
-        baseline,
-        None if control is None else control.state,
-    )
-    write_outputs(cfg, sim, report, console)
-    return report

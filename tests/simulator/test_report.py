@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from simulator.plot import plot
 from simulator.report import (
     RequestRecord,
     bucketize,
@@ -16,7 +17,6 @@ from simulator.report import (
     fifths,
     gated_deploys,
     metrics,
-    plot,
     relative_change,
     split_by_time,
     targets,
@@ -310,7 +310,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 def test_report_main_swaps_the_baseline_and_redraws(tmp_path: Path) -> None:
     import json
 
-    from simulator.report import main
+    from simulator.plot import main
 
     records = [
         rec(t, "accept" if t % 2 else "abstained", chars=4, accepted=4, retained=4)
