@@ -43,9 +43,14 @@ def row(run: Path, lines: str) -> tuple[str, dict[str, float]]:
     changes = {}
     for m in METRICS:
         ref, last, change = side["reference"][m], side["last_fifth"][m], side["change"][m]
-        changes[m] = change
         fmt = "{:.1f}" if m.endswith("100") else "{:.3f}"
-        cells.append(f"{fmt.format(ref)} → {fmt.format(last)} ({100 * change:+.0f}%)")
+        shown = [("–" if v is None else fmt.format(v)) for v in (ref, last)]
+        if change is None:  # no such requests on one side (fresh lines can run out)
+            n = side["last_fifth"]["requests"], side["reference"]["requests"]
+            cells.append(f"{shown[0]} → {shown[1]} (n = {n[1]} → {n[0]})")
+            continue
+        changes[m] = change
+        cells.append(f"{shown[0]} → {shown[1]} ({100 * change:+.0f}%)")
     cells += [str(pc["gated_deploys"]), str(pc["errors"]), str(pc["events_lost"])]
     exact = report.get("offline_exact_rest_of_line")
     if exact:

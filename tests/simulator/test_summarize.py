@@ -90,3 +90,20 @@ def test_earlier_minutes_read_earlier_windows(tmp_path: Path) -> None:
     assert early.split(" | ")[3].endswith("(-100%)")  # nothing accepted in minutes 3-6
     assert end.split(" | ")[3].endswith("(+100%)")
     assert early.endswith("| 1 |") and end.endswith("| 1 |")
+
+
+def test_fresh_lines_that_ran_out_are_counted_not_compared(tmp_path: Path) -> None:
+    """With a memory, every line may have been sent by the end: the last fifth then has no fresh
+    request, and the table says so instead of failing."""
+    run = write_run(tmp_path / "run", minutes=15)
+    report = json.loads((run / "report.json").read_text())
+    fresh = report["phase_comparison"]["fresh"]
+    fresh["last_fifth"] = {
+        k: (0 if k in ("requests", "shown", "accepted") else None) for k in fresh["last_fifth"]
+    }
+    fresh["change"] = dict.fromkeys(fresh["change"])
+    (run / "report.json").write_text(json.dumps(report))
+    (row,) = summarize(str(run), "--lines", "fresh")[1:]
+    n = fresh["reference"]["requests"]
+    assert f"→ – (n = {n} → 0)" in row
+    assert "%" not in row.split(" | ")[3]
