@@ -35,7 +35,13 @@ from sqlalchemy.dialects import postgresql, sqlite
 # ignored one.
 from tabloop.core.reward import SUGGESTION_EVENTS, Feedback, Reward, RolloutInfo, finalize_at
 from tabloop.core.reward_spec import RewardSpec
-from tabloop.core.reward_store import BATCH, MeasuredRetention, rewards_from_db, rollout_info
+from tabloop.core.reward_store import (
+    BATCH,
+    ROLLOUT_COLUMNS,
+    MeasuredRetention,
+    rewards_from_db,
+    rollout_info,
+)
 from tabloop.core.stream.consumer import Record
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, is_user_purged
 from tabloop.core.tables import rewards, rollouts, utcnow
@@ -84,17 +90,7 @@ class Join:
         or with `owned`, those of the people `owned(user_id)` says this member joins."""
         with self.engine.connect() as conn:
             rows = conn.execute(
-                sa.select(
-                    rollouts.c.suggestion_id,
-                    rollouts.c.user_id,
-                    rollouts.c.created_at,
-                    rollouts.c.shown,
-                    rollouts.c.text,
-                    rollouts.c.text_chars,
-                    rollouts.c.reports_views,
-                    rollouts.c.language,
-                    rollouts.c.policy_version,
-                )
+                sa.select(*ROLLOUT_COLUMNS, rollouts.c.policy_version)
                 .outerjoin(rewards, rewards.c.suggestion_id == rollouts.c.suggestion_id)
                 .where(rewards.c.suggestion_id.is_(None))
             ).all()
