@@ -51,7 +51,7 @@ ROLLOUT_ROWS = (
 
 def code_kept(cutoff: datetime | None) -> list[Any]:
     """SQL conditions: the rollout's code is still stored (TABLOOP_CODE_RETENTION_DAYS blanks
-    it in rollouts older than `cutoff`: service/retention.code_cutoff)."""
+    it in rollouts older than `cutoff`: tabloop/core/retention.code_cutoff)."""
     return [] if cutoff is None else [rollouts.c.created_at >= cutoff]
 
 

@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     max_event_bytes: int = Field(16 * 1024, ge=256)
     # Ingestion answers 503 once this many outbox rows wait for the relay (full mode; counted
-    # exactly at this size: service/outbox.backlog).
+    # exactly at this size: tabloop/core/outbox.backlog).
     outbox_backlog_limit: int = Field(200_000, ge=1)
     # Seconds a client is told to wait on 429/503.
     retry_after_s: int = Field(1, ge=1, le=3600)
