@@ -12,15 +12,19 @@ import sqlalchemy as sa
 from fastapi import FastAPI
 
 from service import health
-from service.analytics import endpoints as analytics_endpoints
-from service.audit import endpoints as audit_endpoints
-from service.audit.recorder import AuditMiddleware
-from service.auth import endpoints as key_endpoints
+from service.admin.audit import endpoints as audit_endpoints
+from service.admin.audit.recorder import AuditMiddleware
+from service.admin.dashboard import endpoints as dashboard
+from service.admin.keys import endpoints as key_endpoints
+from service.admin.metrics import endpoints as analytics_endpoints
+from service.admin.policies import endpoints as policy_endpoints
+from service.admin.rewards import endpoints as reward_endpoints
+from service.admin.training import endpoints as training_endpoints
+from service.admin.users import endpoints as user_endpoints
 from service.body import BodyLimitMiddleware
 from service.completions import endpoints as complete_endpoints
 from service.completions.batching import Batcher, SamplingSettings
 from service.completions.serving import PolicyServer
-from service.dashboard import endpoints as dashboard
 from service.deps import AppContext, Health
 from service.errors import install_handlers
 from service.events import endpoints as event_endpoints
@@ -30,11 +34,7 @@ from service.metrics import HTTP_REQUEST_SECONDS
 from service.monitor import Monitor
 from service.openai import endpoints as openai_endpoints
 from service.openapi import install_openapi
-from service.policies import endpoints as policy_endpoints
-from service.rewards import endpoints as reward_endpoints
 from service.tabby import endpoints as tabby_endpoints
-from service.training import endpoints as training_endpoints
-from service.users import endpoints as user_endpoints
 from tabloop.core.config import Settings, load_settings
 from tabloop.core.db import make_engine
 from tabloop.core.keys import KeyCache, RateLimiter

@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from service.audit.recorder import AuditEntry, open_entry
+from service.admin.audit.recorder import AuditEntry, open_entry
 from service.completions.batching import Batcher
 from service.completions.serving import PolicyServer
 from service.errors import Forbidden, RateLimited, Unauthorized, Unavailable
@@ -151,7 +151,7 @@ def require_scope(*scopes: str) -> Callable[..., Awaitable[ApiKey]]:
 
 def audited(action: str, *scopes: str, target: str | None = None) -> Any:
     """`require_scope(*scopes)` for a route that acts, opening its audit entry (an
-    `AuditEntry`, service/audit/recorder.py) whose `actor` is the key (`actor.key_id`).
+    `AuditEntry`, service/admin/audit/recorder.py) whose `actor` is the key (`actor.key_id`).
     `target` names the path parameter the action is about (its default target).
 
     The rate limit is taken before the scope check here, and the entry opened between the two:

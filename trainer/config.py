@@ -3,7 +3,8 @@
 `PROFILES` is the one place that says how `prod` and `sim` differ. They share the method (a
 policy-gradient update of the tokens and the show/abstain decision, then a supervised pass on
 the text people settled on, mixed with generic code) and differ in scale: batch, minibatch and
-canary sizes and the replay lengths, and the reward windows (service/rewards/core.REWARD_SPECS).
+canary sizes and the replay lengths, and the reward windows
+(tabloop/core/reward_spec.REWARD_SPECS).
 One rule differs as well, and is named there rather than implied by the profile: how the gate
 learns (`UpdateConfig.gate_fit`: by a fit on every shown verdict so far, or, `False`, by the
 policy gradient alone). `TABLOOP_TRAINER_GATE_FIT` chooses it whatever the profile.

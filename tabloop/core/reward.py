@@ -276,7 +276,7 @@ def compute_reward(
     `user_rollouts` are the user's rollouts known to the caller, used only to spread the
     model_switch and churn penalties; this rollout is counted among them even if missing.
     `provisional`: the retention an accept without a retention report counts at, the one
-    measured on the clients that do report it (service/rewards/store.MeasuredRetention); None:
+    measured on the clients that do report it (tabloop/core/reward_store.MeasuredRetention); None:
     the spec's provisional_accept_weight.
     """
     counted = _counting(events, rollout, spec)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.users.purge import purge_user
+from service.admin.users.purge import purge_user
 from tabloop.core.db import make_engine, upgrade
 from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.stream.consumer import Record

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.analytics.queries import resolve_window
+from service.admin.metrics.queries import resolve_window
 from service.errors import Unprocessable
 from tabloop.core.reward import COMPONENTS
 from tabloop.core.tables import rewards, rollouts

@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path
 
-from service.audit.recorder import AuditEntry
+from service.admin.audit.recorder import AuditEntry
+from service.admin.users.purge import purge_user
+from service.admin.users.schemas import PurgeOut, Removed
 from service.deps import ADMIN, CtxDep, audited
-from service.users.purge import purge_user
-from service.users.schemas import PurgeOut, Removed
 
 router = APIRouter(prefix="/admin/users", tags=["admin: users"])
 

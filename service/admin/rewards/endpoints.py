@@ -10,7 +10,7 @@ from fastapi import APIRouter, Body
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.config import JsonDict
 
-from service.audit.recorder import AuditEntry
+from service.admin.audit.recorder import AuditEntry
 from service.deps import ADMIN, AdminKey, AppContext, CtxDep, audited
 from service.errors import NotFound, Unprocessable
 from service.openapi import error_responses
@@ -151,7 +151,7 @@ def post_replay(
 ) -> dict[str, Any]:
     """Recompute the rewards of rollouts in a time range under a spec version, from the
     database. Stored rewards are left as they are; the answer compares the two."""
-    # A read: its audit row is written as the answer starts (service/audit/recorder.py).
+    # A read: its audit row is written as the answer starts (service/admin/audit/recorder.py).
     asked = {"from": body.from_.isoformat(), "to": body.to.isoformat()}
     audit.detail = asked
     if body.to <= body.from_:

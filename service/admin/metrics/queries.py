@@ -6,7 +6,7 @@ functions (SQLite has no percentile aggregate) and returns only the few ranked r
 p50 and p99 of each bucket and version interpolate between. Buckets are aligned to multiples of
 bucket_s since the epoch, so a refreshing chart keeps its points in place; the first and last
 bucket may be partial. The `feedback` section (whose feedback was refused or capped) comes from
-service/analytics/trust.py.
+service/admin/metrics/trust.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.analytics.schemas import BucketRow, MetricsOut, Row
-from service.analytics.trust import feedback_trust
+from service.admin.metrics.schemas import BucketRow, MetricsOut, Row
+from service.admin.metrics.trust import feedback_trust
 from service.errors import Unprocessable
 from tabloop.core.reward import UNVIEWED
 from tabloop.core.reward_store import accepted_chars, kept_chars

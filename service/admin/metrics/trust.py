@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
-from service.analytics.schemas import CappedGroup, FeedbackTrust, RefusedGroup
+from service.admin.metrics.schemas import CappedGroup, FeedbackTrust, RefusedGroup
 from service.events.trust import refusal_reason
 from tabloop.core.tables import TRAINER_STATE_NAME, api_keys, dead_letters, trainer_state
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.audit.schemas import AuditEntryOut, AuditPage
+from service.admin.audit.schemas import AuditEntryOut, AuditPage
 from service.deps import AdminKey, CtxDep
 from service.errors import Unprocessable
 from tabloop.core import audit as store

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from pydantic.config import JsonDict
 
-from service.audit.recorder import AuditEntry
+from service.admin.audit.recorder import AuditEntry
 from service.deps import ADMIN, AdminKey, CtxDep, audited
 from service.errors import NotFound, Unprocessable
 from service.events.schemas import NoNul

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from fastapi import APIRouter
 from pydantic import ValidationError
 
-from service.audit.recorder import AuditEntry
+from service.admin.audit.recorder import AuditEntry
 from service.deps import ADMIN, AdminKey, CtxDep, audited
 from tabloop.core.reward_store import trainable_reward
 from tabloop.core.status import TrainerStatus

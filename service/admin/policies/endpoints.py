@@ -10,7 +10,7 @@ from fastapi import APIRouter, File, Form, Path, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.config import JsonDict
 
-from service.audit.recorder import AuditEntry
+from service.admin.audit.recorder import AuditEntry
 from service.deps import DEPLOY, AdminKey, CtxDep, DeployKey, audited
 from service.errors import NotFound, PayloadTooLarge, Unprocessable
 from service.openapi import error_responses

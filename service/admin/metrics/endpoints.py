@@ -8,8 +8,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.analytics import queries
-from service.analytics.schemas import MetricsOut
+from service.admin.metrics import queries
+from service.admin.metrics.schemas import MetricsOut
 from service.deps import AdminKey, CtxDep
 from service.errors import Unprocessable
 
