@@ -22,6 +22,7 @@ import stat
 import struct
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -259,9 +260,11 @@ class KafkaBroker:
         self._remove_weed_sockets()
 
     def _remove_weed_sockets(self) -> None:
-        """Unix sockets weed leaves in /tmp (all of them when it is killed)."""
+        """Unix sockets weed leaves in the temporary directory (Go's os.TempDir: $TMPDIR, else
+        the system's), all of them when it is killed."""
+        tmp = tempfile.gettempdir()
         for port in self._weed_ports.values():
-            for sock in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
+            for sock in glob.glob(os.path.join(tmp, f"seaweedfs-*-{port}.sock")):
                 with contextlib.suppress(OSError):
                     os.unlink(sock)
 
