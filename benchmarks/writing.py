@@ -54,7 +54,7 @@ from simulator.report import usefulness
 from tabloop.core.corpus import Cursor, corpus_files, directory_files, writing_cursors
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.sampling import complete
-from tabloop.core.recall import RECALL_INPUTS, Text, propose, recall_inputs
+from tabloop.core.recall import MIN_MATCH, RECALL_INPUTS, Text, propose, recall_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASE = ROOT / "tabloop" / "core" / "policy" / "base"
@@ -306,11 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return complete(model, tok, cur.prefix, "", 32, generator=g).shown_text
 
     def copy_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
-        p = propose(cur.prefix, (), memory)
+        p = propose(cur.prefix, (), memory, MIN_MATCH)
         return "" if p is None else p.text
 
     def either_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
-        p = propose(cur.prefix, (), memory)
+        p = propose(cur.prefix, (), memory, MIN_MATCH)
         return model_policy(cur, memory, seed) if p is None else p.text
 
     def served_policy(cur: Cursor, memory: Text | None, seed: int) -> str:

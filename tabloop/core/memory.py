@@ -22,8 +22,9 @@ TABLOOP_MEMORY_PERSON_BYTES, and the workspace's newest up to TABLOOP_MEMORY_WOR
 older ones are left out (evicted) until written again. A match's occurrences count once per
 person (tabloop.core.recall.Text's owners): someone who pastes a line ten thousand times weighs
 as one occurrence of it, so the copy head sees one person's word, never a crowd's. And a
-proposal needs a match of at least 16 bytes of the text before the cursor: a person's text is
-proposed only where a teammate's cursor follows the same text.
+proposal from the memory needs a match of at least 16 bytes of the text before the cursor
+(tabloop.core.recall.MIN_MATCH): a person's text is proposed only where a teammate's cursor
+follows the same text.
 
 Freshness. Each API process keeps, for every workspace (and scope) asked about in the last hour,
 a suffix-array index of it (tabloop.core.recall.Text), and a background thread rebuilds one when

@@ -1,8 +1,9 @@
 """Copy proposals: the longest earlier match of the text before the cursor, and what followed it.
 
 Code repeats itself within a file and within a project. Given the text before the cursor, find
-the longest tail of it (at least MIN_MATCH bytes) that occurred earlier, in the request itself
-(the file above, the lines below, the editor's snippets) or in the workspace's memory, and
+the longest tail of it that occurred earlier, in the request itself (the file above, the lines
+below, the editor's snippets: at least MIN_MATCH_REQUEST bytes) or in the workspace's memory
+(other files and other people's: at least MIN_MATCH bytes), and
 propose what followed the earlier occurrences, up to the end of their line. When the occurrences
 go on differently, the proposal is the part they agree on (their common prefix): a
 `self.assertEqual(x, ` seen with `1)` and `2)` proposes nothing, seen twice with `1)` proposes
@@ -27,7 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 from pydivsufsort import divsufsort
 
-MIN_MATCH = 16  # bytes of the cursor's tail that must match for a proposal
+MIN_MATCH = 16  # bytes of the cursor's tail that must match in the workspace's memory
+# ... and in the request's own text (the file above, the lines below, the editor's snippets):
+# the person's own file, where a shorter match is as good a guide (docs/MODEL.md)
+MIN_MATCH_REQUEST = 10
 MAX_MATCH = 256  # bytes of the tail compared at most (a longer match counts as this long)
 MAX_OCCURRENCES = 64  # occurrences of the longest match read at most
 SEPARATOR = b"\x00"  # between documents: never in a request (NUL is refused) so never matched
@@ -86,7 +90,7 @@ RECALL_INPUTS = (*FEATURES, "model_agrees", "model_empty")
 # package's files written top to bottom (code the base never trained on, and that the benchmarks
 # do not measure on); shifted to copy where that is 1 in 4 or likelier, and doubled. Made by
 #     python -m benchmarks.writing --fit --corpus "$(dirname of rich)" --n 3000 --seeds 0
-COPY_INIT = (3.588, -2.178, 2.283, 1.526, 0.218, -0.217, 1.747, 0.181, 2.409)
+COPY_INIT = (3.446, -2.332, 2.394, 1.355, 0.28, -0.28, 0.864, 0.43, 3.166)
 
 
 def recall_inputs(proposal: Proposal, model_text: str) -> list[float]:
@@ -232,18 +236,21 @@ def agreed(continuations: Sequence[bytes]) -> tuple[bytes, int]:
 
 
 def propose(
-    prefix: str, context: Iterable[str] = (), memory: Text | None = None
+    prefix: str,
+    context: Iterable[str] = (),
+    memory: Text | None = None,
+    min_request: int = MIN_MATCH_REQUEST,
 ) -> Proposal | None:
     """The copy proposal at the end of `prefix`: the longest match of its tail in the prefix
     itself, in the request's other text (`context`: the lines after the cursor, snippets) and
     in the workspace `memory`; the longest wins, earlier in SOURCES on a tie."""
     tail = prefix[-MAX_MATCH:]
     candidates: list[tuple[str, Match]] = []
-    m = match_in(prefix, tail)
+    m = match_in(prefix, tail, min_request)
     if m is not None:
         candidates.append(("prefix", m))
     for text in context:
-        m = match_in(text + "\n", tail)  # the context never holds the cursor itself
+        m = match_in(text + "\n", tail, min_request)  # the context never holds the cursor
         if m is not None:
             candidates.append(("context", m))
     if memory is not None:

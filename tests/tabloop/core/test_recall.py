@@ -8,7 +8,9 @@ import pytest
 
 from tabloop.core.recall import (
     MIN_MATCH,
+    MIN_MATCH_REQUEST,
     RECALL_INPUTS,
+    Proposal,
     Text,
     agreed,
     match_in,
@@ -39,7 +41,19 @@ def test_the_prefix_proposes_what_followed_its_earlier_match() -> None:
     p = propose(prefix)
     assert p is not None
     assert (p.text, p.source) == (", encoding='utf-8') as f:", "prefix")
-    assert p.match_bytes >= MIN_MATCH and p.occurrences == 1 and p.agreeing == 1
+    assert p.match_bytes >= MIN_MATCH_REQUEST and p.occurrences == 1 and p.agreeing == 1
+
+
+def test_the_request_needs_a_shorter_match_than_the_memory() -> None:
+    # the match " = getter(name" is 14 bytes: enough in the person's own request, not in the
+    # memory (other files and other people's text: tabloop/core/memory.py)
+    earlier = "    x = getter(name, default)\n"
+    prefix = "y = 0\n    z = getter(name"
+    assert MIN_MATCH_REQUEST <= len(" = getter(name") < MIN_MATCH
+    p = propose(earlier + prefix)
+    assert p is not None and (p.text, p.source) == (", default)", "prefix")
+    assert propose(prefix, (), Text(earlier.encode("utf-8"))) is None
+    assert propose(prefix, [earlier]) == Proposal(", default)", "context", 14, 1, 1)
 
 
 def test_the_cursor_itself_is_not_an_earlier_match() -> None:
