@@ -15,7 +15,11 @@ Policies, each on the same cursors:
 - `copy`: the copy heuristic with no model at all: the longest earlier match (>= 16 bytes) of the
   text before the cursor in the file above, then in the team's earlier files; what followed it
   to the end of the line, always shown (tabloop.core.recall.propose);
-- `served`: the policy as served now (tabloop.core.policy.sampling with the proposal).
+- `served`: the policy as served now (tabloop.core.policy.sampling with the proposal);
+- `request`: `served` with proposals from the request alone (no memory);
+- `copies`: `served` showing only what its copy head copies, never the model's own text (a
+  point of the trade between characters and exact of shown; not served);
+- `either`: the copy anchor's proposal where it has one, else `model`.
 
 With `--compare REF` the same cursors also go over HTTP, one at a time, to two services as
 shipped: a checkout of git revision REF and the working tree, each `tabloop serve` on the embedded
@@ -321,12 +325,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     def request_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
         return served_policy(cur, None, seed)
 
+    def copies_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
+        g = torch.Generator().manual_seed(seed)
+        p = propose(cur.prefix, (), memory)
+        c = complete(model, tok, cur.prefix, "", 32, generator=g, proposal=p)
+        return c.text if c.copied else ""
+
     table: dict[str, Policy] = {
         "model": model_policy,
         "copy": copy_policy,
         "either": either_policy,
         "served": served_policy,
         "request": request_policy,
+        "copies": copies_policy,
     }
     if args.fit:
         return fit(model_policy, files_of(args.corpus), args.n, int(args.seeds.split(",")[0]))
