@@ -161,7 +161,7 @@ def record_rollout(
     request's `document` in its workspace's memory; in privacy mode the rollout without its
     code and no document (service/privacy.py). Returns the `typed_through` event of the
     person's previous suggestion in that document, when this request shows they typed it
-    (service/workspace/memory.typed_through), for the caller to ingest."""
+    (tabloop.core.memory.typed_through), for the caller to ingest."""
     if record.get("no_train"):
         record, document = rollout_without_code(record), None
     now = utcnow()
