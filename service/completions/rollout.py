@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from service.completions.schemas import CompleteRequest
 from service.deps import AppContext
 from service.errors import Unavailable, Unprocessable
-from service.events.ingest import ingest_events
+from service.events.ingest import store_derived
 from service.metrics import COMPLETIONS, UNSUPPORTED_LANGUAGE
 from tabloop.core.config import Settings
 from tabloop.core.memory import SNIPPETS, remember, typed_through
@@ -156,16 +156,16 @@ def record_rollout(
     *,
     embedded: bool,
     document: Document | None = None,
-) -> dict[str, Any] | None:
+) -> None:
     """Store the rollout and its `tabloop.rollouts` message in one transaction, with the
     request's `document` in its workspace's memory; in privacy mode the rollout without its
-    code and no document (service/privacy.py). Returns the `typed_through` event of the
-    person's previous suggestion in that document, when this request shows they typed it
-    (tabloop.core.memory.typed_through), for the caller to ingest."""
+    code and no document (service/privacy.py). In the same transaction, the `typed_through`
+    event of the person's previous suggestion in that document, when this request shows they
+    typed it (tabloop.core.memory.typed_through): read before the document is replaced, it
+    commits with it, and costs the request no second transaction."""
     if record.get("no_train"):
         record, document = rollout_without_code(record), None
     now = utcnow()
-    typed = None
     with engine.begin() as conn:
         conn.execute(rollouts.insert().values(created_at=now, **record))
         if document is not None:
@@ -178,6 +178,14 @@ def record_rollout(
                 prefix=document.prefix,
                 api_key_id=record["api_key_id"],
             )
+            if typed is not None:  # the person typed their previous suggestion: no rejection
+                store_derived(
+                    conn,
+                    [typed],
+                    api_key_id=record["api_key_id"],
+                    embedded=embedded,
+                    source="completions",
+                )
             remember(
                 conn,
                 workspace=document.workspace,
@@ -213,7 +221,6 @@ def record_rollout(
     COMPLETIONS.labels(
         version=str(record["policy_version"]), shown="true" if record["shown"] else "false"
     ).inc()
-    return typed
 
 
 @dataclass(frozen=True)
@@ -272,24 +279,13 @@ async def serve(
     record = rollout_record(
         suggestion_id, req, policy.version, completion, latency_ms, text, api_key_id=api_key_id
     )
-    typed = await run_in_threadpool(
+    await run_in_threadpool(
         record_rollout,
         ctx.engine,
         record,
         embedded=settings.embedded,
         document=document_of(req, workspace, settings),
     )
-    if typed is not None:  # the person typed their previous suggestion here: no rejection
-        await run_in_threadpool(
-            ingest_events,
-            ctx.engine,
-            [typed],
-            api_key_id=api_key_id,
-            max_event_bytes=settings.max_event_bytes,
-            embedded=settings.embedded,
-            profile=settings.profile,
-            source="completions",
-        )
     return Served(
         suggestion_id=suggestion_id,
         policy_version=policy.version,

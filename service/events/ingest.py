@@ -163,6 +163,28 @@ def _batch_connection(engine: sa.Engine) -> Iterator[sa.Connection]:
             yield conn
 
 
+def store_derived(
+    conn: sa.Connection,
+    raw_events: list[dict[str, Any]],
+    *,
+    api_key_id: str | None,
+    embedded: bool,
+    source: str,
+) -> set[str]:
+    """Store events the service derived from its own rows, in the caller's transaction, so that
+    they commit with what they were derived from; the ids stored (a repeat is skipped). Each is
+    parsed as a client's would be. The trust checks are not run: the caller derives an event
+    only where they hold (tabloop.core.memory.typed_through reads the suggestion of the same
+    key and person, shown minutes ago), and nothing it derives is settled text."""
+    valid = [parse_event(e) for e in raw_events]
+    store = _store_postgresql if conn.dialect.name == "postgresql" else _store_portable
+    inserted = store(conn, _Batch(valid, [], utcnow(), source, api_key_id, embedded))
+    for ev in valid:
+        outcome = "accepted" if ev["event_id"] in inserted else "duplicate"
+        INGEST_EVENTS.labels(type=ev["type"], outcome=outcome).inc()
+    return inserted
+
+
 def check_admission(ctx: AppContext) -> None:
     """Unavailable (503, Retry-After) while the database is away or, in full mode, while the
     outbox holds TABLOOP_OUTBOX_BACKLOG_LIMIT rows the relay has not published yet."""
