@@ -1,7 +1,7 @@
 """Writing new code top to bottom: what each policy would give people, offline, on the same cursors.
 
     python -m benchmarks.writing [--corpus DIR] [--n 1000] [--seeds 0,1,2]
-        [--checkpoint DIR] [--policies model,copy,served] [--compare REF]
+        [--checkpoint DIR] [--policies model,copy,served] [--compare REF] [--min-request BYTES]
 
 A team writes the corpus's files in path order (the standard library's held-out files by
 default, or every non-test `*.py` under `--corpus`, e.g. a package the base never trained on).
@@ -58,7 +58,14 @@ from simulator.report import usefulness
 from tabloop.core.corpus import Cursor, corpus_files, directory_files, writing_cursors
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.sampling import complete
-from tabloop.core.recall import MIN_MATCH, RECALL_INPUTS, Text, propose, recall_inputs
+from tabloop.core.recall import (
+    MIN_MATCH,
+    MIN_MATCH_REQUEST,
+    RECALL_INPUTS,
+    Text,
+    propose,
+    recall_inputs,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASE = ROOT / "tabloop" / "core" / "policy" / "base"
@@ -296,6 +303,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --compare: the services' mode (full: PostgreSQL and a Kafka-protocol broker)",
     )
     ap.add_argument(
+        "--min-request",
+        type=int,
+        default=MIN_MATCH_REQUEST,
+        metavar="BYTES",
+        help="offline policies: the shortest match in the request's own text that proposes "
+        f"(default {MIN_MATCH_REQUEST}, as served; the memory's stays {MIN_MATCH})",
+    )
+    ap.add_argument(
         "--fit",
         action="store_true",
         help="fit the copy head's initial weights on this corpus instead (prints COPY_INIT)",
@@ -319,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def served_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
         g = torch.Generator().manual_seed(seed)
-        p = propose(cur.prefix, (), memory)
+        p = propose(cur.prefix, (), memory, args.min_request)
         return complete(model, tok, cur.prefix, "", 32, generator=g, proposal=p).shown_text
 
     def request_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
@@ -327,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def copies_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
         g = torch.Generator().manual_seed(seed)
-        p = propose(cur.prefix, (), memory)
+        p = propose(cur.prefix, (), memory, args.min_request)
         c = complete(model, tok, cur.prefix, "", 32, generator=g, proposal=p)
         return c.text if c.copied else ""
 
