@@ -241,7 +241,7 @@ def over_http(
     return out
 
 
-def fit(model_policy: Policy, paths: Sequence[Path], n: int, seed: int) -> int:
+def fit(model_policy: Policy, paths: Sequence[Path], n: int, seed: int, min_request: int) -> int:
     """Fit the copy head, p(the proposal is a prefix of the true rest of the line), by logistic
     regression on the corpus's cursors with a proposal, each weighted by the characters it
     proposes (a long right proposal is worth more, a long wrong one costs more reading); print
@@ -249,7 +249,7 @@ def fit(model_policy: Policy, paths: Sequence[Path], n: int, seed: int) -> int:
     memory = memories(paths)
     xs, ys, ws = [], [], []
     for i, (cur, _) in enumerate(writing_cursors(paths, n, seed)):
-        p = propose(cur.prefix, (), memory[cur.path])
+        p = propose(cur.prefix, (), memory[cur.path], min_request)
         if p is not None:
             lm = model_policy(cur, None, seed * 1_000_003 + i)
             xs.append(recall_inputs(p, lm))
@@ -307,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=MIN_MATCH_REQUEST,
         metavar="BYTES",
-        help="offline policies: the shortest match in the request's own text that proposes "
+        help="offline policies and --fit: the shortest match in the request's own text that "
+        "proposes "
         f"(default {MIN_MATCH_REQUEST}, as served; the memory's stays {MIN_MATCH})",
     )
     ap.add_argument(
@@ -355,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "copies": copies_policy,
     }
     if args.fit:
-        return fit(model_policy, files_of(args.corpus), args.n, int(args.seeds.split(",")[0]))
+        seed = int(args.seeds.split(",")[0])
+        return fit(model_policy, files_of(args.corpus), args.n, seed, args.min_request)
     chosen = {name: table[name] for name in args.policies.split(",") if name}
     paths = files_of(args.corpus)
     print(f"{len(paths)} files, {sum(len(p.read_bytes()) for p in paths):,} bytes")

@@ -90,6 +90,8 @@ RECALL_INPUTS = (*FEATURES, "model_agrees", "model_empty")
 # package's files written top to bottom (code the base never trained on, and that the benchmarks
 # do not measure on); shifted to copy where that is 1 in 4 or likelier, and doubled. Made by
 #     python -m benchmarks.writing --fit --corpus "$(dirname of rich)" --n 3000 --seeds 0
+# for the proposals as made now. A checkpoint without a copy head starts from it; the shipped
+# base holds a head of its own, an earlier fit of the same kind (docs/MODEL.md)
 COPY_INIT = (3.446, -2.332, 2.394, 1.355, 0.28, -0.28, 0.864, 0.43, 3.166)
 
 
