@@ -87,6 +87,7 @@ def remember(
         "suggestion_id": suggestion_id,
         "cursor_at": len(prefix),
         "line_end": len(prefix) + (len(suffix) if line < 0 else line),
+        "prefix_tail": prefix[-(TYPED_ANCHOR_CHARS + 1) :],
     }
     dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
     stmt = dialect.insert(workspace_code).values(**values)
@@ -95,7 +96,14 @@ def remember(
             index_elements=["workspace", "scope", "user_id", "document"],
             set_={
                 k: stmt.excluded[k]
-                for k in ("text", "updated_at", "suggestion_id", "cursor_at", "line_end")
+                for k in (
+                    "text",
+                    "updated_at",
+                    "suggestion_id",
+                    "cursor_at",
+                    "line_end",
+                    "prefix_tail",
+                )
             },
         )
     )
@@ -147,8 +155,7 @@ def typed_through(
     now = utcnow()
     row = conn.execute(
         sa.select(
-            workspace_code.c.text,
-            workspace_code.c.cursor_at,
+            workspace_code.c.prefix_tail,
             rollouts.c.suggestion_id,
             rollouts.c.text.label("suggested"),
         )
@@ -163,9 +170,9 @@ def typed_through(
             rollouts.c.api_key_id.is_not_distinct_from(api_key_id),
         )
     ).first()
-    if row is None or row.cursor_at is None or not row.suggested:
-        return None
-    typed = typed_since(row.text[: row.cursor_at], prefix.replace("\x00", ""))
+    if row is None or row.prefix_tail is None or not row.suggested:
+        return None  # (no tail: a row written before the tail was kept)
+    typed = typed_since(row.prefix_tail, prefix.replace("\x00", ""))
     chars = typed_chars(row.suggested, typed or "")
     if not chars:
         return None

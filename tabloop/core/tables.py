@@ -95,6 +95,9 @@ workspace_code = sa.Table(
     sa.Column("suggestion_id", sa.String(36), nullable=True),
     sa.Column("cursor_at", sa.Integer(), nullable=True),
     sa.Column("line_end", sa.Integer(), nullable=True),
+    # the end of that request's prefix (tabloop.core.memory.TYPED_ANCHOR_CHARS + 1 characters),
+    # read to tell a suggestion typed through without reading the whole document back
+    sa.Column("prefix_tail", sa.Text(), nullable=True),
     sa.UniqueConstraint("workspace", "scope", "user_id", "document", name="uq_workspace_code"),
     sa.Index("ix_workspace_code_workspace_updated_at", "workspace", "updated_at"),
     sa.Index("ix_workspace_code_user_id", "user_id"),

@@ -32,6 +32,8 @@ from tabloop.core.tables import events, rollouts
 def test_what_was_typed_since_the_last_request(before: str, now: str, typed: str | None) -> None:
     assert TYPED_ANCHOR_CHARS < 900
     assert typed_since(before, now) == typed
+    # the memory keeps only the end of the earlier prefix (prefix_tail): the same answer
+    assert typed_since(before[-(TYPED_ANCHOR_CHARS + 1) :], now) == typed
 
 
 @pytest.mark.parametrize(
