@@ -54,8 +54,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from simulator.report import usefulness
-from tabloop.core.corpus import Cursor, corpus_files, directory_files, writing_cursors
+from tabloop.core.corpus import Cursor, usefulness, writing_cursors, writing_files
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.sampling import complete
 from tabloop.core.recall import (
@@ -65,6 +64,7 @@ from tabloop.core.recall import (
     Text,
     propose,
     recall_inputs,
+    team_memories,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,30 +111,11 @@ Policy = Callable[[Cursor, Text | None, int], str]
 PARTS = ("all", "unseen", "repeated")  # every cursor; lines never sent before; the others
 
 
-def files_of(corpus: Path | None) -> list[Path]:
-    if corpus is None:
-        return sorted(corpus_files("heldout"))
-    return sorted(
-        p
-        for p in directory_files("heldout", corpus) + directory_files("train", corpus)
-        if p.suffix == ".py"
-    )
-
-
-def memories(paths: Sequence[Path]) -> dict[Path, Text]:
-    """For each file, the workspace memory when its writing starts: the earlier files."""
-    out, done = {}, b""
-    for p in paths:
-        out[p] = Text(done)
-        done += p.read_bytes().replace(b"\x00", b"") + b"\x00"
-    return out
-
-
 def run(
     policies: dict[str, Policy], paths: Sequence[Path], n: int, seed: int
 ) -> dict[tuple[str, str], Tally]:
     cursors = writing_cursors(paths, n, seed)
-    memory = memories(paths)
+    memory = team_memories(paths)
     tallies = {(name, part): Tally() for name in policies for part in PARTS}
     for i, (cur, repeated) in enumerate(cursors):
         for name, policy in policies.items():
@@ -246,7 +227,7 @@ def fit(model_policy: Policy, paths: Sequence[Path], n: int, seed: int, min_requ
     regression on the corpus's cursors with a proposal, each weighted by the characters it
     proposes (a long right proposal is worth more, a long wrong one costs more reading); print
     it as COPY_INIT."""
-    memory = memories(paths)
+    memory = team_memories(paths)
     xs, ys, ws = [], [], []
     for i, (cur, _) in enumerate(writing_cursors(paths, n, seed)):
         p = propose(cur.prefix, (), memory[cur.path], min_request)
@@ -357,9 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.fit:
         seed = int(args.seeds.split(",")[0])
-        return fit(model_policy, files_of(args.corpus), args.n, seed, args.min_request)
+        return fit(model_policy, writing_files(args.corpus), args.n, seed, args.min_request)
     chosen = {name: table[name] for name in args.policies.split(",") if name}
-    paths = files_of(args.corpus)
+    paths = writing_files(args.corpus)
     print(f"{len(paths)} files, {sum(len(p.read_bytes()) for p in paths):,} bytes")
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
 

@@ -91,16 +91,6 @@ class RequestRecord:
     adversary: str | None = None  # the adversary's kind (simulator.population); None: honest
 
 
-def usefulness(text: str, rest_of_line: str) -> tuple[int, bool]:
-    """(useful characters, whole line) of a shown suggestion: all of it when it is the rest of
-    the line (trailing whitespace aside), its length when it is a prefix of it, else 0."""
-    if not text.strip():
-        return 0, False
-    if text.rstrip() == rest_of_line.rstrip():
-        return len(text.rstrip()), True
-    return (len(text), False) if rest_of_line.startswith(text) else (0, False)
-
-
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 

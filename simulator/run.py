@@ -80,7 +80,7 @@ from simulator.population import (
     think_time,
 )
 from simulator.writing import WritingSource
-from tabloop.core.corpus import Cursor
+from tabloop.core.corpus import Cursor, usefulness
 
 log = logging.getLogger("tabloop.simulate")
 
@@ -354,7 +354,7 @@ class Simulation:
     ) -> None:
         accepted = decision is not None and decision.action == "accept"
         chars = decision.accepted_chars if decision is not None and accepted else 0
-        useful, whole = rpt.usefulness(text, cursor.rest_of_line)
+        useful, whole = usefulness(text, cursor.rest_of_line)
         self.records.append(
             rpt.RequestRecord(
                 t=round(t, 3),

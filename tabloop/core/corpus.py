@@ -180,6 +180,18 @@ def directory_files(split: Split, root: Path) -> list[Path]:
     return [p for p, held in _directory_files(Path(root).resolve()) if held == want]
 
 
+def writing_files(corpus: Path | None = None) -> list[Path]:
+    """The files a team writes in the writing benchmarks, in writing order: the standard
+    library's held-out files, or every non-test `*.py` file under `corpus` (a package)."""
+    if corpus is None:
+        return sorted(corpus_files("heldout"))
+    return sorted(
+        p
+        for p in directory_files("heldout", corpus) + directory_files("train", corpus)
+        if p.suffix == ".py"
+    )
+
+
 def read_corpus(split: Split, root: Path | None = None) -> str:
     """All of a split's files as one string, joined with FILE_SEPARATOR."""
     return FILE_SEPARATOR.join(read_text(p) for p in corpus_files(split, root))
@@ -227,6 +239,16 @@ def prefix_match(completion: str, rest_of_line: str) -> bool:
     if not completion.strip():
         return False
     return rest_of_line.startswith(completion) or exact_match(completion, rest_of_line)
+
+
+def usefulness(text: str, rest_of_line: str) -> tuple[int, bool]:
+    """(useful characters, whole line) of a shown suggestion: all of it when it is the rest of
+    the line (trailing whitespace aside), its length when it is a prefix of it, else 0."""
+    if not text.strip():
+        return 0, False
+    if text.rstrip() == rest_of_line.rstrip():
+        return len(text.rstrip()), True
+    return (len(text), False) if rest_of_line.startswith(text) else (0, False)
 
 
 def iter_lines(split: Split = "heldout", root: Path | None = None) -> Iterator[CorpusLine]:

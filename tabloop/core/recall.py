@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from pydivsufsort import divsufsort
@@ -235,6 +236,16 @@ def agreed(continuations: Sequence[bytes]) -> tuple[bytes, int]:
         count = len(nonempty)
     text = text.decode("utf-8", errors="ignore").encode("utf-8")
     return (text, count) if text.strip() else (b"", 0)
+
+
+def team_memories(paths: Sequence[Path]) -> dict[Path, Text]:
+    """For each of `paths`, written in this order by one team, the memory when its writing
+    starts: the earlier files, each ended by a NUL."""
+    out, done = {}, b""
+    for p in paths:
+        out[p] = Text(done)
+        done += p.read_bytes().replace(b"\x00", b"") + b"\x00"
+    return out
 
 
 def propose(

@@ -8,6 +8,7 @@ from pathlib import Path
 from simulator import report as rpt
 from simulator.population import SentLines
 from simulator.writing import WritingSource
+from tabloop.core.corpus import usefulness
 
 
 def test_people_write_their_own_files_top_to_bottom(tmp_path: Path) -> None:
@@ -51,7 +52,7 @@ def test_a_line_is_sent_by_a_prefix_or_a_suffix_but_not_by_its_cut_or_the_cursor
 
 
 def record(text: str, rest: str) -> rpt.RequestRecord:
-    useful, whole = rpt.usefulness(text, rest)
+    useful, whole = usefulness(text, rest)
     return rpt.RequestRecord(
         t=0.0,
         user_id="u",
@@ -71,10 +72,10 @@ def record(text: str, rest: str) -> rpt.RequestRecord:
 
 
 def test_usefulness_counts_the_characters_a_person_can_keep() -> None:
-    assert rpt.usefulness("abc)  ", "abc)") == (4, True)
-    assert rpt.usefulness("ab", "abc)") == (2, False)
-    assert rpt.usefulness("xb", "abc)") == (0, False)
-    assert rpt.usefulness("   ", "   x") == (0, False)
+    assert usefulness("abc)  ", "abc)") == (4, True)
+    assert usefulness("ab", "abc)") == (2, False)
+    assert usefulness("xb", "abc)") == (0, False)
+    assert usefulness("   ", "   x") == (0, False)
 
 
 def test_useful_characters_and_whole_lines_per_request() -> None:
