@@ -13,6 +13,8 @@ run is resumable: every `save_every_s` the model, optimizer moments and data-sam
 written under DIR/resume/ as safetensors + JSON (nothing pickled), and `--resume` continues from
 there. At the end the gate is fitted on train-split completions (see `fit_gate`) and the
 checkpoint (manifest, weights, tokenizer) is written to DIR; DIR/resume/ is then removed.
+`--calibrate` then moves the copy head and the gate to the reward's optimum on a package written
+top to bottom (trainer/pretrain/calibrate.py).
 
 `--device` (default: `TABLOOP_DEVICE`, else auto) is where it trains: "auto" (a CUDA GPU when
 torch sees one, else the CPU), "cpu", "cuda" or "cuda:N" (tabloop/core/policy/device.py). On a
@@ -54,6 +56,7 @@ from tabloop.core.policy.model import (
 )
 from tabloop.core.policy.tokenizer import FIM_TOKENS, CodeTokenizer, train_tokenizer
 from trainer.fim import FimSource
+from trainer.pretrain.calibrate import calibrate
 from trainer.pretrain.config import (
     DEFAULT_SIZE,
     SIZES,
@@ -409,6 +412,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="only fit the gate of the checkpoint in OUT again (language model kept)",
     )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="only calibrate the copy head and the gate of the checkpoint in OUT to the default "
+        "reward spec, on --corpus written top to bottom (docs/MODEL.md); use a package the "
+        "benchmarks do not measure on",
+    )
+    p.add_argument(
+        "--cursors",
+        type=int,
+        default=3000,
+        help="with --calibrate: writing cursors to observe for each of three seeds from --seed",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
@@ -416,6 +432,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeviceError as e:
         print(f"tabloop pretrain: {e}", file=sys.stderr)
         return 2
+    if args.calibrate:
+        torch.set_num_threads(args.threads or 1)  # one thread, as serving samples
+        try:
+            record = calibrate(
+                args.out,
+                args.corpus,
+                args.cursors,
+                [args.seed + i for i in range(3)],
+                progress=not args.no_progress,
+            )
+        except (CorpusError, ValueError) as e:
+            print(f"tabloop pretrain: {e}", file=sys.stderr)
+            return 2
+        print(f"calibrated {args.out}: {json.dumps(record)}")
+        return 0
     if args.refit_gate:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
