@@ -19,10 +19,10 @@ class RewardSpec:
     """DESIGN.md's reward spec JSON, field for field. Construction validates (ValueError)."""
 
     accept_reward: float = 0.75  # reward of a whole, fully retained accept of chars_norm chars
-    reject_penalty: float = 0.25  # subtracted when a shown suggestion is rejected or ignored
+    reject_penalty: float = 0.1  # subtracted when a shown suggestion is rejected or ignored
     abstain_reward: float = 0.0  # reward of showing nothing
     chars_norm: float = 20  # accepted size (characters) at which size_scale is 1
-    chars_exponent: float = 0.5  # size_scale = (min(chars, 3 * chars_norm) / chars_norm) ** this
+    chars_exponent: float = 1.0  # size_scale = (min(chars, 3 * chars_norm) / chars_norm) ** this
     decision_window_s: float = 30  # an accept or reject counts only this long after the rollout
     retention_checks_s: tuple[float, ...] = (30, 120, 300, 600)  # expected code_retained cadence,
     # seconds after the accept; finalization waits for the last one that fits in the horizon

@@ -35,6 +35,8 @@ from simulator.population import (
 )
 from tabloop.core.corpus import CorpusLine
 
+# the sim profile's windows; the decision_reward table below is worked out under these rewards
+# (reject 0.25, chars_exponent 0.5), not the RewardSpec defaults
 SIM_SPEC = {
     "accept_reward": 0.75,
     "reject_penalty": 0.25,

@@ -567,7 +567,8 @@ def test_carry_state_continues_adam_on_a_copy(
 
 # --- synthetic learning ------------------------------------------------------------------------
 # Family A: comment lines, where users reject every suggestion. Family B: code, where they
-# accept it. Rewards follow the default spec: reject -0.25, accept 0.75 * size scale, abstain 0.
+# accept it. Rewards follow RewardSpec(reject_penalty=0.25, chars_exponent=0.5), not today's
+# defaults: reject -0.25, accept 0.75 * (min(chars, 60) / 20) ** 0.5, abstain 0.
 FAMILY_A = [
     f"# note {i}: this comment explains the plan\n# and continues here, in prose\n# "
     for i in range(4)

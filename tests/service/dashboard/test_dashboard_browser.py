@@ -183,12 +183,13 @@ def test_login_charts_and_rollback(
     )
     expect(page.locator("#keys-table tbody")).to_contain_text("(its own)")
 
-    # when showing pays under the current reward spec: a 20-character suggestion, kept, above a
-    # quarter of the time; without a retention report, before any is measured, the same
+    # when showing pays under the current (default) reward spec: a 20-character suggestion,
+    # kept, above 0.1 / (0.75 + 0.1) of the time; without a retention report, before any is
+    # measured, the same; a 3-character one above 0.1 / (0.75 * 3 / 20 + 0.1)
     expect(page.locator("#spec-version")).to_contain_text("reward spec v1")
     cells = page.locator("#thresholds-table tr[data-chars='20'] td")
-    expect(cells).to_have_text(["20", "25.0%", "25.0%"])
-    expect(page.locator("#thresholds-table tr[data-chars='3'] td").nth(1)).to_have_text("46.3%")
+    expect(cells).to_have_text(["20", "11.8%", "11.8%"])
+    expect(page.locator("#thresholds-table tr[data-chars='3'] td").nth(1)).to_have_text("47.1%")
 
     # the audit log: what the service and this key did so far, newest first
     audit = page.locator("#audit-table tbody tr")

@@ -30,6 +30,8 @@ from tabloop.testing.factories import event as event_json
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 DEFAULT = RewardSpec()
+# the hand-worked values of the decision, size and worked-example tables are computed under this
+TAB = RewardSpec(reject_penalty=0.25, chars_exponent=0.5)
 SIM = RewardSpec.sim()
 _ids = itertools.count()
 
@@ -69,7 +71,7 @@ def kept(after: float, fraction: float, t: float, sid: str = "s1", **kw: Any) ->
     return ev("code_retained", t, sid, after_seconds=after, retained_fraction=fraction, **kw)
 
 
-W = DEFAULT.provisional_accept_weight  # an accept's retention with no report measured
+W = TAB.provisional_accept_weight  # an accept's retention with no report measured
 PROVISIONAL = 0.75 * W  # a whole 20-char accept with no retention report yet
 
 
@@ -261,7 +263,7 @@ DECISION_CASES = [
 
 @pytest.mark.parametrize(("rollout", "events", "outcome", "value"), DECISION_CASES)
 def test_decision(rollout: RolloutInfo, events: list[Feedback], outcome: str, value: float):
-    reward = compute_reward(rollout, events, [rollout], DEFAULT)
+    reward = compute_reward(rollout, events, [rollout], TAB)
     assert reward.outcome == outcome
     assert reward.value == pytest.approx(value)
     assert set(reward.components) == set(COMPONENTS)
@@ -269,12 +271,12 @@ def test_decision(rollout: RolloutInfo, events: list[Feedback], outcome: str, va
         reward.components["decision"] + reward.components["switch"] + reward.components["churn"]
     )
     # arrival order never matters
-    assert compute_reward(rollout, events[::-1], [rollout], DEFAULT) == reward
+    assert compute_reward(rollout, events[::-1], [rollout], TAB) == reward
 
 
 def test_components_of_an_accept() -> None:
     events = [ev("accept", 5, accepted_chars=5), kept(30, 0.8, 35)]
-    reward = compute_reward(ro(), events, [ro()], DEFAULT)
+    reward = compute_reward(ro(), events, [ro()], TAB)
     assert reward.components == pytest.approx(
         {
             "decision": 0.75 * 0.5 * 0.25 * 0.8,
@@ -286,10 +288,10 @@ def test_components_of_an_accept() -> None:
             "churn": 0.0,
         }
     )
-    provisional = compute_reward(ro(), events[:1], [ro()], DEFAULT).components
+    provisional = compute_reward(ro(), events[:1], [ro()], TAB).components
     assert provisional["retention"] == W and provisional["provisional"] == 1.0
     # the retention measured on clients that report it, when the caller has one
-    measured = compute_reward(ro(), events[:1], [ro()], DEFAULT, provisional=0.7).components
+    measured = compute_reward(ro(), events[:1], [ro()], TAB, provisional=0.7).components
     assert measured["retention"] == 0.7 and measured["provisional"] == 1.0
 
 
@@ -305,7 +307,32 @@ def test_components_of_an_accept() -> None:
     ],
 )
 def test_size_scale(chars: int, expected: float) -> None:
+    assert size_scale(chars, TAB) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("chars", "expected"),
+    [
+        pytest.param(0, 0.0, id="nothing"),
+        pytest.param(3, 3 / 20, id="3-chars"),
+        pytest.param(20, 1.0, id="20-chars-norm"),
+        pytest.param(60, 3.0, id="60-chars-cap"),
+        pytest.param(100, 3.0, id="100-chars-capped"),
+    ],
+)
+def test_default_size_scale_is_linear(chars: int, expected: float) -> None:
+    """The default chars_exponent 1: an accept is worth its characters, up to 3 * chars_norm."""
     assert size_scale(chars, DEFAULT) == pytest.approx(expected)
+
+
+def _break_even(chars: int, spec: RewardSpec) -> float:
+    """The accept rate at which showing a whole, kept `chars`-char suggestion earns nothing."""
+    rollout = ro(chars=chars)
+    accepted = compute_reward(rollout, [ev("accept", 1), kept(30, 1.0, 31)], [rollout], spec)
+    rejected = compute_reward(rollout, [ev("reject", 1)], [rollout], spec)
+    p = -rejected.value / (accepted.value - rejected.value)
+    assert p * accepted.value + (1 - p) * rejected.value == pytest.approx(0.0)
+    return p
 
 
 @pytest.mark.parametrize(
@@ -318,18 +345,32 @@ def test_size_scale(chars: int, expected: float) -> None:
     ],
 )
 def test_break_even_accept_rate(chars: int, low: float, high: float) -> None:
-    """DESIGN.md: showing pays when p * accept - (1 - p) * reject > 0 (kept code, whole accept)."""
-    rollout = ro(chars=chars)
-    accepted = compute_reward(rollout, [ev("accept", 1), kept(30, 1.0, 31)], [rollout], DEFAULT)
-    rejected = compute_reward(rollout, [ev("reject", 1)], [rollout], DEFAULT)
-    p = -rejected.value / (accepted.value - rejected.value)
-    assert p * accepted.value + (1 - p) * rejected.value == pytest.approx(0.0)
+    """Showing pays when p * accept - (1 - p) * reject > 0 (kept code, whole accept); TAB."""
+    p = _break_even(chars, TAB)
     assert low - 1e-9 <= p <= high + 1e-9
-    assert p == pytest.approx(0.25 / (0.25 + 0.75 * size_scale(chars, DEFAULT)))
+    assert p == pytest.approx(0.25 / (0.25 + 0.75 * size_scale(chars, TAB)))
+
+
+@pytest.mark.parametrize(
+    ("chars", "expected"),
+    [
+        pytest.param(3, 0.1 / (0.75 * 3 / 20 + 0.1), id="3-chars-about-0.47"),  # 0.4706
+        pytest.param(10, 0.1 / (0.75 * 10 / 20 + 0.1), id="10-chars-about-0.21"),  # 0.2105
+        pytest.param(20, 0.1 / (0.75 + 0.1), id="20-chars-about-0.12"),  # 0.1176
+        pytest.param(60, 0.1 / (0.75 * 3 + 0.1), id="60-chars-about-0.04"),  # 0.04255
+        pytest.param(100, 0.1 / (0.75 * 3 + 0.1), id="100-chars-same-as-60"),
+    ],
+)
+def test_default_break_even_accept_rate(chars: int, expected: float) -> None:
+    """DESIGN.md "Reward spec": the default spec's thresholds (accept 0.75 per 20 characters,
+    linear up to 60; a wrong suggestion shown costs 0.1)."""
+    assert _break_even(chars, DEFAULT) == pytest.approx(expected)
+    assert show_threshold(DEFAULT, chars, 1.0) == pytest.approx(expected)
 
 
 SPECS = [
     pytest.param(DEFAULT, id="default"),
+    pytest.param(TAB, id="tab"),
     pytest.param(RewardSpec(provisional_accept_weight=1.0), id="no-report-full-weight"),
     pytest.param(
         RewardSpec(reject_penalty=0.1, chars_exponent=1.0, abstain_reward=-0.02), id="linear"
@@ -483,7 +524,7 @@ def test_abstained_with_switch_and_churn() -> None:
 
 
 def test_worked_example() -> None:
-    """docs/REWARD.md's worked example, number for number."""
+    """docs/REWARD.md's worked example, number for number, under TAB; then the default's."""
     r1 = ro("s1", 0, chars=40)
     r2 = ro("s2", 60, chars=12)
     r3 = ro("s3", 90, shown=False, chars=0)
@@ -496,16 +537,23 @@ def test_worked_example() -> None:
         ev("reject", 62, "s2"),
         ev("model_switch", 200),
     ]
-    one = compute_reward(r1, events, user, DEFAULT)
+    one = compute_reward(r1, events, user, TAB)
     assert one.outcome == "accepted"
     assert one.components["size_scale"] == pytest.approx(math.sqrt(1.5))  # 1.2247
     assert one.components["share"] == pytest.approx(0.75)
     assert one.components["decision"] == pytest.approx(0.75 * math.sqrt(1.5) * 0.75 * 0.8)
     assert one.components["switch"] == pytest.approx(-0.25)
     assert one.value == pytest.approx(0.5511 - 0.25, abs=1e-4)
-    two = compute_reward(r2, events, user, DEFAULT)
+    two = compute_reward(r2, events, user, TAB)
     assert two.outcome == "rejected"
     assert two.value == pytest.approx(-0.25 - 0.25)
+    assert compute_reward(r3, events, user, TAB).value == 0.0
+    # the default spec: size_scale linear (30 / 20 = 1.5), a reject costs 0.1
+    one = compute_reward(r1, events, user, DEFAULT)
+    assert one.components["size_scale"] == pytest.approx(1.5)
+    assert one.components["decision"] == pytest.approx(0.75 * 1.5 * 0.75 * 0.8)  # 0.675
+    assert one.value == pytest.approx(0.675 - 0.25)
+    assert compute_reward(r2, events, user, DEFAULT).value == pytest.approx(-0.1 - 0.25)
     assert compute_reward(r3, events, user, DEFAULT).value == 0.0
     assert finalize_at(r1, events, DEFAULT) == at(304)
     assert finalize_at(r2, events, DEFAULT) == at(360)
@@ -793,10 +841,10 @@ def test_code_settled_changes_no_reward(rollout: RolloutInfo, events: list[Feedb
 
 DESIGN_JSON = {
     "accept_reward": 0.75,
-    "reject_penalty": 0.25,
+    "reject_penalty": 0.1,
     "abstain_reward": 0.0,
     "chars_norm": 20,
-    "chars_exponent": 0.5,
+    "chars_exponent": 1.0,
     "decision_window_s": 30,
     "retention_checks_s": [30, 120, 300, 600],
     "horizon_s": 600,
@@ -810,6 +858,10 @@ DESIGN_JSON = {
 def test_defaults_are_designs_json() -> None:
     assert RewardSpec().to_dict() == DESIGN_JSON
     assert RewardSpec.from_dict(DESIGN_JSON) == RewardSpec()
+    # the JSON block of DESIGN.md "Reward spec" is this one
+    text = (Path(__file__).parents[3] / "docs" / "DESIGN.md").read_text()
+    section = text.split("## Reward spec")[1]
+    assert json.loads(section.split("```json")[1].split("```")[0]) == DESIGN_JSON
 
 
 @pytest.mark.parametrize(
@@ -1023,7 +1075,7 @@ def test_naive_times_refused() -> None:
 
 
 def test_reward_is_plain_data() -> None:
-    reward = compute_reward(ro(), [], [ro()], DEFAULT)
+    reward = compute_reward(ro(), [], [ro()], TAB)
     assert reward == Reward(
         value=-0.25,
         components={**dict.fromkeys(COMPONENTS, 0.0), "decision": -0.25},

@@ -17,11 +17,21 @@ def test_reward_spec_versions(client: httpx.Client) -> None:
     r = client.put("/admin/reward-spec", json={"reject_penalty": 0.3})
     assert r.status_code == 201 and r.json()["version"] == 2
     assert r.json()["spec"]["reject_penalty"] == 0.3 and r.json()["spec"]["accept_reward"] == 0.75
-    # the show thresholds each version implies: a 20-character accept, kept, pays above a
-    # quarter under the defaults, above 0.3 / (0.75 + 0.3) under version 2; with no retention
-    # measured yet, an accept without a report counts whole (provisional_accept_weight 1)
+    # the show thresholds each version implies, for a whole, kept accept:
+    # reject_penalty / (0.75 * size_scale + reject_penalty). Under the defaults size_scale =
+    # chars / 20 (linear) and a reject costs 0.1, so a 20-character one pays above 0.1 / 0.85;
+    # under version 2 above 0.3 / (0.75 + 0.3). With no retention measured yet, an accept
+    # without a report counts whole (provisional_accept_weight 1)
     assert first["measured_retention"] is None
-    assert first["thresholds"][2] == {"chars": 20, "kept": 0.25, "no_report": 0.25}
+    assert first["thresholds"] == [
+        {"chars": n, "kept": pytest.approx(p), "no_report": pytest.approx(p)}
+        for n, p in [
+            (3, 0.1 / (0.75 * 3 / 20 + 0.1)),  # 0.4706
+            (10, 0.1 / (0.75 * 10 / 20 + 0.1)),  # 0.2105
+            (20, 0.1 / (0.75 + 0.1)),  # 0.1176
+            (60, 0.1 / (0.75 * 3 + 0.1)),  # 0.0426
+        ]
+    ]
     assert r.json()["thresholds"][2]["kept"] == pytest.approx(0.3 / 1.05)
     assert client.get("/admin/reward-spec").json()["version"] == 2
     bad = client.put("/admin/reward-spec", json={"horizon_s": -1})

@@ -28,7 +28,9 @@ from tabloop.core.reward_store import rollout_info
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 DEFAULT = RewardSpec()
-PROVISIONAL = 0.75 * DEFAULT.provisional_accept_weight  # a whole 20-char accept, no report yet
+# the values in CASES are worked out under this spec (a reject or silence costs 0.25)
+TAB = RewardSpec(reject_penalty=0.25, chars_exponent=0.5)
+PROVISIONAL = 0.75 * TAB.provisional_accept_weight  # a whole 20-char accept, no report yet
 _ids = itertools.count()
 
 
@@ -153,11 +155,11 @@ CASES = [
 def test_reward_with_views(
     rollout: RolloutInfo, events: list[Feedback], outcome: str, value: float
 ) -> None:
-    reward = compute_reward(rollout, events, [rollout], DEFAULT)
+    reward = compute_reward(rollout, events, [rollout], TAB)
     assert reward.outcome == outcome
     assert reward.value == pytest.approx(value)
     # the same in any order of the events
-    assert compute_reward(rollout, events[::-1], [rollout], DEFAULT) == reward
+    assert compute_reward(rollout, events[::-1], [rollout], TAB) == reward
 
 
 def test_an_unviewed_rollout_still_takes_its_share_of_user_penalties() -> None:
