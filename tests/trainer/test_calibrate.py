@@ -5,6 +5,7 @@ heads move as documented, and `tabloop pretrain --calibrate` writes it once."""
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,9 @@ def test_apply_moves_both_heads_as_documented() -> None:
     assert torch.allclose(show1, 2.0 * (show0 - 0.75), atol=1e-5)
 
 
-def test_pretrain_calibrate_writes_the_calibration_once(tmp_path: Path) -> None:
+def test_pretrain_calibrate_writes_the_calibration_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = PretrainConfig(
         out_dir=tmp_path / "base",
         max_files=6,
@@ -93,6 +96,7 @@ def test_pretrain_calibrate_writes_the_calibration_once(tmp_path: Path) -> None:
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64),
     )
     out = pretrain(cfg)
+    fresh = shutil.copytree(out, tmp_path / "fresh")
     package = tmp_path / "pkg"
     package.mkdir()
     for i in range(4):
@@ -109,3 +113,10 @@ def test_pretrain_calibrate_writes_the_calibration_once(tmp_path: Path) -> None:
     assert manifest.summary["iters"] == 4  # the rest of the summary is kept
     # a second calibration would sharpen the heads twice: refused
     assert pretrain_module.main([*argv, "--no-progress"]) == 2
+    assert "calibrated already" in capsys.readouterr().err
+    # nothing to write: a clear error, not a calibration on no cursors
+    (tmp_path / "js").mkdir()
+    (tmp_path / "js" / "app.js").write_text("const a = 1;\n")
+    empty = ["--out", str(fresh), "--calibrate", "--corpus", str(tmp_path / "js")]
+    assert pretrain_module.main([*empty, "--no-progress"]) == 2
+    assert "no *.py files" in capsys.readouterr().err

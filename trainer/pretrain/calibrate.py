@@ -211,6 +211,8 @@ def calibrate(
     if "calibration" in manifest.summary:  # k * (k * ...) would sharpen it twice
         raise ValueError(f"{ckpt} is calibrated already: {manifest.summary['calibration']}")
     paths = writing_files(corpus)
+    if not paths:
+        raise ValueError(f"no *.py files to write under {corpus}: the calibration writes Python")
     obs = [o for seed in seeds for o in observe(model, tokenizer, paths, cursors, seed, progress)]
     cal = best_calibration(obs, spec)
     before, after = expected(obs, Calibration(), spec), expected(obs, cal, spec)
