@@ -13,8 +13,10 @@ largest on the pooled seeds of `--corpus` is found, and the policy it gives is p
 `--corpus` itself, then on each `--eval` corpus (its own cursors, `--eval-n` a seed), against
 the checkpoint as it is (the `as is` row). The spec marked `default` is RewardSpec()'s.
 
-`tabloop pretrain --calibrate` writes the default spec's calibration into a checkpoint; run this
-on the checkpoint before that (the shipped base's summary keeps the calibration it was given).
+`tabloop pretrain --calibrate` writes the default spec's calibration into a checkpoint. A
+checkpoint calibrated already (the shipped base) is measured from its heads as fitted: its
+recorded calibration is undone first, so `as is` is the base before it and the default spec's
+row is the shipped base.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ import torch
 from tabloop.core.corpus import writing_files
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.reward_spec import RewardSpec
-from trainer.pretrain.calibrate import Calibration, Observation, best_calibration, expected, observe
+from trainer.pretrain.calibrate import (
+    Calibration,
+    Observation,
+    best_calibration,
+    expected,
+    observe,
+    undo,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASE = ROOT / "tabloop" / "core" / "policy" / "base"
@@ -56,8 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model, tok, manifest = load_checkpoint(args.checkpoint)
-    if "calibration" in manifest.summary:
-        print(f"note: {args.checkpoint} is calibrated already; the shifts are on top of it")
+    done = manifest.summary.get("calibration")
+    if done is not None:  # start from the heads as fitted, as the calibration did
+        undo(model, Calibration(done["copy_shift"], done["show_shift"], done["sharpness"]))
     seeds = [int(s) for s in args.seeds.split(",")]
 
     def observations(corpus: Path | None, n: int) -> list[list[Observation]]:

@@ -25,6 +25,7 @@ from trainer.pretrain.calibrate import (
     apply,
     best_calibration,
     expected,
+    undo,
 )
 
 LINEAR = RewardSpec(chars_exponent=1.0, reject_penalty=0.1)
@@ -78,6 +79,10 @@ def test_apply_moves_both_heads_as_documented() -> None:
         copy1, show1 = model.gate.copy(x)[:, 0], model.gate_logit(h, f)
     assert torch.allclose(copy1, 2.0 * (copy0 + 1.5), atol=1e-5)
     assert torch.allclose(show1, 2.0 * (show0 - 0.75), atol=1e-5)
+    with torch.no_grad():  # and back
+        undo(model, Calibration(copy_shift=1.5, show_shift=-0.75, sharpness=2.0))
+        assert torch.allclose(model.gate.copy(x)[:, 0], copy0, atol=1e-5)
+        assert torch.allclose(model.gate_logit(h, f), show0, atol=1e-5)
 
 
 def test_pretrain_calibrate_writes_the_calibration_once(

@@ -193,6 +193,17 @@ def apply(model: GPT, cal: Calibration) -> None:
         gate.hidden.weight.mul_(k)
 
 
+def undo(model: GPT, cal: Calibration) -> None:
+    """The inverse of `apply`: the heads as they were fitted (up to the weights' rounding)."""
+    gate, k = model.gate, cal.sharpness
+    with torch.no_grad():
+        gate.copy.bias.div_(k).sub_(cal.copy_shift)
+        gate.copy.weight.div_(k)
+        gate.features.bias.div_(k).sub_(cal.show_shift)
+        gate.features.weight.div_(k)
+        gate.hidden.weight.div_(k)
+
+
 def calibrate(
     ckpt: Path,
     corpus: Path | None,
