@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.writing import DEFAULT_BASE
 from tabloop.core.corpus import writing_files
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.reward_spec import RewardSpec
@@ -39,9 +40,6 @@ from trainer.pretrain.calibrate import (
     observe,
     undo,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BASE = ROOT / "tabloop" / "core" / "policy" / "base"
 
 
 def _floats(s: str) -> list[float]:
