@@ -11,11 +11,11 @@ logit and whether the text is right (trainer/pretrain/calibrate.py). For each sp
 spec with `chars_exponent` and `reject_penalty` from the lists), the calibration whose reward is
 largest on the pooled seeds of `--corpus` is found, and the policy it gives is printed: on
 `--corpus` itself, then on each `--eval` corpus (its own cursors, `--eval-n` a seed), against
-the checkpoint as it is (the `as is` row). The spec marked `default` is RewardSpec()'s.
+the checkpoint's heads as fitted (the `as fitted` row). The spec marked `default` is RewardSpec()'s.
 
 `tabloop pretrain --calibrate` writes the default spec's calibration into a checkpoint. A
 checkpoint calibrated already (the shipped base) is measured from its heads as fitted: its
-recorded calibration is undone first, so `as is` is the base before it and the default spec's
+recorded calibration is undone first, so `as fitted` is the base before it and the default spec's
 row is the shipped base.
 """
 
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{statistics.mean(f['exact_of_shown'] for f in figs):.3f}"
         )
 
-    rows = [("as is", Calibration(), default)] + [
+    rows = [("as fitted", Calibration(), default)] + [
         (
             f"exponent {s.chars_exponent:g}, reject {s.reject_penalty:g}"
             + (" (default)" if s == default else ""),
@@ -110,7 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     for label, cal, spec in rows:
         cells = [cell(fit, cal, spec)] + [cell(runs, cal, spec) for runs in evals.values()]
-        shifts = ["", ""] if label == "as is" else [f"{cal.copy_shift:+g}", f"{cal.show_shift:+g}"]
+        shifts = [f"{cal.copy_shift:+g}", f"{cal.show_shift:+g}"]
+        if label == "as fitted":
+            shifts = ["", ""]
         print(f"| {label} | " + " | ".join(shifts + cells) + " |", flush=True)
     return 0
 
