@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import track
 
 from tabloop.core.corpus import usefulness, writing_cursors, writing_files
-from tabloop.core.policy.checkpoint import load_checkpoint, save_checkpoint
+from tabloop.core.policy.checkpoint import load_checkpoint, rewrite_checkpoint
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.sampling import complete
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -237,16 +237,7 @@ def calibrate(
         "before": before,
         "after": after,
     }
-    save_checkpoint(
-        ckpt,
-        model,
-        tokenizer,
-        version=manifest.version,
-        parent=manifest.parent,
-        summary={**manifest.summary, "calibration": record},
-        dtype=manifest.weights_dtype,
-        overwrite=True,
-        languages=manifest.languages,
-    )
+    summary = {**manifest.summary, "calibration": record}
+    rewrite_checkpoint(ckpt, model, tokenizer, manifest, summary)
     log.info("calibrated %s: %s", ckpt, record)
     return record

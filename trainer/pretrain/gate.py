@@ -13,7 +13,7 @@ import torch
 from torch.nn import functional as F
 
 from tabloop.core.corpus import Cursor, cursors_from, prefix_match
-from tabloop.core.policy.checkpoint import load_checkpoint, save_checkpoint
+from tabloop.core.policy.checkpoint import load_checkpoint, rewrite_checkpoint
 from tabloop.core.policy.device import compute, model_device
 from tabloop.core.policy.model import (
     GATE_FEATURES,
@@ -146,15 +146,5 @@ def refit_gate(
     train_paths, _ = split_files(PretrainConfig(out_dir=ckpt, corpus=corpus))
     fit = fit_gate(model, tokenizer, cursors_from(train_paths, examples, seed), seed)
     summary = {**manifest.summary, "gate_refit": {**fit, "seed": seed}}
-    save_checkpoint(
-        ckpt,
-        model,
-        tokenizer,
-        version=manifest.version,
-        parent=manifest.parent,
-        summary=summary,
-        dtype=manifest.weights_dtype,
-        overwrite=True,
-        languages=manifest.languages,
-    )
+    rewrite_checkpoint(ckpt, model, tokenizer, manifest, summary)
     return fit

@@ -176,6 +176,29 @@ def save_checkpoint(
     return out
 
 
+def rewrite_checkpoint(
+    ckpt_dir: Path | str,
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    manifest: Manifest,
+    summary: dict[str, Any],
+) -> Path:
+    """Write the checkpoint `manifest` describes again in place, with `model`'s weights and
+    `summary`: its version, parent, weights dtype and languages kept (a refit or calibration of
+    heads, not a new policy)."""
+    return save_checkpoint(
+        ckpt_dir,
+        model,
+        tokenizer,
+        version=manifest.version,
+        parent=manifest.parent,
+        summary=summary,
+        dtype=manifest.weights_dtype,
+        overwrite=True,
+        languages=manifest.languages,
+    )
+
+
 def _write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     """Write via a temporary file in the same directory and rename over `path`."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
