@@ -113,7 +113,11 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
@@ -146,6 +150,14 @@ class CausalSelfAttention(nn.Module):
                 cache.v[layer, :B, :, cache.pos : end] = v
                 k, v = cache.k[layer, :B, :, :end], cache.v[layer, :B, :, :end]
                 causal = cache.pos == 0
+            if last is not None:  # only each row's query at `last`, over the keys up to it
+                assert causal, "`last` is for a prompt's pass, not a decoding step"
+                q = q[torch.arange(B, device=x.device), :, last].unsqueeze(2)
+                keys = torch.arange(T, device=x.device) <= last.unsqueeze(1)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :])
+                y = y.transpose(1, 2).contiguous().view(B, 1, C)
+                projected: torch.Tensor = self.c_proj(y)
+                return projected
             y = F.scaled_dot_product_attention(
                 q,
                 k,
@@ -179,9 +191,18 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+        """`last` (B,): compute each row's output at that position only, (B, 1, C); the keys
+        and values of every position still go into the cache."""
+        a = self.attn(self.ln_1(x), cache, layer, last)
+        if last is not None:
+            x = x[torch.arange(x.size(0), device=x.device), last].unsqueeze(1)
+        x = x + a
         out: torch.Tensor = x + self.mlp(self.ln_2(x))
         return out
 
@@ -246,8 +267,15 @@ class GPT(nn.Module):
         """Parameters, counting the tied embedding once and excluding nothing else."""
         return sum(p.numel() for p in self.parameters())
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Final (post-LayerNorm) hidden states for token ids idx (B, T)."""
+    def hidden(
+        self, idx: torch.Tensor, cache: KVCache | None = None, last: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final (post-LayerNorm) hidden states for token ids idx (B, T).
+
+        `last` (B,): a prompt's pass that needs only each row's state at that position (its
+        last real token), (B, 1, C). The final block then computes the output of that position
+        alone (a quarter of a prefill's work at 3 layers); every position's keys and values
+        still go into `cache`."""
         B, T = idx.size()
         ragged_step = isinstance(cache, RaggedKVCache) and cache.pos > 0
         start = cache.pos if cache is not None and not ragged_step else 0
@@ -260,7 +288,7 @@ class GPT(nn.Module):
             pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for i, block in enumerate(self.h):
-            x = block(x, cache, i)
+            x = block(x, cache, i, last if i == len(self.h) - 1 else None)
         if isinstance(cache, RaggedKVCache) and ragged_step:
             cache.lengths += cache.advance.long()
         elif cache is not None:

@@ -196,7 +196,7 @@ def _complete_batch(
     padded = [r.context_ids + [0] * (longest - len(r.context_ids)) for r in rows]  # right
     ids = torch.tensor(padded, dtype=torch.long, device=device)
     lengths = torch.tensor([len(r.context_ids) for r in rows], device=device)
-    h = model.hidden(ids, cache)[torch.arange(B, device=device), lengths - 1]  # each row's last
+    h = model.hidden(ids, cache, last=lengths - 1)[:, 0]  # each row's last position
     if isinstance(cache, RaggedKVCache):
         cache.lengths = lengths.clone()
     cpu = torch.device("cpu")

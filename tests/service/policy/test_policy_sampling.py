@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tabloop.core.policy.actions import Completion, constraint_steps, sampling_logprobs
-from tabloop.core.policy.model import GPT, RaggedKVCache
+from tabloop.core.policy.model import GPT, KVCache, RaggedKVCache
 from tabloop.core.policy.sampling import Prompt, complete, complete_batch
 from tabloop.core.policy.scoring import action_logprob, batch_action_logprobs, score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -366,3 +366,25 @@ def test_a_copy_proposal_is_part_of_the_action_and_its_logprob_is_recomputed(
         proposal=proposal,
     )
     assert (alone.text, alone.copied) == (comps[1].text, comps[1].copied)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_prompt_pass_for_the_last_positions_only_is_the_full_pass_there(
+    tiny_model: GPT, batch: int
+) -> None:
+    """`hidden(..., last=)` (the prefill of sampling) computes the final block at each row's
+    last real position only: the same hidden states there as the full pass, the same cache."""
+    cfg = tiny_model.config
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, 20))
+    last = torch.tensor([19, 7, 12][:batch])
+    cache_class = RaggedKVCache if batch > 1 else KVCache
+    full_cache, cache = cache_class(cfg, batch, None, 24), cache_class(cfg, batch, None, 24)
+    with torch.inference_mode():
+        full = tiny_model.hidden(ids, full_cache)[torch.arange(batch), last]
+        part = tiny_model.hidden(ids, cache, last=last)
+    assert part.shape == (batch, 1, cfg.n_embd)
+    torch.testing.assert_close(part[:, 0], full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cache.k, full_cache.k)
+    torch.testing.assert_close(cache.v, full_cache.v)
+    assert cache.pos == full_cache.pos == 20
