@@ -14,6 +14,7 @@ import torch
 import trainer.pretrain.run as pretrain_module
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.model import GATE_FEATURES, GPT, ModelConfig
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.recall import RECALL_INPUTS
 from tabloop.core.reward_spec import RewardSpec
 from trainer.pretrain import PretrainConfig, pretrain
@@ -25,6 +26,7 @@ from trainer.pretrain.calibrate import (
     apply,
     best_calibration,
     expected,
+    observe,
     undo,
 )
 
@@ -83,6 +85,38 @@ def test_apply_moves_both_heads_as_documented() -> None:
         undo(model, Calibration(copy_shift=1.5, show_shift=-0.75, sharpness=2.0))
         assert torch.allclose(model.gate.copy(x)[:, 0], copy0, atol=1e-5)
         assert torch.allclose(model.gate_logit(h, f), show0, atol=1e-5)
+
+
+def test_observed_inputs_give_each_heads_logit_again(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, tmp_path: Path
+) -> None:
+    """`observe(..., inputs=True)` keeps what each head read: the copy head's inputs, and the
+    gate's hidden state and features scored again from the completion; each head on them
+    gives the logit observed (benchmarks/calibration.py --fit-heads fits the heads on them)."""
+    with torch.no_grad():  # a gate that reads the hidden state too
+        tiny_model.gate.hidden.weight.normal_(0.0, 0.5)
+    for i in range(3):
+        body = "".join(f"    total_{j} = add(total_{j - 1}, {j})\n" for j in range(1, 20))
+        (tmp_path / f"m{i}.py").write_text(f"def run_{i}(total_0):\n{body}    return 1\n")
+    paths = sorted(tmp_path.glob("*.py"))
+    obs = observe(tiny_model, tiny_tokenizer, paths, 40, seed=0, progress=False, inputs=True)
+    copies = [o.copy for o in obs if o.copy is not None]
+    owns = [o.own for o in obs if o.own is not None]
+    assert copies and owns, "the corpus repeats itself: proposals, and completions to show"
+    with torch.no_grad():
+        x = torch.tensor([c.inputs for c in copies])
+        assert x.shape[1] == len(RECALL_INPUTS)
+        assert torch.allclose(
+            tiny_model.gate.copy(x)[:, 0], torch.tensor([c.logit for c in copies]), atol=1e-4
+        )
+        read = torch.tensor([o.inputs for o in owns])
+        h, f = read[:, : tiny_model.config.n_embd], read[:, tiny_model.config.n_embd :]
+        assert f.shape[1] == len(GATE_FEATURES)
+        logits = tiny_model.gate_logit(h, f)
+    assert torch.allclose(logits, torch.tensor([o.logit for o in owns]), atol=1e-3)
+    plain = observe(tiny_model, tiny_tokenizer, paths, 40, seed=0, progress=False)
+    assert [o.own.logit for o in plain if o.own] == [o.logit for o in owns]
+    assert all(o.own.inputs == () for o in plain if o.own)
 
 
 def test_pretrain_calibrate_writes_the_calibration_once(

@@ -36,6 +36,7 @@ from tabloop.core.corpus import usefulness, writing_cursors, writing_files
 from tabloop.core.policy.checkpoint import load_checkpoint, rewrite_checkpoint
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.sampling import complete
+from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.recall import MIN_MATCH_REQUEST, propose, recall_inputs, team_memories
 from tabloop.core.reward_spec import RewardSpec, size_scale
@@ -54,6 +55,9 @@ class Option:
     logit: float  # the head's logit before calibration
     useful: int  # useful characters if shown (0: wrong)
     whole: bool  # it is the whole rest of the line
+    # what the head read, when observed with `inputs`: the copy head's RECALL_INPUTS, or the
+    # gate's hidden state then its confidence features
+    inputs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,9 +92,11 @@ def observe(
     n: int,
     seed: int,
     progress: bool = True,
+    inputs: bool = False,
 ) -> list[Observation]:
     """The observations at about `n` writing cursors of `paths` (seeded), sampled as serving
-    samples (its temperature, top-p and confidence stop), one thread's work."""
+    samples (its temperature, top-p and confidence stop), one thread's work. `inputs`: keep
+    what each head read too (the gate's is scored again from the logged completion)."""
     memory = team_memories(paths)
     out: list[Observation] = []
     cursors = writing_cursors(paths, n, seed)
@@ -109,7 +115,12 @@ def observe(
         own = None
         if c.text.strip():
             useful, whole = usefulness(c.text, cur.rest_of_line)
-            own = Option(_logit(c.gate_prob_show), useful, whole)
+            read: tuple[float, ...] = ()
+            if inputs:
+                with torch.no_grad():
+                    s = score_actions(model, tokenizer, [c])
+                read = (*s.gate_hidden[0].tolist(), *s.gate_inputs[0].tolist())
+            own = Option(_logit(c.gate_prob_show), useful, whole, read)
         p = propose(cur.prefix, (), memory[cur.path], MIN_MATCH_REQUEST)
         copy = None
         if p is not None:
@@ -117,7 +128,7 @@ def observe(
                 x = torch.tensor([recall_inputs(p, c.text)], dtype=torch.float32)
                 logit = float(model.gate.copy(x)[0, 0])
             useful, whole = usefulness(p.text, cur.rest_of_line)
-            copy = Option(logit, useful, whole)
+            copy = Option(logit, useful, whole, tuple(x[0].tolist()) if inputs else ())
         out.append(Observation(copy, own))
     return out
 
