@@ -226,3 +226,7 @@ def heads_cell(runs: list[list[Observation]], heads: Heads, spec: RewardSpec) ->
         f"{statistics.mean(useful_runs):.1f} ({min(useful_runs):.1f}-{max(useful_runs):.1f}), "
         f"{statistics.mean(f[1] for f in figs):.3f}, {statistics.mean(f[2] for f in figs):.3f}"
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
