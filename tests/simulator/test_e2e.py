@@ -13,8 +13,11 @@ standard errors. Runs of this set-up measured -47%, -34%, -22% and -20% — and 
 the base policy stayed live throughout also "dropped" by 27%. It is printed, not asserted. What is
 asserted is the cause of such a drop, measured without sampling noise: the last deployed
 candidates' gate, scoring the base policy's own greedy completions on fixed held-out cursors,
-lowered its logit on the family, and by more than elsewhere. A trainer that learned nothing
-leaves both at 0; one that only learned "show less" moves both alike; neither passes.
+moved its logit on the family down against elsewhere. A trainer that learned nothing leaves
+both at 0; one that only learned "show less" or "show more" moves both alike; none passes.
+Where its logit on the family ends up by itself is not asserted: under the default reward
+(linear in characters, a reject costs 0.1) the accepts elsewhere pay, so the gate's shared bias
+rises while the family falls behind it (a run measured +0.11 on the family, +0.51 elsewhere).
 """
 
 from __future__ import annotations
@@ -211,9 +214,7 @@ def test_simulated_people_teach_the_service(up: Up, tmp_path: Path) -> None:
             )
             gaps[version] = (d_fam, d_other)
     print("gate logit change vs base (family, other):", gaps)
-    # one candidate may move both up (it is one noisy step from its parent); the last three
-    # together must have learned "not here" rather than "less everywhere"
-    mean_family = sum(f for f, _ in gaps.values()) / len(gaps)
+    # one candidate may move both alike (it is one noisy step from its parent); the last three
+    # together must have learned "not here" rather than "less (or more) everywhere"
     mean_gap = sum(f - o for f, o in gaps.values()) / len(gaps)
-    assert mean_family < 0, gaps
     assert mean_gap < -MIN_LOGIT_GAP, gaps
