@@ -4,7 +4,8 @@ minutes with 16 people, then
 - the trainer made at least one gated canary deploy;
 - every rollout the simulator produced got a finalized reward, and every event it queued was
   delivered and stored;
-- the trained policy learned to stay silent where the people always reject (def/class lines).
+- the trained policy learned to show less where the people always reject (def/class lines)
+  than elsewhere.
 
 On the last point: the *live* shown rate on that family, first fifth against last, is too noisy
 to assert in two minutes: about 100 family requests a fifth, shown ~25% of the time, and for
