@@ -34,18 +34,19 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.writing import DEFAULT_BASE
 from tabloop.core.corpus import writing_files
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.model import Gate
-from tabloop.core.reward_spec import RewardSpec, size_scale
+from tabloop.core.reward_spec import RewardSpec
 from trainer.pretrain.calibrate import (
     Calibration,
     Observation,
-    Option,
     apply,
+    arrays,
     best_calibration,
     expected,
     observe,
@@ -146,32 +147,16 @@ Heads = dict[str, torch.Tensor]
 
 
 def _tensors(obs: Sequence[Observation], spec: RewardSpec) -> dict[str, torch.Tensor]:
-    """Each side's inputs, presence and what showing it is worth (as calibrate's arrays)."""
-    out: dict[str, torch.Tensor] = {}
+    """calibrate's arrays (presence, what showing each side is worth) as float tensors, with
+    each side's inputs."""
+    out = {k: torch.from_numpy(v.astype(np.float32)) for k, v in arrays(obs, spec).items()}
     for side in ("copy", "own"):
         options = [getattr(o, side) for o in obs]
         width = max((len(x.inputs) for x in options if x is not None), default=1)
         out[side + "_in"] = torch.tensor(
             [x.inputs if x is not None else (0.0,) * width for x in options]
         )
-        out[side + "_has"] = torch.tensor([x is not None for x in options], dtype=torch.float32)
-        for key, value in _worth(options, spec).items():
-            out[side + "_" + key] = value
     return out
-
-
-def _worth(options: Sequence[Option | None], spec: RewardSpec) -> dict[str, torch.Tensor]:
-    useful = torch.tensor([x.useful if x else 0 for x in options], dtype=torch.float32)
-    reward = [
-        spec.accept_reward * size_scale(int(u), spec) if u else -spec.reject_penalty
-        for u in useful.tolist()
-    ]
-    return {
-        "useful": useful,
-        "whole": torch.tensor([float(bool(x and x.whole)) for x in options]),
-        "wrong": (useful == 0).float(),
-        "reward": torch.tensor(reward),
-    }
 
 
 def _heads(g: Gate) -> Heads:
@@ -184,9 +169,9 @@ def _heads(g: Gate) -> Heads:
 
 
 def _shown(t: dict[str, torch.Tensor], heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
-    p_copy = t["copy_has"] * torch.sigmoid(t["copy_in"] @ heads["copy_w"] + heads["copy_b"])
+    p_copy = t["has_copy"] * torch.sigmoid(t["copy_in"] @ heads["copy_w"] + heads["copy_b"])
     p_show = torch.sigmoid(t["own_in"] @ heads["own_w"] + heads["own_b"])
-    return p_copy, (1 - p_copy) * t["own_has"] * p_show
+    return p_copy, (1 - p_copy) * t["has_own"] * p_show
 
 
 def fit_heads(

@@ -137,7 +137,7 @@ def expected(obs: Sequence[Observation], cal: Calibration, spec: RewardSpec) -> 
     """What the calibrated policy gives in expectation over the observations: useful
     characters per 100 requests, whole rest of line and wrong suggestions shown per request,
     exact of shown, shown per request, and the spec's reward per request."""
-    return _figures(_arrays(obs, spec), cal)
+    return _figures(arrays(obs, spec), cal)
 
 
 def _figures(a: dict[str, np.ndarray], cal: Calibration) -> dict[str, float]:
@@ -163,7 +163,9 @@ def _figures(a: dict[str, np.ndarray], cal: Calibration) -> dict[str, float]:
     }
 
 
-def _arrays(obs: Sequence[Observation], spec: RewardSpec) -> dict[str, np.ndarray]:
+def arrays(obs: Sequence[Observation], spec: RewardSpec) -> dict[str, np.ndarray]:
+    """Per side ("copy", "own"): whether it is there, and its logit, useful characters, whole
+    line, wrong and reward under `spec` if shown, one entry per observation."""
     out: dict[str, np.ndarray] = {}
     for side in ("copy", "own"):
         options = [getattr(o, side) for o in obs]
@@ -186,10 +188,10 @@ def best_calibration(
     obs: Sequence[Observation], spec: RewardSpec, sharpness: float = SHARPNESS
 ) -> Calibration:
     """The shifts on the grid whose calibrated policy earns the most reward under `spec`."""
-    arrays = _arrays(obs, spec)
+    a = arrays(obs, spec)
     return max(
         (Calibration(c, s, sharpness) for c in SHIFTS for s in SHIFTS),
-        key=lambda cal: _figures(arrays, cal)["reward"],
+        key=lambda cal: _figures(a, cal)["reward"],
     )
 
 
