@@ -19,7 +19,10 @@ Policies, each on the same cursors:
 - `request`: `served` with proposals from the request alone (no memory);
 - `copies`: `served` showing only what its copy head copies, never the model's own text (a
   point of the trade between characters and exact of shown; not served);
-- `either`: the copy anchor's proposal where it has one, else `model`.
+- `either`: the copy anchor's proposal where it has one, else `model`;
+- `ceiling`: not a policy but a bound. The true rest of the line wherever the text sent before
+  (the file above, the team's earlier files) holds it as the ending of a line, whatever
+  precedes it: no copy of what was sent can show more whole lines than this.
 
 With `--compare REF` the same cursors also go over HTTP, one at a time, to two services as
 shipped: a checkout of git revision REF and the working tree, each `tabloop serve` on the embedded
@@ -328,6 +331,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = complete(model, tok, cur.prefix, "", 32, generator=g, proposal=p)
         return c.text if c.copied else ""
 
+    def ceiling(cur: Cursor, memory: Text | None, seed: int) -> str:
+        rest = cur.rest_of_line
+        sent = memory.data if memory is not None else b""
+        ends = (f"{rest}\n".encode(), f"{rest}\x00".encode())  # a line's or a file's ending
+        held = f"{rest}\n" in cur.prefix or any(end in sent for end in ends)
+        return rest if rest.strip() and held else ""
+
     table: dict[str, Policy] = {
         "model": model_policy,
         "copy": copy_policy,
@@ -335,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "served": served_policy,
         "request": request_policy,
         "copies": copies_policy,
+        "ceiling": ceiling,
     }
     if args.fit:
         seed = int(args.seeds.split(",")[0])
