@@ -11,6 +11,14 @@ rest-of-line rate of the base and the last live policy on fresh lines; then the 
 standard deviation of each change over the runs. Every run given is reported: none is dropped
 or picked.
 
+A run with the trainer paused throughout (`benchmarks/simulation.py --paused`: the people of
+its seed, no learning in either phase) is a control. When the runs given include controls, a
+second table sets each learning run against the controls of its seed and corpus (give runs of
+one service mode together): retained characters in both runs' baseline phases and last fifths,
+the learning run's last fifth against the control's (the loop's own share, with the drift
+between two runs of one seed beside it: their baseline phases, both paused, against each other)
+and the learning run's change less the control's.
+
 `--at M ...` reads the runs' records.jsonl instead and compares, for each M, the 3 minutes of
 learning that end at minute M (a fifth of a 15-minute run, so `--at 15` is the last fifth of
 one) with the baseline phase, with the gated deploys made by then: what more minutes of
@@ -36,7 +44,7 @@ def row(run: Path, lines: str) -> tuple[str, dict[str, float]]:
     cfg, pc = report["config"], report["phase_comparison"]
     side = pc[lines]
     cells = [
-        run.name,
+        run.name + (" (control)" if is_control(report) else ""),
         str(cfg.get("seed", "")),
         Path(cfg["corpus"]).name if cfg.get("corpus") else "stdlib held-out",
     ]
@@ -59,6 +67,67 @@ def row(run: Path, lines: str) -> tuple[str, dict[str, float]]:
     else:
         cells.append("")
     return "| " + " | ".join(cells) + " |", changes
+
+
+def is_control(report: dict[str, Any]) -> bool:
+    """The trainer was paused before the run and stayed so (simulator/phases.py)."""
+    return bool(report.get("phases", {}).get("trainer", {}).get("paused_before"))
+
+
+def against_controls(runs: list[Path], lines: str) -> None:
+    """Each learning run's retained characters against the controls of its seed and corpus."""
+    reports = {run: json.loads((run / "report.json").read_text()) for run in runs}
+
+    def key(run: Path) -> tuple[Any, Any]:
+        cfg = reports[run]["config"]
+        return cfg.get("seed"), cfg.get("corpus")
+
+    def chars(run: Path) -> tuple[float, float]:
+        side = reports[run]["phase_comparison"][lines]
+        m = "retained_chars_per_100"
+        return side["reference"][m], side["last_fifth"][m]
+
+    controls = [r for r in runs if is_control(reports[r])]
+    pairs = [
+        (run, control)
+        for run in runs
+        if not is_control(reports[run])
+        for control in controls
+        if key(control) == key(run)
+    ]
+    if not pairs:
+        return
+    print(
+        f"\nThe loop's own share, on {lines} lines: retained chars / 100 req of each learning "
+        "run and the control of its seed (the trainer paused throughout):\n"
+    )
+    print(
+        "| learning run | control | seed | learning: baseline → last fifth | control: baseline "
+        "→ last fifth | last fifths, learning vs control | baseline phases (drift) | change "
+        "less the control's |"
+    )
+    print("|" + "---|" * 8)
+    shares, diffs = [], []
+    for run, control in pairs:
+        (lb, ll), (cb, cl) = chars(run), chars(control)
+        share, drift, diff = ll / cl - 1, lb / cb - 1, (ll / lb - 1) - (cl / cb - 1)
+        shares.append(share)
+        diffs.append(diff)
+        print(
+            f"| {run.name} | {control.name} | {key(run)[0]} | {lb:.1f} → {ll:.1f} | "
+            f"{cb:.1f} → {cl:.1f} | {100 * share:+.1f}% | {100 * drift:+.1f}% | "
+            f"{100 * diff:+.1f} points |"
+        )
+    print()
+    for name, values, unit in (
+        ("last fifths, learning vs control", shares, "%"),
+        ("change less the control's", diffs, " points"),
+    ):
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        print(
+            f"- {name}: mean {100 * statistics.mean(values):+.1f}{unit}, s.d. {100 * sd:.1f} "
+            f"over {len(values)} pairs"
+        )
 
 
 AT_WINDOW_S = 180.0  # a fifth of a 15-minute learning phase
@@ -126,11 +195,16 @@ def main() -> int:
         "req | gated deploys | errors | lost events | exact rest of line, base → last |"
     )
     print("|" + "---|" * 10)
-    all_changes = []
+    all_changes, learning_changes = [], []
     for run in args.runs:
         line, changes = row(run, args.lines)
         print(line)
         all_changes.append(changes)
+        if not is_control(json.loads((run / "report.json").read_text())):
+            learning_changes.append(changes)
+    # the mean is the learning runs' when there are controls beside them
+    kind = "learning runs" if learning_changes and learning_changes != all_changes else "runs"
+    all_changes = learning_changes or all_changes
     print()
     for name in (*METRICS, "exact"):
         values = [c[name] for c in all_changes if c.get(name) is not None]
@@ -139,8 +213,9 @@ def main() -> int:
             print(
                 f"- {name}: mean {100 * statistics.mean(values):+.1f}%, s.d. {100 * sd:.1f} "
                 f"points, range {100 * min(values):+.0f}% to {100 * max(values):+.0f}% "
-                f"over {len(values)} runs"
+                f"over {len(values)} {kind}"
             )
+    against_controls(args.runs, args.lines)
     return 0
 
 

@@ -107,3 +107,38 @@ def test_fresh_lines_that_ran_out_are_counted_not_compared(tmp_path: Path) -> No
     n = fresh["reference"]["requests"]
     assert f"→ – (n = {n} → 0)" in row
     assert "%" not in row.split(" | ")[3]
+
+
+def test_a_learning_run_is_set_against_the_control_of_its_seed(tmp_path: Path) -> None:
+    """A run with the trainer paused throughout is a control: it is marked, left out of the
+    learning runs' mean, and each learning run of its seed is compared with it."""
+    learning = write_run(tmp_path / "learning", minutes=15)
+    control = write_run(tmp_path / "control", minutes=15)
+    other_seed = write_run(tmp_path / "other", minutes=15)
+    for run, edit in (
+        (control, lambda r: r.update(phases={"trainer": {"paused_before": True}})),
+        (other_seed, lambda r: r["config"].update(seed=1)),
+    ):
+        report = json.loads((run / "report.json").read_text())
+        edit(report)
+        (run / "report.json").write_text(json.dumps(report))
+    report = json.loads((control / "report.json").read_text())
+    side = report["phase_comparison"]["all"]
+    base = side["reference"]["retained_chars_per_100"]
+    side["last_fifth"]["retained_chars_per_100"] = base  # no change without learning
+    (control / "report.json").write_text(json.dumps(report))
+    last = json.loads((learning / "report.json").read_text())["phase_comparison"]["all"]
+    rise = last["last_fifth"]["retained_chars_per_100"] / base - 1
+
+    rows = summarize(str(learning), str(control), str(other_seed), "--lines", "all")
+    assert [r.split(" | ")[0] for r in rows[1:4]] == [
+        "| learning",
+        "| control (control)",
+        "| other",
+    ]
+    (pair,) = [r for r in rows if r.startswith("| learning | control |")]
+    cells = pair.split(" | ")
+    assert cells[5] == f"{100 * rise:+.1f}%"  # the last fifths, learning against control
+    assert cells[6] == "+0.0%"  # the same baseline phase: no drift
+    assert cells[7] == f"{100 * rise:+.1f} points |"
+    assert not [r for r in rows if r.startswith("| other | control |")]  # another seed
