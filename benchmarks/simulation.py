@@ -17,7 +17,8 @@ rate limit, which is lifted (16 people send ~10 requests/s with one key).
 
 Then `tabloop simulate --no-live` writes DIR/report.json, records.jsonl and
 learning_curve.png (with --baseline, the offline baseline from that file instead of computing
-one: it depends only on the base policy and the seed, so one file serves every run).
+one: it depends only on the base policy and the seed, so one file serves every run), and
+this script adds the service's mode to the report (`config.service_mode`: embedded or full).
 The service logs are in DIR/logs/. Before the service stops, the learning-related rows of its
 database go to DIR/db/*.jsonl (rollouts without their tokens, rewards, policies, deployments),
 so two runs can be compared after their databases are gone (`--no-dump` skips it).
@@ -260,6 +261,11 @@ def main() -> int:
         rc = subprocess.run(
             argv, cwd=ROOT, env={**env, "TABLOOP_SIMULATE_KEY": token}, check=False
         ).returncode
+        if rc == 0:  # which service the people ran against (summarize.py pairs runs by it)
+            report_path = out / "report.json"
+            report = json.loads(report_path.read_text())
+            report["config"]["service_mode"] = args.mode
+            report_path.write_text(json.dumps(report, indent=1, default=str))
         url = env.get("TABLOOP_DATABASE_URL") or f"sqlite:///{work / 'data' / 'tabloop.db'}"
         if rc == 0 and args.exact_cursors > 0:  # the checkpoints, before the database goes
             policies = export_policies(port, token, url, checkpoints)
@@ -281,19 +287,10 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
         if policies is None:  # no offline check to come
             shutil.rmtree(checkpoints, ignore_errors=True)
-    if rc == 0 and args.baseline:
-        rc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "simulator.report",
-                str(out / "report.json"),
-                "--baseline",
-                str(args.baseline),
-            ],
-            cwd=ROOT,
-            check=False,
-        ).returncode
+    if rc == 0 and args.baseline:  # the report's comparison and plot against that baseline
+        from simulator.plot import main as redraw
+
+        rc = redraw([str(out / "report.json"), "--baseline", str(args.baseline)])
     if policies is not None:
         try:
             if rc == 0:

@@ -13,11 +13,12 @@ or picked.
 
 A run with the trainer paused throughout (`benchmarks/simulation.py --paused`: the people of
 its seed, no learning in either phase) is a control. When the runs given include controls, a
-second table sets each learning run against the controls of its seed and corpus (give runs of
-one service mode together): retained characters in both runs' baseline phases and last fifths,
-the learning run's last fifth against the control's (the loop's own share, with the drift
-between two runs of one seed beside it: their baseline phases, both paused, against each other)
-and the learning run's change less the control's.
+second table sets each learning run against the controls of its seed, corpus and service mode
+(embedded or full, which benchmarks/simulation.py records in report.json): retained
+characters in both runs' baseline phases and last fifths, the learning run's last fifth against
+the control's (the loop's own share, with the drift between two runs of one seed beside it:
+their baseline phases, both paused, against each other) and the learning run's change less the
+control's.
 
 `--at M ...` reads the runs' records.jsonl instead and compares, for each M, the 3 minutes of
 learning that end at minute M (a fifth of a 15-minute run, so `--at 15` is the last fifth of
@@ -75,12 +76,13 @@ def is_control(report: dict[str, Any]) -> bool:
 
 
 def against_controls(runs: list[Path], lines: str) -> None:
-    """Each learning run's retained characters against the controls of its seed and corpus."""
+    """Each learning run's retained characters against the controls of its seed, corpus and
+    service mode."""
     reports = {run: json.loads((run / "report.json").read_text()) for run in runs}
 
-    def key(run: Path) -> tuple[Any, Any]:
+    def key(run: Path) -> tuple[Any, Any, Any]:
         cfg = reports[run]["config"]
-        return cfg.get("seed"), cfg.get("corpus")
+        return cfg.get("seed"), cfg.get("corpus"), cfg.get("service_mode")
 
     def chars(run: Path) -> tuple[float, float]:
         side = reports[run]["phase_comparison"][lines]

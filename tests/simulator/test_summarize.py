@@ -111,17 +111,22 @@ def test_fresh_lines_that_ran_out_are_counted_not_compared(tmp_path: Path) -> No
 
 def test_a_learning_run_is_set_against_the_control_of_its_seed(tmp_path: Path) -> None:
     """A run with the trainer paused throughout is a control: it is marked, left out of the
-    learning runs' mean, and each learning run of its seed is compared with it."""
-    learning = write_run(tmp_path / "learning", minutes=15)
-    control = write_run(tmp_path / "control", minutes=15)
-    other_seed = write_run(tmp_path / "other", minutes=15)
-    for run, edit in (
-        (control, lambda r: r.update(phases={"trainer": {"paused_before": True}})),
-        (other_seed, lambda r: r["config"].update(seed=1)),
-    ):
-        report = json.loads((run / "report.json").read_text())
-        edit(report)
-        (run / "report.json").write_text(json.dumps(report))
+    learning runs' mean, and each learning run of its seed and service mode is compared with
+    it."""
+
+    def run(name: str, control: bool, **config: object) -> Path:
+        out = write_run(tmp_path / name, minutes=15)
+        report = json.loads((out / "report.json").read_text())
+        report["config"].update(config)
+        if control:
+            report["phases"] = {"trainer": {"paused_before": True}}
+        (out / "report.json").write_text(json.dumps(report))
+        return out
+
+    learning = run("learning", False, service_mode="embedded")
+    control = run("control", True, service_mode="embedded")
+    other_seed = run("other", False, seed=1, service_mode="embedded")
+    other_mode = run("full", True, service_mode="full")
     report = json.loads((control / "report.json").read_text())
     side = report["phase_comparison"]["all"]
     base = side["reference"]["retained_chars_per_100"]
@@ -130,11 +135,14 @@ def test_a_learning_run_is_set_against_the_control_of_its_seed(tmp_path: Path) -
     last = json.loads((learning / "report.json").read_text())["phase_comparison"]["all"]
     rise = last["last_fifth"]["retained_chars_per_100"] / base - 1
 
-    rows = summarize(str(learning), str(control), str(other_seed), "--lines", "all")
-    assert [r.split(" | ")[0] for r in rows[1:4]] == [
+    rows = summarize(
+        str(learning), str(control), str(other_seed), str(other_mode), "--lines", "all"
+    )
+    assert [r.split(" | ")[0] for r in rows[1:5]] == [
         "| learning",
         "| control (control)",
         "| other",
+        "| full (control)",
     ]
     (pair,) = [r for r in rows if r.startswith("| learning | control |")]
     cells = pair.split(" | ")
@@ -142,3 +150,4 @@ def test_a_learning_run_is_set_against_the_control_of_its_seed(tmp_path: Path) -
     assert cells[6] == "+0.0%"  # the same baseline phase: no drift
     assert cells[7] == f"{100 * rise:+.1f} points |"
     assert not [r for r in rows if r.startswith("| other | control |")]  # another seed
+    assert not [r for r in rows if r.startswith("| learning | full |")]  # another mode
