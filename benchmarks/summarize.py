@@ -1,7 +1,7 @@
 """Every run's result in one table, with the mean and spread: the learning phase's last fifth
 against its own baseline phase, on fresh lines (or on all lines), from the runs' report.json.
 
-    python benchmarks/summarize.py RUN_DIR [RUN_DIR ...] [--lines all|fresh]
+    python benchmarks/summarize.py RUN_DIR [RUN_DIR ...] [--lines all|fresh] [--plot PNG]
     python benchmarks/summarize.py RUN_DIR --at 15 30 45 60   # a longer run, along the way
 
 Prints a Markdown table: per run (its directory's name) its seed and corpus, then shown per
@@ -18,7 +18,7 @@ second table sets each learning run against the controls of its seed, corpus and
 characters in both runs' baseline phases and last fifths, the learning run's last fifth against
 the control's (the loop's own share, with the drift between two runs of one seed beside it:
 their baseline phases, both paused, against each other) and the learning run's change less the
-control's.
+control's; `--plot` draws them.
 
 `--at M ...` reads the runs' records.jsonl instead and compares, for each M, the 3 minutes of
 learning that end at minute M (a fifth of a 15-minute run, so `--at 15` is the last fifth of
@@ -75,9 +75,9 @@ def is_control(report: dict[str, Any]) -> bool:
     return bool(report.get("phases", {}).get("trainer", {}).get("paused_before"))
 
 
-def against_controls(runs: list[Path], lines: str) -> None:
+def against_controls(runs: list[Path], lines: str, plot: Path | None = None) -> None:
     """Each learning run's retained characters against the controls of its seed, corpus and
-    service mode."""
+    service mode; `plot`: draw them there (PNG)."""
     reports = {run: json.loads((run / "report.json").read_text()) for run in runs}
 
     def key(run: Path) -> tuple[Any, Any, Any]:
@@ -121,6 +121,9 @@ def against_controls(runs: list[Path], lines: str) -> None:
             f"{100 * diff:+.1f} points |"
         )
     print()
+    if plot is not None:
+        draw_pairs([(run.name, chars(run), chars(control)) for run, control in pairs], plot)
+        print(f"plot: {plot}\n")
     for name, values, unit in (
         ("last fifths, learning vs control", shares, "%"),
         ("change less the control's", diffs, " points"),
@@ -130,6 +133,38 @@ def against_controls(runs: list[Path], lines: str) -> None:
             f"- {name}: mean {100 * statistics.mean(values):+.1f}{unit}, s.d. {100 * sd:.1f} "
             f"over {len(values)} pairs"
         )
+
+
+def draw_pairs(
+    pairs: list[tuple[str, tuple[float, float], tuple[float, float]]], path: Path
+) -> None:
+    """Per pair (learning run, (baseline, last fifth), control's): four bars of retained
+    characters per 100 requests."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(pairs), 3.6))
+    bars = (
+        ("learning, baseline phase", 0, 0, "C0", 0.45),
+        ("learning, last fifth", 0, 1, "C0", 1.0),
+        ("control, baseline phase", 1, 0, "C7", 0.45),
+        ("control, last fifth", 1, 1, "C7", 1.0),
+    )
+    width = 0.8 / len(bars)
+    for j, (label, side, when, color, alpha) in enumerate(bars):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(pairs))]
+        values = [(pair[1], pair[2])[side][when] for pair in pairs]
+        ax.bar(xs, values, width, color=color, alpha=alpha, label=label)
+    ax.set_xticks(range(len(pairs)), [name for name, _, _ in pairs])
+    ax.set_ylabel("retained chars / 100 requests")
+    low = min(min(a + b) for _, a, b in pairs)
+    ax.set_ylim(0.9 * low, None)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 AT_WINDOW_S = 180.0  # a fifth of a 15-minute learning phase
@@ -186,6 +221,12 @@ def main() -> int:
         metavar="MINUTES",
         help="minutes of learning to report along the way (from records.jsonl)",
     )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="draw each learning run and its control's retained characters here",
+    )
     args = p.parse_args()
     if args.at:
         for run in args.runs:
@@ -217,7 +258,7 @@ def main() -> int:
                 f"points, range {100 * min(values):+.0f}% to {100 * max(values):+.0f}% "
                 f"over {len(values)} {kind}"
             )
-    against_controls(args.runs, args.lines)
+    against_controls(args.runs, args.lines, args.plot)
     return 0
 
 

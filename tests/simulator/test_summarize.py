@@ -135,9 +135,10 @@ def test_a_learning_run_is_set_against_the_control_of_its_seed(tmp_path: Path) -
     last = json.loads((learning / "report.json").read_text())["phase_comparison"]["all"]
     rise = last["last_fifth"]["retained_chars_per_100"] / base - 1
 
-    rows = summarize(
-        str(learning), str(control), str(other_seed), str(other_mode), "--lines", "all"
-    )
+    png = tmp_path / "pairs.png"
+    runs = (learning, control, other_seed, other_mode)
+    rows = summarize(*map(str, runs), "--lines", "all", "--plot", str(png))
+    assert png.read_bytes().startswith(b"\x89PNG")
     assert [r.split(" | ")[0] for r in rows[1:5]] == [
         "| learning",
         "| control (control)",
