@@ -40,7 +40,7 @@ from simulator.report import RequestRecord, gated_deploys
 METRICS = ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100")
 
 
-def row(run: Path, lines: str) -> tuple[str, dict[str, float]]:
+def row(run: Path, lines: str) -> tuple[str, dict[str, float], bool]:
     report: dict[str, Any] = json.loads((run / "report.json").read_text())
     cfg, pc = report["config"], report["phase_comparison"]
     side = pc[lines]
@@ -67,7 +67,7 @@ def row(run: Path, lines: str) -> tuple[str, dict[str, float]]:
         changes["exact"] = exact["last"]["exact_rate"] / exact["base"]["exact_rate"] - 1
     else:
         cells.append("")
-    return "| " + " | ".join(cells) + " |", changes
+    return "| " + " | ".join(cells) + " |", changes, is_control(report)
 
 
 def is_control(report: dict[str, Any]) -> bool:
@@ -240,13 +240,13 @@ def main() -> int:
     print("|" + "---|" * 10)
     all_changes, learning_changes = [], []
     for run in args.runs:
-        line, changes = row(run, args.lines)
+        line, changes, control = row(run, args.lines)
         print(line)
         all_changes.append(changes)
-        if not is_control(json.loads((run / "report.json").read_text())):
+        if not control:
             learning_changes.append(changes)
     # the mean is the learning runs' when there are controls beside them
-    kind = "learning runs" if learning_changes and learning_changes != all_changes else "runs"
+    kind = "learning runs" if 0 < len(learning_changes) < len(all_changes) else "runs"
     all_changes = learning_changes or all_changes
     print()
     for name in (*METRICS, "exact"):
