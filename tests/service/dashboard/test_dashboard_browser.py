@@ -37,11 +37,14 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+# lines the base policy completes with confidence, so it shows most of the time (on a bare
+# "for i in range(" it shows about 1 request in 50, too few to count on), and with nothing
+# above them to copy: the tiny random policy (v2) shows nothing
 PREFIXES = [
-    "import os\nimport ",
+    "#!/usr/bin/env ",
+    'if __name__ == "__main__',
+    "class Point:\n    def __init__(self",
     "def add(a, b):\n    return a ",
-    "for i in range(",
-    "class Point:\n    def __init__(self, x, y):\n        self.",
 ]
 TIMEOUT_MS = 30_000  # generous: CI machines are shared
 
