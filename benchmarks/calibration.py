@@ -161,7 +161,7 @@ def _tensors(obs: Sequence[Observation], spec: RewardSpec) -> dict[str, torch.Te
 
 def _heads(g: Gate) -> Heads:
     return {
-        "copy_w": g.copy.weight[0].detach().clone(),
+        "copy_w": torch.cat([g.copy.weight[0], g.copy.hidden[0]]).detach().clone(),
         "copy_b": g.copy.bias.detach().clone(),
         "own_w": torch.cat([g.hidden.weight[0], g.features.weight[0]]).detach().clone(),
         "own_b": g.features.bias.detach().clone(),

@@ -71,19 +71,20 @@ def test_the_best_calibration_follows_the_spec() -> None:
 def test_apply_moves_both_heads_as_documented() -> None:
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=16))
-    with torch.no_grad():  # a gate that reads the hidden state too
+    with torch.no_grad():  # a gate and a copy head that read the hidden state too
         model.gate.hidden.weight.normal_()
+        model.gate.copy.hidden.normal_()
     x = torch.randn(5, len(RECALL_INPUTS))
     h, f = torch.randn(5, 16), torch.randn(5, len(GATE_FEATURES))
     with torch.no_grad():
-        copy0, show0 = model.gate.copy(x)[:, 0], model.gate_logit(h, f)
+        copy0, show0 = model.gate.copy(x, h)[:, 0], model.gate_logit(h, f)
         apply(model, Calibration(copy_shift=1.5, show_shift=-0.75, sharpness=2.0))
-        copy1, show1 = model.gate.copy(x)[:, 0], model.gate_logit(h, f)
+        copy1, show1 = model.gate.copy(x, h)[:, 0], model.gate_logit(h, f)
     assert torch.allclose(copy1, 2.0 * (copy0 + 1.5), atol=1e-5)
     assert torch.allclose(show1, 2.0 * (show0 - 0.75), atol=1e-5)
     with torch.no_grad():  # and back
         undo(model, Calibration(copy_shift=1.5, show_shift=-0.75, sharpness=2.0))
-        assert torch.allclose(model.gate.copy(x)[:, 0], copy0, atol=1e-5)
+        assert torch.allclose(model.gate.copy(x, h)[:, 0], copy0, atol=1e-5)
         assert torch.allclose(model.gate_logit(h, f), show0, atol=1e-5)
 
 
@@ -93,8 +94,9 @@ def test_observed_inputs_give_each_heads_logit_again(
     """`observe(..., inputs=True)` keeps what each head read: the copy head's inputs, and the
     gate's hidden state and features scored again from the completion; each head on them
     gives the logit observed (benchmarks/calibration.py --fit-heads fits the heads on them)."""
-    with torch.no_grad():  # a gate that reads the hidden state too
+    with torch.no_grad():  # a gate and a copy head that read the hidden state too
         tiny_model.gate.hidden.weight.normal_(0.0, 0.5)
+        tiny_model.gate.copy.hidden.normal_(0.0, 0.5)
     for i in range(3):
         body = "".join(f"    total_{j} = add(total_{j - 1}, {j})\n" for j in range(1, 20))
         (tmp_path / f"m{i}.py").write_text(f"def run_{i}(total_0):\n{body}    return 1\n")
@@ -104,10 +106,11 @@ def test_observed_inputs_give_each_heads_logit_again(
     owns = [o.own for o in obs if o.own is not None]
     assert copies and owns, "the corpus repeats itself: proposals, and completions to show"
     with torch.no_grad():
-        x = torch.tensor([c.inputs for c in copies])
-        assert x.shape[1] == len(RECALL_INPUTS)
+        read = torch.tensor([c.inputs for c in copies])
+        x, h = read[:, : len(RECALL_INPUTS)], read[:, len(RECALL_INPUTS) :]
+        assert h.shape[1] == tiny_model.config.n_embd
         assert torch.allclose(
-            tiny_model.gate.copy(x)[:, 0], torch.tensor([c.logit for c in copies]), atol=1e-4
+            tiny_model.gate.copy(x, h)[:, 0], torch.tensor([c.logit for c in copies]), atol=1e-4
         )
         read = torch.tensor([o.inputs for o in owns])
         h, f = read[:, : tiny_model.config.n_embd], read[:, tiny_model.config.n_embd :]

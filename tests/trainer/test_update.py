@@ -16,6 +16,7 @@ from tabloop.core.policy.model import GPT
 from tabloop.core.policy.sampling import complete
 from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
+from tabloop.core.recall import Proposal
 from trainer.settled import settled_nll, settled_targets
 from trainer.update import (
     Batch,
@@ -517,7 +518,8 @@ def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) ->
     lm, hidden, threshold = make_optimizer(tiny_model, cfg).param_groups
     assert [g["lr"] for g in (lm, hidden, threshold)] == pytest.approx([1e-4, 1e-3, 1e-2])
     g = tiny_model.gate
-    assert [id(p) for p in hidden["params"]] == [id(g.hidden.weight)]
+    # the projections of the hidden state (192 inputs each): the gate's and the copy head's
+    assert [id(p) for p in hidden["params"]] == [id(g.hidden.weight), id(g.copy.hidden)]
     # the confidence weights and the copy head: logistic heads whose thresholds move by whole
     # units
     heads = (g.features.weight, g.features.bias, g.copy.weight, g.copy.bias)
@@ -525,7 +527,7 @@ def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) ->
     gate_ids = {id(p) for p in g.parameters()}
     assert not gate_ids & {id(p) for p in lm["params"]}
     n = sum(1 for _ in tiny_model.parameters())
-    assert len(lm["params"]) + 5 == n
+    assert len(lm["params"]) + 6 == n
     gate_cfg = dataclasses.replace(cfg, train_gate_only=True)
     groups = make_optimizer(tiny_model, gate_cfg).param_groups
     assert len(groups) == 2 and {id(p) for gr in groups for p in gr["params"]} == gate_ids
@@ -623,6 +625,54 @@ def test_synthetic_learning_gate_follows_the_reward(
     final_a, final_b = p_show(rollouts(FAMILY_A, 8)), p_show(rollouts(FAMILY_B, 8))  # fresh samples
     assert final_a < 0.2, f"p(show) on A {final_a:.3f} after {len(history)} updates: {history}"
     assert final_b > 0.8, f"p(show) on B {final_b:.3f} after {len(history)} updates: {history}"
+
+
+def test_synthetic_learning_copy_follows_the_context(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """The copy decision learns where copies are kept: both families get the same proposal
+    (the same evidence), people reject the copy on A and accept it on B, and nothing else is
+    shown. Only the copy head's weights on the hidden state can tell the families apart:
+    p(copy) on A must fall below 0.2 and on B rise above 0.8 (both start at 0.5) within 60
+    on-policy updates."""
+    _set_gate(tiny_model, -30.0)  # the model's own completions are never shown
+    with torch.no_grad():
+        tiny_model.gate.copy.weight.zero_()
+        tiny_model.gate.copy.bias.zero_()
+    ref = copy.deepcopy(tiny_model)
+    cfg = UpdateConfig(learning_rate=3e-3, gate_lr_mult=1.0, gate_hidden_lr_mult=1.0)
+    optimizer = make_optimizer(tiny_model, cfg)
+    gen = torch.Generator().manual_seed(0)
+    proposal = Proposal("value + offset", "memory", 24, 3, 3)
+
+    def rollouts(prompts: list[str], n: int) -> list[Completion]:
+        return [
+            complete(tiny_model, tiny_tokenizer, p, "", 6, 1.0, None, gen, None, proposal=proposal)
+            for p in prompts
+            for _ in range(n)
+        ]
+
+    def p_copy(comps: list[Completion]) -> float:
+        assert all(c.recall for c in comps)
+        p = [math.exp(c.recall["logprob"]) for c in comps]  # type: ignore[index]
+        return sum(q if c.copied else 1.0 - q for q, c in zip(p, comps, strict=True)) / len(p)
+
+    history = []
+    for _ in range(60):
+        a, b = rollouts(FAMILY_A, 4), rollouts(FAMILY_B, 4)
+        history.append((p_copy(a), p_copy(b)))
+        if history[-1][0] < 0.1 and history[-1][1] > 0.9:
+            break
+        rewards = [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b]
+        update(
+            UpdateInputs(tiny_model, ref, tiny_tokenizer, _batch(a + b, rewards), optimizer, cfg)
+        )
+    assert history[0] == pytest.approx((0.5, 0.5), abs=1e-6)
+    final_a, final_b = p_copy(rollouts(FAMILY_A, 8)), p_copy(rollouts(FAMILY_B, 8))
+    assert final_a < 0.2, f"p(copy) on A {final_a:.3f} after {len(history)} updates: {history}"
+    assert final_b > 0.8, f"p(copy) on B {final_b:.3f} after {len(history)} updates: {history}"
+    # the evidence's weights cannot have done it: both families' evidence is the same
+    assert float(tiny_model.gate.copy.hidden.detach().abs().sum()) > 0
 
 
 def test_gate_passes_move_the_gate_further_and_leave_the_language_model_alone(

@@ -55,8 +55,8 @@ class Option:
     logit: float  # the head's logit before calibration
     useful: int  # useful characters if shown (0: wrong)
     whole: bool  # it is the whole rest of the line
-    # what the head read, when observed with `inputs`: the copy head's RECALL_INPUTS, or the
-    # gate's hidden state then its confidence features
+    # what the head read, when observed with `inputs`: the copy head's RECALL_INPUTS then the
+    # hidden state, or the gate's hidden state then its confidence features
     inputs: tuple[float, ...] = ()
 
 
@@ -126,9 +126,11 @@ def observe(
         if p is not None:
             with torch.no_grad():
                 x = torch.tensor([recall_inputs(p, c.text)], dtype=torch.float32)
-                logit = float(model.gate.copy(x)[0, 0])
+                h = score_actions(model, tokenizer, [c]).gate_hidden
+                logit = float(model.gate.copy(x, h)[0, 0])
             useful, whole = usefulness(p.text, cur.rest_of_line)
-            copy = Option(logit, useful, whole, tuple(x[0].tolist()) if inputs else ())
+            read_copy = (*x[0].tolist(), *h[0].tolist()) if inputs else ()
+            copy = Option(logit, useful, whole, read_copy)
         out.append(Observation(copy, own))
     return out
 
@@ -201,6 +203,7 @@ def apply(model: GPT, cal: Calibration) -> None:
     with torch.no_grad():
         gate.copy.bias.add_(cal.copy_shift).mul_(k)
         gate.copy.weight.mul_(k)
+        gate.copy.hidden.mul_(k)
         gate.features.bias.add_(cal.show_shift).mul_(k)
         gate.features.weight.mul_(k)
         gate.hidden.weight.mul_(k)
@@ -212,6 +215,7 @@ def undo(model: GPT, cal: Calibration) -> None:
     with torch.no_grad():
         gate.copy.bias.div_(k).sub_(cal.copy_shift)
         gate.copy.weight.div_(k)
+        gate.copy.hidden.div_(k)
         gate.features.bias.div_(k).sub_(cal.show_shift)
         gate.features.weight.div_(k)
         gate.hidden.weight.div_(k)

@@ -24,21 +24,23 @@ if TYPE_CHECKING:
 
 
 EMBEDDINGS = ("wte.weight", "wpe.weight")  # token (tied to the output layer), position
+# the heads' weights on the hidden state: the gate's and the copy head's
+HIDDEN_PROJECTIONS = ("gate.hidden.weight", "gate.copy.hidden")
 
 
 def make_optimizer(model: GPT, cfg: UpdateConfig) -> torch.optim.AdamW:
     """AdamW, no weight decay (the KL term is the regulariser), three groups: the language model
-    at cfg.learning_rate; the gate's hidden-state projection at gate_hidden_lr_mult times that;
-    its bias and confidence-feature weights at gate_lr_mult times that (with train_gate_only,
-    the gate alone). Why: the gate is a logistic head whose threshold has to move by whole
-    logits (p(show) 0.5 -> 0.9 is a bias shift of 2.2: 20,000 Adam steps at 1e-4), while one
-    step on the 192-wide projection moves the logit by up to ~192 x its rate, so that part gets
-    less. The PPO clip still bounds how far one batch moves each decision. Keep the state
-    across batches (`carry_state`): a fresh Adam's first step moves every parameter by the full
-    learning rate whatever its gradient, i.e. sign-SGD."""
+    at cfg.learning_rate; the gate's and the copy head's hidden-state projections at
+    gate_hidden_lr_mult times that; the heads' other weights and biases at gate_lr_mult times
+    that (with train_gate_only, the gate alone). Why: the gate is a logistic head whose
+    threshold has to move by whole logits (p(show) 0.5 -> 0.9 is a bias shift of 2.2: 20,000
+    Adam steps at 1e-4), while one step on a 192-wide projection moves the logit by up to ~192
+    x its rate, so that part gets less. The PPO clip still bounds how far one batch moves each
+    decision. Keep the state across batches (`carry_state`): a fresh Adam's first step moves
+    every parameter by the full learning rate whatever its gradient, i.e. sign-SGD."""
     named = list(model.named_parameters())
-    hidden = [p for n, p in named if n.startswith("gate.hidden")]
-    threshold = [p for n, p in named if n.startswith("gate.") and not n.startswith("gate.hidden")]
+    hidden = [p for n, p in named if n in HIDDEN_PROJECTIONS]
+    threshold = [p for n, p in named if n.startswith("gate.") and n not in HIDDEN_PROJECTIONS]
     groups = [
         {"params": hidden, "lr": cfg.learning_rate * cfg.gate_hidden_lr_mult},
         {"params": threshold, "lr": cfg.learning_rate * cfg.gate_lr_mult},

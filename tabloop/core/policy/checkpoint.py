@@ -45,6 +45,7 @@ TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
 FIM_FORMAT = "psm"  # <|fim_prefix|> prefix <|fim_suffix|> following lines <|fim_middle|>
 COPY_HEAD = frozenset({"gate.copy.weight", "gate.copy.bias"})
+COPY_HIDDEN = "gate.copy.hidden"  # the copy head's hidden-state weights (0 where absent)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -257,6 +258,9 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
     if not COPY_HEAD & weights.keys():
         # made before the gate's copy head: that head starts as fit offline (init_copy)
         weights.update({k: v for k, v in model.state_dict().items() if k in COPY_HEAD})
+    if COPY_HIDDEN not in weights:
+        # made before the copy head read the hidden state: the evidence alone decides, as then
+        weights[COPY_HIDDEN] = torch.zeros(1, config.n_embd)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:

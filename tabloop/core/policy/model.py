@@ -6,8 +6,8 @@ sampled, whether to show it. It reads the final hidden state at the completion's
 a few confidence features (the completion's summed and mean log-probability under the sampling
 distribution, and its length), so the decision is conditioned on both the completion and how sure
 the model was of it. The gate's copy head decides, before that, whether to show a copy proposal
-instead (tabloop.core.recall): a logistic head on the proposal's evidence and on how the sampled
-completion agrees with it. See docs/MODEL.md.
+instead (tabloop.core.recall): a logistic head on the proposal's evidence, on how the sampled
+completion agrees with it and on the same hidden state the gate reads. See docs/MODEL.md.
 """
 
 from __future__ import annotations
@@ -208,17 +208,22 @@ class Block(nn.Module):
 
 
 class CopyHead(nn.Module):
-    """A linear logit on the copy proposal's inputs. Its parameters are made without drawing
-    from the random generator (set by init_copy), so that the rest of the model initialises
-    from a seed exactly as it did before the head existed."""
+    """logit p(copy) = w . inputs + b + w_h . h: a linear logit on the copy proposal's inputs
+    (its evidence), plus one on the hidden state the gate reads (h, at the end of the model's
+    own completion), so that the loop can learn where in the code copies are kept or rejected.
+    `hidden` starts at 0: the evidence alone decides until the loop has learned otherwise. Its
+    parameters are made without drawing from the random generator (set by init_copy), so that
+    the rest of the model initialises from a seed exactly as it did before the head existed."""
 
-    def __init__(self, inputs: int):
+    def __init__(self, inputs: int, n_embd: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, inputs))
         self.bias = nn.Parameter(torch.zeros(1))
+        self.hidden = nn.Parameter(torch.zeros(1, n_embd))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """(B, 1) from the inputs (B, len(RECALL_INPUTS)) and the hidden states (B, n_embd)."""
+        return F.linear(x, self.weight, self.bias) + F.linear(h, self.hidden)
 
 
 class Gate(nn.Module):
@@ -229,7 +234,7 @@ class Gate(nn.Module):
         self.hidden = nn.Linear(config.n_embd, 1, bias=False)
         self.features = nn.Linear(len(GATE_FEATURES), 1)
         # logit p(copy) from tabloop.core.recall.recall_inputs (a proposal's evidence)
-        self.copy = CopyHead(len(RECALL_INPUTS))
+        self.copy = CopyHead(len(RECALL_INPUTS), config.n_embd)
 
     def forward(self, h: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = (self.hidden(h) + self.features(features)).squeeze(-1)
@@ -335,6 +340,7 @@ def init_copy(gate: Gate) -> None:
         *weights, bias = COPY_INIT
         gate.copy.weight.copy_(torch.tensor([weights]))
         gate.copy.bias.fill_(bias)
+        gate.copy.hidden.zero_()
 
 
 def gate_features(

@@ -280,10 +280,13 @@ def _complete_batch(
         None if r.prompt.proposal is None else recall_inputs(r.prompt.proposal, bytes_to_text(o))
         for r, o in zip(rows, outs, strict=True)
     ]
-    with_proposal = [x for x in inputs if x is not None]
+    rows_with = [i for i, x in enumerate(inputs) if x is not None]
     copy_logits = iter(
-        model.gate.copy(torch.tensor(with_proposal, device=device)).float().to(cpu)[:, 0].tolist()
-        if with_proposal
+        model.gate.copy(torch.tensor([inputs[i] for i in rows_with], device=device), h[rows_with])
+        .float()
+        .to(cpu)[:, 0]
+        .tolist()
+        if rows_with
         else []
     )
     return [

@@ -100,7 +100,7 @@ def _score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Actio
     with_recall = [i for i, a in enumerate(actions) if a.recall and a.temperature != 0.0]
     if with_recall:
         inputs = torch.tensor([actions[i].recall["inputs"] for i in with_recall])  # type: ignore[index]
-        z = model.gate.copy(inputs.to(h_last.device)).float()[:, 0].cpu()
+        z = model.gate.copy(inputs.to(h_last.device), h_last[with_recall]).float()[:, 0].cpu()
         lp = torch.where(copied[with_recall], F.logsigmoid(z), F.logsigmoid(-z))
         source = source.index_add(0, torch.tensor(with_recall), lp)
     dec = gate_dec + source

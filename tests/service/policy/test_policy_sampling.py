@@ -316,18 +316,29 @@ def test_a_batch_samples_what_each_request_samples_alone(
     )
 
 
-def _set_copy(model: GPT, bias: float) -> None:
+def _set_copy(model: GPT, bias: float, hidden_std: float = 0.0) -> None:
     with torch.no_grad():
         model.gate.copy.weight.zero_()
         model.gate.copy.bias.fill_(bias)
+        model.gate.copy.hidden.normal_(0.0, hidden_std)
 
 
-@pytest.mark.parametrize("copy_bias", [-30.0, 0.0, 30.0], ids=["never", "mixed", "always"])
+@pytest.mark.parametrize(
+    ("copy_bias", "hidden_std"),
+    [(-30.0, 0.0), (0.0, 0.0), (30.0, 0.0), (0.0, 1.0)],
+    ids=["never", "mixed", "always", "by-context"],
+)
 def test_a_copy_proposal_is_part_of_the_action_and_its_logprob_is_recomputed(
-    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str], copy_bias: float
+    tiny_model: GPT,
+    tiny_tokenizer: CodeTokenizer,
+    small_code: list[str],
+    copy_bias: float,
+    hidden_std: float,
 ) -> None:
+    """by-context: the copy head reads the hidden state too, so whether to copy depends on
+    the context; the served decision's log-prob is recomputed exactly all the same."""
     _set_gate(tiny_model, 0.0)
-    _set_copy(tiny_model, copy_bias)
+    _set_copy(tiny_model, copy_bias, hidden_std)
     proposal = Proposal("open(path) as f:", "memory", 24, 2, 2)
     prompts = [
         Prompt(prefix, "", 12, torch.Generator().manual_seed(i), proposal if i % 4 else None)
