@@ -19,8 +19,8 @@ recorded calibration is undone first, so `as fitted` is the base before it and t
 row is the shipped base.
 
 `--fit-heads` measures how much a richer fit of the two decisions could add: for each spec,
-every weight of the copy head and the gate (the gate's hidden-state weights included: what the
-loop's gradient moves besides the language model) is fitted from that spec's calibration to
+every weight of the copy head and the gate (both heads' hidden-state weights included: what the
+loop moves besides the language model) is fitted from that spec's calibration to
 the largest expected reward on `--corpus`, with an L2 pull back to the calibration (`--l2`),
 and printed in a second table on the same cursors. A held-out gain small beside the
 calibration's says that the loop has little to learn in its heads under that spec.

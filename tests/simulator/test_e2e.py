@@ -17,8 +17,8 @@ candidates' gate, scoring the base policy's own greedy completions on fixed held
 moved its logit on the family down against elsewhere. A trainer that learned nothing leaves
 both at 0; one that only learned "show less" or "show more" moves both alike; none passes.
 The service runs without its workspace memory here: with it, people retyping the same files get
-most def/class lines as copies, which the copy head decides from the proposal's evidence alone
-(it does not read the context), so the gate would see too few family verdicts to learn from.
+most def/class lines as copies, which the copy head decides (and learns not to make there:
+tests/trainer/test_update.py), so the gate would see too few family verdicts to learn from.
 Where its logit on the family ends up by itself is not asserted: under the default reward
 (linear in characters, a reject costs 0.1) the accepts elsewhere pay, so the gate's shared bias
 rises while the family falls behind it (a run measured +0.11 on the family, +0.51 elsewhere).
@@ -81,8 +81,8 @@ def up(tmp_path: Path) -> Iterator[Up]:
         TABLOOP_RATE_LIMIT_PER_S="100000",
         TABLOOP_RATE_LIMIT_BURST="100000",
         # no workspace memory: with it, 16 people retyping the same files get most def/class
-        # lines as copies, which the copy head decides from the proposal's evidence alone,
-        # and the gate (what this test asks about) then sees too few of them to learn from
+        # lines as copies, which the copy head decides, and the gate (what this test asks
+        # about) then sees too few of them to learn from
         TABLOOP_MEMORY_WORKSPACE_BYTES="0",
     )
     proc = subprocess.Popen([TABLOOP, "up"], env=env, stdout=subprocess.PIPE, text=True)

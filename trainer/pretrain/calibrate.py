@@ -112,21 +112,23 @@ def observe(
     for cur, _ in bar:
         g = torch.Generator().manual_seed(rng.getrandbits(63))
         c = complete(model, tokenizer, cur.prefix, "", 32, generator=g)
+        p = propose(cur.prefix, (), memory[cur.path], MIN_MATCH_REQUEST)
+        scored = None  # what the heads read at the end of the completion, scored again
+        if p is not None or (inputs and c.text.strip()):
+            with torch.no_grad():
+                scored = score_actions(model, tokenizer, [c])
         own = None
         if c.text.strip():
             useful, whole = usefulness(c.text, cur.rest_of_line)
             read: tuple[float, ...] = ()
-            if inputs:
-                with torch.no_grad():
-                    s = score_actions(model, tokenizer, [c])
-                read = (*s.gate_hidden[0].tolist(), *s.gate_inputs[0].tolist())
+            if inputs and scored is not None:
+                read = (*scored.gate_hidden[0].tolist(), *scored.gate_inputs[0].tolist())
             own = Option(_logit(c.gate_prob_show), useful, whole, read)
-        p = propose(cur.prefix, (), memory[cur.path], MIN_MATCH_REQUEST)
         copy = None
-        if p is not None:
+        if p is not None and scored is not None:
+            x = torch.tensor([recall_inputs(p, c.text)], dtype=torch.float32)
+            h = scored.gate_hidden
             with torch.no_grad():
-                x = torch.tensor([recall_inputs(p, c.text)], dtype=torch.float32)
-                h = score_actions(model, tokenizer, [c]).gate_hidden
                 logit = float(model.gate.copy(x, h)[0, 0])
             useful, whole = usefulness(p.text, cur.rest_of_line)
             read_copy = (*x[0].tolist(), *h[0].tolist()) if inputs else ()
