@@ -330,11 +330,6 @@ class Trainer:
             f" sharpness {metrics['gate_fit/sharpness']:.1f}"
             if metrics.get("gate_fit/fitted")
             else ""
-        ) + (
-            f", copy fit on {metrics['copy_fit/copied']:.0f} copies"
-            f" ({metrics['copy_fit/paid']:.0%} paid)"
-            if metrics.get("copy_fit/fitted")
-            else ""
         )
         log.info(
             "candidate v%d (from v%d, %d rollouts, mean reward %.3f%s) gated and deployed as "

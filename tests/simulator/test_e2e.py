@@ -17,8 +17,9 @@ candidates' gate, scoring the base policy's own greedy completions on fixed held
 moved its logit on the family down against elsewhere. A trainer that learned nothing leaves
 both at 0; one that only learned "show less" or "show more" moves both alike; none passes.
 The service runs without its workspace memory here: with it, people retyping the same files get
-most def/class lines as copies, which the copy head decides (and learns not to make there:
-tests/trainer/test_update.py), so the gate would see too few family verdicts to learn from.
+most def/class lines as copies, which the copy head decides (it learns from them by the policy
+gradient alone, slower than the gate's fit: tests/trainer/test_update.py), so the gate would see
+too few family verdicts to learn from.
 Where its logit on the family ends up by itself is not asserted: under the default reward
 (linear in characters, a reject costs 0.1) the accepts elsewhere pay, so the gate's shared bias
 rises while the family falls behind it (a run measured +0.11 on the family, +0.51 elsewhere).

@@ -627,34 +627,6 @@ def test_synthetic_learning_gate_follows_the_reward(
     assert final_b > 0.8, f"p(show) on B {final_b:.3f} after {len(history)} updates: {history}"
 
 
-PROPOSAL = Proposal("value + offset", "memory", 24, 3, 3)  # the same evidence everywhere
-
-
-def _with_proposal(
-    model: GPT, tokenizer: CodeTokenizer, prompts: list[str], n: int, gen: torch.Generator
-) -> list[Completion]:
-    return [
-        complete(model, tokenizer, p, "", 6, 1.0, None, gen, None, proposal=PROPOSAL)
-        for p in prompts
-        for _ in range(n)
-    ]
-
-
-def _p_copy(comps: list[Completion]) -> float:
-    """The mean p(copy) the rollouts were served with."""
-    assert all(c.recall for c in comps)
-    p = [math.exp(c.recall["logprob"]) for c in comps]  # type: ignore[index]
-    return sum(q if c.copied else 1.0 - q for q, c in zip(p, comps, strict=True)) / len(p)
-
-
-def _copies_only(model: GPT) -> None:
-    """p(copy) = 1/2 whatever the evidence; the model's own completions are never shown."""
-    _set_gate(model, -30.0)
-    with torch.no_grad():
-        model.gate.copy.weight.zero_()
-        model.gate.copy.bias.zero_()
-
-
 def test_synthetic_learning_copy_follows_the_context(
     tiny_model: GPT, tiny_tokenizer: CodeTokenizer
 ) -> None:
@@ -663,16 +635,32 @@ def test_synthetic_learning_copy_follows_the_context(
     shown. Only the copy head's weights on the hidden state can tell the families apart:
     p(copy) on A must fall below 0.2 and on B rise above 0.8 (both start at 0.5) within 60
     on-policy updates."""
-    _copies_only(tiny_model)
+    _set_gate(tiny_model, -30.0)  # the model's own completions are never shown
+    with torch.no_grad():
+        tiny_model.gate.copy.weight.zero_()
+        tiny_model.gate.copy.bias.zero_()
     ref = copy.deepcopy(tiny_model)
     cfg = UpdateConfig(learning_rate=3e-3, gate_lr_mult=1.0, gate_hidden_lr_mult=1.0)
     optimizer = make_optimizer(tiny_model, cfg)
     gen = torch.Generator().manual_seed(0)
+    proposal = Proposal("value + offset", "memory", 24, 3, 3)
+
+    def rollouts(prompts: list[str], n: int) -> list[Completion]:
+        return [
+            complete(tiny_model, tiny_tokenizer, p, "", 6, 1.0, None, gen, None, proposal=proposal)
+            for p in prompts
+            for _ in range(n)
+        ]
+
+    def p_copy(comps: list[Completion]) -> float:
+        assert all(c.recall for c in comps)
+        p = [math.exp(c.recall["logprob"]) for c in comps]  # type: ignore[index]
+        return sum(q if c.copied else 1.0 - q for q, c in zip(p, comps, strict=True)) / len(p)
+
     history = []
     for _ in range(60):
-        a = _with_proposal(tiny_model, tiny_tokenizer, FAMILY_A, 4, gen)
-        b = _with_proposal(tiny_model, tiny_tokenizer, FAMILY_B, 4, gen)
-        history.append((_p_copy(a), _p_copy(b)))
+        a, b = rollouts(FAMILY_A, 4), rollouts(FAMILY_B, 4)
+        history.append((p_copy(a), p_copy(b)))
         if history[-1][0] < 0.1 and history[-1][1] > 0.9:
             break
         rewards = [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b]
@@ -680,8 +668,7 @@ def test_synthetic_learning_copy_follows_the_context(
             UpdateInputs(tiny_model, ref, tiny_tokenizer, _batch(a + b, rewards), optimizer, cfg)
         )
     assert history[0] == pytest.approx((0.5, 0.5), abs=1e-6)
-    final_a = _p_copy(_with_proposal(tiny_model, tiny_tokenizer, FAMILY_A, 8, gen))
-    final_b = _p_copy(_with_proposal(tiny_model, tiny_tokenizer, FAMILY_B, 8, gen))
+    final_a, final_b = p_copy(rollouts(FAMILY_A, 8)), p_copy(rollouts(FAMILY_B, 8))
     assert final_a < 0.2, f"p(copy) on A {final_a:.3f} after {len(history)} updates: {history}"
     assert final_b > 0.8, f"p(copy) on B {final_b:.3f} after {len(history)} updates: {history}"
     # the evidence's weights cannot have done it: both families' evidence is the same
@@ -798,35 +785,6 @@ def test_gate_fit_shows_where_showing_paid(tiny_model: GPT, tiny_tokenizer: Code
     fresh_a, fresh_b = _families(tiny_model, tiny_tokenizer, seed=1)
     assert _p_show(tiny_model, tiny_tokenizer, fresh_a) < 0.2
     assert _p_show(tiny_model, tiny_tokenizer, fresh_b) > 0.8
-
-
-def test_copy_fit_copies_where_copying_paid(tiny_model: GPT, tiny_tokenizer: CodeTokenizer) -> None:
-    """One update with gate_fit sets the copy head from the rewards of the copied rollouts,
-    against what not copying earned: with the same proposal everywhere, p(copy) falls on family
-    A (copies rejected) and rises on B (copies kept), from 1/2 each, on fresh samples."""
-    _copies_only(tiny_model)
-    gen = torch.Generator().manual_seed(0)
-    a = _with_proposal(tiny_model, tiny_tokenizer, FAMILY_A, 12, gen)
-    b = _with_proposal(tiny_model, tiny_tokenizer, FAMILY_B, 12, gen)
-    assert {c.copied for c in a} == {c.copied for c in b} == {True, False}
-    rewards = [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b]
-    cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0, gate_fit_min_shown=0)
-    m = update(
-        UpdateInputs(
-            tiny_model,
-            copy.deepcopy(tiny_model),
-            tiny_tokenizer,
-            _batch(a + b, rewards),
-            make_optimizer(tiny_model, cfg),
-            cfg,
-        )
-    )
-    assert m["copy_fit/fitted"] == 1.0 and m["gate_fit/fitted"] == 0.0  # nothing else shown
-    assert m["copy_fit/copied"] == sum(c.copied for c in a + b)
-    assert m["copy_fit/not_copied_reward"] == 0.0  # not copying showed nothing here
-    gen = torch.Generator().manual_seed(1)
-    assert _p_copy(_with_proposal(tiny_model, tiny_tokenizer, FAMILY_A, 8, gen)) < 0.2
-    assert _p_copy(_with_proposal(tiny_model, tiny_tokenizer, FAMILY_B, 8, gen)) > 0.8
 
 
 def test_gate_fit_learns_from_the_replayed_verdicts(

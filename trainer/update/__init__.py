@@ -35,7 +35,7 @@ function the server sampled from.
 
 from trainer.update.batch import Batch, UpdateInputs
 from trainer.update.config import UpdateConfig
-from trainer.update.gate import fit_copy_to_rewards, fit_gate_to_rewards, gate_inputs, gate_passes
+from trainer.update.gate import fit_gate_to_rewards, gate_inputs, gate_passes
 from trainer.update.loss import (
     PG_METRICS,
     advantages,
@@ -57,7 +57,6 @@ __all__ = [
     "bernoulli_entropy",
     "carry_state",
     "clipped_surrogate",
-    "fit_copy_to_rewards",
     "fit_gate_to_rewards",
     "gate_inputs",
     "gate_passes",

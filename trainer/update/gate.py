@@ -137,140 +137,31 @@ def fit_gate_to_rewards(
     computes. Returns the fit's figures; the gate is left unchanged when there is nothing to fit.
     With a `group` the ranks share the forward passes and each fits on the gathered inputs.
     """
-    actions, rewards, row_w, in_batch = _pooled(batch, replay)
-    # the gate's verdicts: shown by it (a shown copy was the copy head's choice, not the gate's);
-    # never empty: the server hides those
-    shown = torch.tensor([bool(a.shown) and not was_copied(a) for a in actions])
-    abstained = in_batch & ~torch.tensor([bool(a.shown) for a in actions])
-    fit = _fit_verdicts(rewards, row_w, shown, abstained, min_shown)
-    if fit is None:
-        return {"gate_fit/shown": float(shown.sum()), "gate_fit/fitted": 0.0}
-    y, w, r0 = fit
-    h, x, _ = gate_inputs(model, tokenizer, actions, group)  # only once there is a fit to make
-    sharpness = _sharpness(len(y), sharpness, sharpness_max, min_shown)
-    w_h, w_x, bias = _logistic(h[shown], x[shown], y, w, l2, sharpness)
-    with torch.no_grad():
-        model.gate.hidden.weight.copy_(w_h[None])
-        model.gate.features.weight.copy_(w_x[None])
-        model.gate.features.bias.fill_(bias)
-        p_show = torch.sigmoid(model.gate_logit(h[in_batch], x[in_batch]))
-    return {
-        "gate_fit/shown": float(len(y)),
-        "gate_fit/fitted": 1.0,
-        "gate_fit/paid": float(y.mean()),
-        "gate_fit/abstain_reward": r0,
-        "gate_fit/sharpness": sharpness,
-        "gate/p_show": float(p_show.mean()),
-    }
-
-
-def fit_copy_to_rewards(
-    model: GPT,
-    tokenizer: CodeTokenizer,
-    batch: Batch,
-    replay: Batch | None,
-    l2: float,
-    sharpness: float = 1.0,
-    min_shown: int = 0,
-    sharpness_max: float = 0.0,
-    group: DataParallel | None = None,
-) -> dict[str, float]:
-    """Set the copy head to where copying pays, fit on the rewards of copied rollouts: the same
-    reduction as fit_gate_to_rewards, for the other decision.
-
-    Where a request had a proposal, copying earns r_i, observed where it was copied; not
-    copying earns about r0, the mean reward of this batch's rollouts that had a proposal and
-    did not copy it (the gate then showed the model's own completion or nothing). Label
-    y_i = [r_i > r0], weight |r_i - r0| (times the row's weight), fit on the copy head's inputs
-    (the proposal's evidence and the hidden state) and written into the head times the same
-    `sharpness`. So the loop learns where copies are kept and where people reject them however
-    well they match (the policy gradient alone barely moves the head there: with one baseline
-    for the whole batch, in a context where everything is rejected not copying is punished as
-    much as copying). Fewer than `min_shown` copied verdicts, or none that were not copied to
-    set r0: no fit, the head unchanged."""
-    actions, rewards, row_w, in_batch = _pooled(batch, replay)
-    proposed = torch.tensor([bool(a.recall) and a.temperature != 0.0 for a in actions])
-    copied = torch.tensor([was_copied(a) for a in actions]) & proposed
-    not_copied = in_batch & proposed & ~copied
-    if not not_copied.any():
-        return {"copy_fit/copied": float(copied.sum()), "copy_fit/fitted": 0.0}
-    fit = _fit_verdicts(rewards, row_w, copied, not_copied, min_shown)
-    if fit is None:
-        return {"copy_fit/copied": float(copied.sum()), "copy_fit/fitted": 0.0}
-    y, w, r0 = fit
-    chosen = [a for a, c in zip(actions, copied.tolist(), strict=True) if c]
-    h, _, _ = gate_inputs(model, tokenizer, chosen, group)
-    x = torch.tensor([a.recall["inputs"] for a in chosen], dtype=torch.float32)  # type: ignore[index]
-    sharpness = _sharpness(len(y), sharpness, sharpness_max, min_shown)
-    w_h, w_x, bias = _logistic(h, x, y, w, l2, sharpness)
-    with torch.no_grad():
-        model.gate.copy.hidden.copy_(w_h[None])
-        model.gate.copy.weight.copy_(w_x[None])
-        model.gate.copy.bias.fill_(bias)
-        p_copy = torch.sigmoid(model.gate.copy(x, h)[:, 0])
-    return {
-        "copy_fit/copied": float(len(y)),
-        "copy_fit/fitted": 1.0,
-        "copy_fit/paid": float(y.mean()),
-        "copy_fit/not_copied_reward": r0,
-        "copy_fit/sharpness": sharpness,
-        "copy_fit/p_copy": float(p_copy.mean()),
-    }
-
-
-def _pooled(
-    batch: Batch, replay: Batch | None
-) -> tuple[list[Action], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The batch's and the replay's actions, rewards and row weights (trainer/caps.py), and
-    which of them are the batch's."""
     actions = list(batch.actions) + ([] if replay is None else list(replay.actions))
     rewards = batch.rewards if replay is None else torch.cat([batch.rewards, replay.rewards])
+    # the rows' weights (trainer/caps.py) weigh both the abstention baseline and each verdict
     row_w = (
         batch.row_weights()
         if replay is None
         else torch.cat([batch.row_weights(), replay.row_weights()])
     )
-    return actions, rewards, row_w, torch.arange(len(actions)) < len(batch.actions)
-
-
-def _fit_verdicts(
-    rewards: torch.Tensor,
-    row_w: torch.Tensor,
-    chosen: torch.Tensor,
-    alternative: torch.Tensor,
-    min_shown: int,
-) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """The cost-sensitive labels and weights of the rows where the decision was taken
-    (`chosen`), against r0, the weighted mean reward of the rows where it was not
-    (`alternative`; 0 where there are none): y = [r > r0], w = |r - r0| x the row's weight,
-    normalised. None where a fit would have nothing to separate: fewer than `min_shown`
-    verdicts, or one class (or none)."""
+    in_batch = torch.arange(len(actions)) < len(batch.actions)
+    # the gate's verdicts: shown by it (a shown copy was the copy head's choice, not the gate's);
+    # never empty: the server hides those
+    shown = torch.tensor([bool(a.shown) and not was_copied(a) for a in actions])
+    abstained = in_batch & ~torch.tensor([bool(a.shown) for a in actions])
     r0 = 0.0
-    if alternative.any() and float(row_w[alternative].sum()) > 0:
-        r0 = float((rewards[alternative] * row_w[alternative]).sum() / row_w[alternative].sum())
-    gain = rewards[chosen] - r0
+    if abstained.any() and float(row_w[abstained].sum()) > 0:
+        r0 = float((rewards[abstained] * row_w[abstained]).sum() / row_w[abstained].sum())
+    gain = rewards[shown] - r0
     y = (gain > 0).float()
+    # too few verdicts for a fit on the hidden state, or one class (or none): nothing to separate
     if len(y) < min_shown or int(y.sum()) == 0 or int(y.sum()) == len(y):
-        return None
-    w = gain.abs() * row_w[chosen]
-    return y, w / w.mean(), r0
-
-
-def _sharpness(n: int, sharpness: float, sharpness_max: float, min_shown: int) -> float:
-    """The fitted logit's multiplier: `sharpness`, growing as sqrt(n / min_shown) up to
-    `sharpness_max` when that is above it."""
-    if sharpness_max > sharpness and min_shown > 0:
-        return min(sharpness_max, sharpness * math.sqrt(n / min_shown))
-    return sharpness
-
-
-def _logistic(
-    h: torch.Tensor, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, l2: float, k: float
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """A weighted logistic regression of `y` on the hidden states `h` and the features `x`, to
-    convergence (L-BFGS) on standardised inputs with L2 `l2` on the hidden-state weights; the
-    coefficients on the raw inputs times `k`: (hidden weights, feature weights, bias)."""
-    inputs = torch.cat([h, x], 1).double()
+        return {"gate_fit/shown": float(len(y)), "gate_fit/fitted": 0.0}
+    h, x, _ = gate_inputs(model, tokenizer, actions, group)  # only once there is a fit to make
+    w = gain.abs() * row_w[shown]
+    w = w / w.mean()
+    inputs = torch.cat([h[shown], x[shown]], 1).double()
     mu, sd = inputs.mean(0), inputs.std(0) + 1e-6
     z = torch.cat([(inputs - mu) / sd, torch.ones(len(inputs), 1, dtype=torch.float64)], 1)
     ridge = torch.zeros(z.shape[1], dtype=torch.float64)
@@ -287,8 +178,21 @@ def _logistic(
         return loss
 
     opt.step(closure)
+    if sharpness_max > sharpness and min_shown > 0:
+        sharpness = min(sharpness_max, sharpness * math.sqrt(len(y) / min_shown))
     c = coef.detach()
-    scaled = k * c[:-1] / sd  # on raw inputs: logit = scaled . inputs + bias
-    bias = k * c[-1] - (scaled * mu).sum()
-    n = h.shape[1]
-    return scaled[:n].float(), scaled[n:].float(), float(bias)
+    scaled = sharpness * c[:-1] / sd  # on raw inputs: logit = scaled . inputs + bias
+    bias = sharpness * c[-1] - (scaled * mu).sum()
+    with torch.no_grad():
+        model.gate.hidden.weight.copy_(scaled[: h.shape[1]].float()[None])
+        model.gate.features.weight.copy_(scaled[h.shape[1] :].float()[None])
+        model.gate.features.bias.fill_(float(bias))
+        p_show = torch.sigmoid(model.gate_logit(h[in_batch], x[in_batch]))
+    return {
+        "gate_fit/shown": float(len(y)),
+        "gate_fit/fitted": 1.0,
+        "gate_fit/paid": float(y.mean()),
+        "gate_fit/abstain_reward": r0,
+        "gate_fit/sharpness": sharpness,
+        "gate/p_show": float(p_show.mean()),
+    }

@@ -16,7 +16,7 @@ from tabloop.core.policy.tokenizer import CodeTokenizer
 from trainer.settled import settled_passes
 from trainer.update.batch import Batch, UpdateInputs, _to
 from trainer.update.config import UpdateConfig
-from trainer.update.gate import fit_copy_to_rewards, fit_gate_to_rewards, gate_passes
+from trainer.update.gate import fit_gate_to_rewards, gate_passes
 from trainer.update.loss import PG_METRICS, pg_loss, weighted_advantages
 
 if TYPE_CHECKING:
@@ -153,19 +153,18 @@ def update(inputs: UpdateInputs, group: DataParallel | None = None) -> dict[str,
                     model, tokenizer, batch, settled_replay, optimizer, cfg, generic, group
                 )
             gate: dict[str, float] = {}
-            if cfg.gate_fit:  # both decisions, each by its own fit to the rewards
-                for fit in (fit_gate_to_rewards, fit_copy_to_rewards):
-                    gate |= fit(
-                        model,
-                        tokenizer,
-                        batch,
-                        replay,
-                        cfg.gate_fit_l2,
-                        cfg.gate_fit_sharpness,
-                        cfg.gate_fit_min_shown,
-                        cfg.gate_fit_sharpness_max,
-                        group,
-                    )
+            if cfg.gate_fit:
+                gate = fit_gate_to_rewards(
+                    model,
+                    tokenizer,
+                    batch,
+                    replay,
+                    cfg.gate_fit_l2,
+                    cfg.gate_fit_sharpness,
+                    cfg.gate_fit_min_shown,
+                    cfg.gate_fit_sharpness_max,
+                    group,
+                )
             if cfg.gate_epochs and not gate.get("gate_fit/fitted"):
                 gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg, group))
             if group is not None and (cfg.gate_fit or cfg.gate_epochs):
