@@ -228,6 +228,9 @@ def main() -> int:
         help="draw each learning run and its control's retained characters here",
     )
     args = p.parse_args()
+    unfinished = [str(run) for run in args.runs if not (run / "report.json").is_file()]
+    if unfinished:
+        p.error(f"no report.json in {', '.join(unfinished)}: not a run's --out, or still running")
     if args.at:
         for run in args.runs:
             along_the_way(run, args.at, args.lines)

@@ -152,3 +152,17 @@ def test_a_learning_run_is_set_against_the_control_of_its_seed(tmp_path: Path) -
     assert cells[7] == f"{100 * rise:+.1f} points |"
     assert not [r for r in rows if r.startswith("| other | control |")]  # another seed
     assert not [r for r in rows if r.startswith("| learning | full |")]  # another mode
+
+
+def test_a_run_without_its_report_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """A directory that is not a finished run (no report.json yet) is a usage error naming it."""
+    done = write_run(tmp_path / "done", minutes=15)
+    (running := tmp_path / "running").mkdir()
+    out = subprocess.run(
+        [sys.executable, "benchmarks/summarize.py", str(done), str(running)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"no report.json in {running}" in out.stderr
