@@ -38,6 +38,11 @@ class Settings(BaseSettings):
     # Consumer group timeouts (these values work with Tansu and Apache Kafka alike).
     kafka_session_timeout_ms: int = Field(6000, ge=1000)
     kafka_heartbeat_interval_ms: int = Field(1000, ge=100)
+    # How long a trainer member may go between polls (a training step included) before the
+    # group drops it. kafka-python also waits this + 5 s for the broker to answer a JoinGroup:
+    # a member whose rebalance the broker never completes (seen with Tansu after a member is
+    # killed) rejoins after that long, holding no partitions meanwhile.
+    kafka_max_poll_interval_ms: int = Field(300_000, ge=1000)
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

@@ -144,6 +144,7 @@ class KafkaLogConsumer:
             auto_offset_reset="earliest",
             session_timeout_ms=settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=settings.kafka_heartbeat_interval_ms,
+            max_poll_interval_ms=settings.kafka_max_poll_interval_ms,
             max_poll_records=5000,
             partition_assignment_strategy=[RangePartitionAssignor],
         )
