@@ -79,6 +79,12 @@ def main() -> int:
         help="full mode: `tabloop train` processes, one consumer group (one leads and trains)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--people",
+        choices=["telemetry", "proxy"],
+        default="telemetry",
+        help="the simulated people (tabloop simulate --people; default telemetry)",
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--baseline", type=Path, help="an offline baseline JSON to reuse")
     p.add_argument("--baseline-cursors", type=int, default=2000)
@@ -252,7 +258,7 @@ def main() -> int:
         ]
         if args.corpus:
             argv += ["--corpus", str(args.corpus.resolve())]
-        argv += ["--mode", args.editing]
+        argv += ["--mode", args.editing, "--people", args.people]
         if args.baseline:
             argv += ["--baseline-cursors", "0"]
         else:

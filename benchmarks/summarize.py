@@ -4,17 +4,17 @@ against its own baseline phase, on fresh lines (or on all lines), from the runs'
     python benchmarks/summarize.py RUN_DIR [RUN_DIR ...] [--lines all|fresh] [--plot PNG]
     python benchmarks/summarize.py RUN_DIR --at 15 30 45 60   # a longer run, along the way
 
-Prints a Markdown table: per run (its directory's name) its seed and corpus, then shown per
-request, accept rate of shown and retained characters per 100 requests (baseline → last
-fifth, relative change), the gated deploys, errors and lost events, and the offline exact
-rest-of-line rate of the base and the last live policy on fresh lines; then the mean and the
-standard deviation of each change over the runs. Every run given is reported: none is dropped
-or picked.
+Prints a Markdown table: per run (its directory's name) its seed and corpus, then kept
+characters per 100 requests (accepted x retained: the loop's measure), accept rate of shown and
+shown per request (baseline → last fifth, relative change), the gated deploys, errors and lost
+events, and the offline exact rest-of-line rate of the base and the last live policy on fresh
+lines; then the mean and the standard deviation of each change over the runs. Every run given
+is reported: none is dropped or picked.
 
 A run with the trainer paused throughout (`benchmarks/simulation.py --paused`: the people of
 its seed, no learning in either phase) is a control. When the runs given include controls, a
 second table sets each learning run against the controls of its seed, corpus and service mode
-(embedded or full, which benchmarks/simulation.py records in report.json): retained
+(embedded or full, which benchmarks/simulation.py records in report.json): kept
 characters in both runs' baseline phases and last fifths, the learning run's last fifth against
 the control's (the loop's own share, with the drift between two runs of one seed beside it:
 their baseline phases, both paused, against each other) and the learning run's change less the
@@ -37,7 +37,9 @@ from typing import Any
 from simulator.phases import compare_sides, learning_records
 from simulator.report import RequestRecord, gated_deploys
 
-METRICS = ("shown_per_request", "accept_rate_of_shown", "retained_chars_per_100")
+# kept characters first (report.json's retained_chars_per_100 = kept_chars_per_100, the name
+# every report has)
+METRICS = ("retained_chars_per_100", "accept_rate_of_shown", "shown_per_request")
 
 
 def row(run: Path, lines: str) -> tuple[str, dict[str, float], bool]:
@@ -76,7 +78,7 @@ def is_control(report: dict[str, Any]) -> bool:
 
 
 def against_controls(runs: list[Path], lines: str, plot: Path | None = None) -> None:
-    """Each learning run's retained characters against the controls of its seed, corpus and
+    """Each learning run's kept characters against the controls of its seed, corpus and
     service mode; `plot`: draw them there (PNG)."""
     reports = {run: json.loads((run / "report.json").read_text()) for run in runs}
 
@@ -100,7 +102,7 @@ def against_controls(runs: list[Path], lines: str, plot: Path | None = None) -> 
     if not pairs:
         return
     print(
-        f"\nThe loop's own share, on {lines} lines: retained chars / 100 req of each learning "
+        f"\nThe loop's own share, on {lines} lines: kept chars / 100 req of each learning "
         "run and the control of its seed (the trainer paused throughout):\n"
     )
     print(
@@ -138,8 +140,8 @@ def against_controls(runs: list[Path], lines: str, plot: Path | None = None) -> 
 def draw_pairs(
     pairs: list[tuple[str, tuple[float, float], tuple[float, float]]], path: Path
 ) -> None:
-    """Per pair (learning run, (baseline, last fifth), control's): four bars of retained
-    characters per 100 requests."""
+    """Per pair (learning run, (baseline, last fifth), control's): four bars of kept characters
+    per 100 requests."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,7 +160,7 @@ def draw_pairs(
         values = [(pair[1], pair[2])[side][when] for pair in pairs]
         ax.bar(xs, values, width, color=color, alpha=alpha, label=label)
     ax.set_xticks(range(len(pairs)), [name for name, _, _ in pairs])
-    ax.set_ylabel("retained chars / 100 requests")
+    ax.set_ylabel("kept chars / 100 requests")
     low = min(min(a + b) for _, a, b in pairs)
     ax.set_ylim(0.9 * low, None)
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
@@ -186,8 +188,8 @@ def along_the_way(run: Path, minutes: list[float], lines: str) -> None:
         "each minute against the baseline phase\n"
     )
     print(
-        "| minutes of learning | requests | shown / request | accept rate of shown "
-        "| retained chars / 100 req | gated deploys by then |"
+        "| minutes of learning | requests | kept chars / 100 req | accept rate of shown "
+        "| shown / request | gated deploys by then |"
     )
     print("|" + "---|" * 6)
     for m in minutes:
@@ -225,7 +227,7 @@ def main() -> int:
         "--plot",
         type=Path,
         metavar="PNG",
-        help="draw each learning run and its control's retained characters here",
+        help="draw each learning run and its control's kept characters here",
     )
     args = p.parse_args()
     unfinished = [str(run) for run in args.runs if not (run / "report.json").is_file()]
@@ -237,8 +239,8 @@ def main() -> int:
         return 0
     print(f"On {args.lines} lines, the baseline phase → the learning phase's last fifth:\n")
     print(
-        "| run | seed | corpus | shown / request | accept rate of shown | retained chars / 100 "
-        "req | gated deploys | errors | lost events | exact rest of line, base → last |"
+        "| run | seed | corpus | kept chars / 100 req | accept rate of shown | shown / request "
+        "| gated deploys | errors | lost events | exact rest of line, base → last |"
     )
     print("|" + "---|" * 10)
     all_changes, learning_changes = [], []

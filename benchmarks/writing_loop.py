@@ -5,11 +5,14 @@ each labelled with its arm, in one table and one plot, every run reported.
 
 An arm is a label of your choosing (`paused` for the runs with the trainer paused: the base
 policy serving); RUN is a run's directory (with report.json). Per run, from the last third of
-its requests: useful chars per 100 requests, whole rest of line, exact of shown, shown and wrong
-shown per request, the accept rate of shown, and the gated deploys (promoted, rolled back).
-Then, for every arm but `paused`, each seed's change against the mean of that seed's paused
-runs, and the mean change over the seeds. `--plot` draws useful characters, exact of shown and
-wrong shown per request, a bar per run, grouped by seed.
+its requests (report.json `thirds`, computed from its records): kept chars per 100 requests
+(characters accepted x the fraction retained: the loop's measure), the accept rate of shown and
+shown-but-not-taken per request, then useful chars per 100 requests, whole rest of line, exact
+of shown, shown and wrong shown per request, and the gated deploys (promoted, rolled back).
+Then, for every arm but `paused`, per seed, the three first figures beside the mean of that
+seed's paused runs with their ratio (arm / paused), and each figure's change against the paused
+mean, with the mean change over the seeds. `--plot` draws kept and useful characters, exact of
+shown and wrong shown per request, a bar per run, grouped by seed.
 """
 
 from __future__ import annotations
@@ -21,17 +24,33 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from simulator.report import loop_rates
+
 PAUSED = "paused"
-# (report key, column title, format)
+# the loop's measure, then how it was reached: (report key, column title, format)
+LOOP = (
+    ("kept_chars_per_100", "kept chars / 100 req", "{:.1f}"),
+    ("accept_rate_of_shown", "accept rate of shown", "{:.3f}"),
+    ("not_taken_per_request", "not taken / req", "{:.3f}"),
+)
 COLUMNS = (
+    *LOOP,
     ("useful_chars_per_100", "useful chars / 100 req", "{:.1f}"),
     ("whole_line_rate", "whole rest of line", "{:.1%}"),
     ("exact_of_shown", "exact of shown", "{:.3f}"),
     ("shown_per_request", "shown / req", "{:.3f}"),
     ("wrong_shown_per_request", "wrong shown / req", "{:.3f}"),
-    ("accept_rate_of_shown", "accept rate of shown", "{:.3f}"),
 )
-CHANGES = ("useful_chars_per_100", "exact_of_shown", "wrong_shown_per_request", "whole_line_rate")
+CHANGES = (
+    *(key for key, _, _ in LOOP),
+    "useful_chars_per_100",
+    "exact_of_shown",
+    "wrong_shown_per_request",
+    "whole_line_rate",
+)
+
+
+Run = tuple[str, int, dict[str, Any]]  # (arm, seed, its last third: `last_third`)
 
 
 def load(arg: str) -> tuple[str, int, dict[str, Any]]:
@@ -42,10 +61,71 @@ def load(arg: str) -> tuple[str, int, dict[str, Any]]:
     return arm, int(report["config"]["seed"]), report
 
 
+def last_third(report: dict[str, Any]) -> dict[str, Any]:
+    """The run's last third (report.json `thirds.last`) with the loop's figures: a report
+    written before they had their own keys has the same kept characters as
+    retained_chars_per_100, and what was not taken follows from its counts."""
+    last = report["thirds"]["last"]
+    derived = loop_rates(last["requests"], last["shown"], last["accepted"], 0.0)
+    return {
+        "kept_chars_per_100": last.get("retained_chars_per_100"),
+        "not_taken_per_request": derived["not_taken_per_request"],
+        **last,
+    }
+
+
 def deploys(report: dict[str, Any]) -> str:
     counts = report.get("deploy_counts", {})
     promoted, rolled_back = counts.get("promote", 0), counts.get("rollback", 0)
     return f"{report.get('gated_deploys', 0)} ({promoted}, {rolled_back})"
+
+
+def cell(value: float | None, form: str) -> str:
+    return "–" if value is None else form.format(value)
+
+
+def against_paused(runs: list[Run]) -> dict[str, list[tuple[int, dict[str, Any], dict[str, Any]]]]:
+    """Per arm but `paused`: (seed, its last third, the mean of that seed's paused runs' last
+    thirds over CHANGES) for each of its runs whose seed has a paused run."""
+    paused: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for arm, seed, report in runs:
+        if arm == PAUSED:
+            paused[seed].append(last_third(report))
+    out: dict[str, list[tuple[int, dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for arm, seed, report in runs:
+        if arm == PAUSED or not paused[seed]:
+            continue
+        base = {key: mean([r[key] for r in paused[seed]]) for key in CHANGES}
+        out[arm].append((seed, last_third(report), base))
+    return out
+
+
+def mean(values: list[float | None]) -> float | None:
+    """The mean; None when a run lacks the figure (no request shown, say)."""
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known and len(known) == len(values) else None
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    """value / base; None where either is unknown or base is 0."""
+    return None if value is None or not base else value / base
+
+
+def print_loop(arm: str, rows: list[tuple[int, dict[str, Any], dict[str, Any]]]) -> None:
+    """The loop's figures of one arm's runs beside their seeds' paused runs, with the ratio."""
+    print(f"\n{arm} against the mean of its seed's paused runs, last third, with the ratio:\n")
+    print(f"| seed | measure | {arm} | {PAUSED} | ratio |")
+    print("|" + "---|" * 5)
+    ratios: dict[str, list[float]] = defaultdict(list)
+    for seed, last, base in rows:
+        for key, title, form in LOOP:
+            r = ratio(last[key], base[key])
+            if r is not None:
+                ratios[title].append(r)
+            cells = (cell(last[key], form), cell(base[key], form), cell(r, "{:.2f}"))
+            print(f"| {seed} | {title} | " + " | ".join(cells) + " |")
+    for title, values in ratios.items():
+        print(f"- {title}: mean ratio {statistics.mean(values):.2f} over {len(values)} seeds")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,27 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for arm, seed, report in runs:
-        last = report["thirds"]["last"]
-        cells = [fmt.format(last[key]) for key, _, fmt in COLUMNS]
+        last = last_third(report)
+        cells = [cell(last[key], form) for key, _, form in COLUMNS]
         print(f"| {seed} | {arm} | " + " | ".join(cells) + f" | {deploys(report)} |")
 
-    paused: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for arm, seed, report in runs:
-        if arm == PAUSED:
-            paused[seed].append(report["thirds"]["last"])
-    changes: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for arm, seed, report in runs:
-        if arm == PAUSED or not paused[seed]:
-            continue
-        last = report["thirds"]["last"]
-        for key in CHANGES:
-            base = statistics.mean(r[key] for r in paused[seed])
-            changes[arm][key].append(last[key] / base - 1 if base else float("nan"))
-    for arm, by_key in changes.items():
+    for arm, rows in against_paused(runs).items():
+        print_loop(arm, rows)
         print(f"\n{arm} against the mean of its seed's paused runs, per seed, then the mean:")
-        for key, values in by_key.items():
+        for key in CHANGES:
+            ratios = [ratio(last[key], base[key]) for _, last, base in rows]
+            values = [r - 1 for r in ratios if r is not None]
             each = ", ".join(f"{v:+.0%}" for v in values)
-            print(f"  {key}: {each} (mean {statistics.mean(values):+.0%})")
+            mean_change = f"mean {statistics.mean(values):+.0%}" if values else "no ratio"
+            print(f"  {key}: {each} ({mean_change})")
     if args.plot:
         draw(runs, args.plot)
         print(f"\nplot: {args.plot}")
@@ -100,11 +172,12 @@ def draw(runs: list[tuple[str, int, dict[str, Any]]], path: Path) -> None:
     seeds = sorted({seed for _, seed, _ in runs})
     arms = sorted({arm for arm, _, _ in runs}, key=lambda a: (a != PAUSED, a))
     panels = (
+        ("kept_chars_per_100", "kept chars / 100 requests"),
         ("useful_chars_per_100", "useful chars / 100 requests"),
         ("exact_of_shown", "exact of shown"),
         ("wrong_shown_per_request", "wrong shown / request"),
     )
-    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.8))
     colors = {arm: f"C{i}" for i, arm in enumerate(arms)}
     for ax, (key, title) in zip(axes, panels, strict=True):
         for s_i, seed in enumerate(seeds):
@@ -112,7 +185,7 @@ def draw(runs: list[tuple[str, int, dict[str, Any]]], path: Path) -> None:
             width = 0.8 / max(1, len(mine))
             for j, (arm, report) in enumerate(mine):
                 x = s_i - 0.4 + width * (j + 0.5)
-                ax.bar(x, report["thirds"]["last"][key], width, color=colors[arm])
+                ax.bar(x, last_third(report)[key] or 0.0, width, color=colors[arm])
         ax.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds])
         ax.set_title(title + " (last third)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[a]) for a in arms]

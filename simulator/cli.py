@@ -26,9 +26,9 @@ from simulator.population import (
     ADVERSARY_KINDS,
     AdversaryKind,
     CursorSource,
-    PopulationConfig,
 )
 from simulator.run import Simulation, fetch_spec
+from simulator.telemetry import PEOPLE, population_from_dict
 from simulator.writing import WritingSource
 from tabloop.core.corpus import corpus_files
 
@@ -97,8 +97,11 @@ async def simulate(cfg: SimConfig, console: Console) -> dict[str, Any]:
         from simulator import baseline as bl
 
         checkpoint = cfg.baseline_checkpoint or default_checkpoint()
+        # simulator.baseline judges with proxy people whatever --people says
+        judges = "" if cfg.people == "proxy" else ", judged by proxy people"
         console.print(
-            f"baseline: the base policy on {cfg.baseline_cursors} cursors of the people's code ..."
+            f"baseline: the base policy on {cfg.baseline_cursors} cursors of the people's code"
+            f"{judges} ..."
         )
         baseline = await asyncio.to_thread(
             bl.run,
@@ -204,9 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bucket-s", type=float, help="report bucket width (default: run / 30)")
     p.add_argument(
+        "--people",
+        choices=PEOPLE,
+        default="telemetry",
+        help="telemetry: people who take suggestions as Copilot's users do (short ones "
+        "almost never, long ones more often; simulator.telemetry); proxy: the control, who "
+        "take almost every correct one (default telemetry)",
+    )
+    p.add_argument(
         "--population",
         type=Path,
-        help='JSON object of population ranges, e.g. {"accept_close": [0.1, 0.3]}',
+        help='JSON object of population ranges, e.g. {"accept_close": [0.1, 0.3]}; with '
+        '--people telemetry also its ranges, e.g. {"min_read_chars": 6}',
     )
     p.add_argument(
         "--reject-family-share",
@@ -246,7 +258,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     given = json.loads(args.population.read_text()) if args.population else {}
     if args.reject_family_share is not None:
         given = {**given, "reject_family_share": args.reject_family_share}
-    population = PopulationConfig.from_dict(given)
+    population, telemetry = population_from_dict(given, args.people)
     return SimConfig(
         api=args.api,
         key=args.key,
@@ -260,6 +272,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         bucket_s=args.bucket_s,
         out=args.out,
         population=population,
+        people=args.people,
+        telemetry=telemetry,
         max_new_tokens=args.max_new_tokens,
         baseline_cursors=args.baseline_cursors,
         baseline_checkpoint=args.baseline_checkpoint,

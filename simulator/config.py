@@ -12,6 +12,7 @@ from simulator import report as rpt
 from simulator.client import Client, EventSender
 from simulator.phases import Phase
 from simulator.population import AdversaryKind, PopulationConfig
+from simulator.telemetry import People, TelemetryConfig
 
 
 @dataclass
@@ -28,6 +29,8 @@ class SimConfig:
     bucket_s: float | None = None  # report bucket width; default: the run split in ~30
     out: Path = Path("simulation")  # report.json and learning_curve.png go here
     population: PopulationConfig = field(default_factory=PopulationConfig)
+    people: People = "telemetry"  # telemetry: take suggestions as real people do; proxy: control
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # telemetry people only
     max_new_tokens: int = 32
     baseline_cursors: int = 2000  # 0: skip the offline baseline
     baseline_checkpoint: Path | None = None  # default: the shipped base policy

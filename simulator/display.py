@@ -75,9 +75,10 @@ class Display:
         for col in (
             "t (s)",
             "requests",
-            "retained ch/100",
-            "shown/req",
+            "kept ch/100",
             "accept/shown",
+            "not taken/req",
+            "shown/req",
             "def/class shown",
             "reward/req",
             "versions",
@@ -87,9 +88,10 @@ class Display:
             table.add_row(
                 f"{b['t0']:.0f}",
                 str(b["requests"]),
-                fmt(b["retained_chars_per_100"], ".1f"),
-                fmt(b["shown_per_request"]),
+                fmt(b["kept_chars_per_100"], ".1f"),
                 fmt(b["accept_rate_of_shown"]),
+                fmt(b["not_taken_per_request"]),
+                fmt(b["shown_per_request"]),
                 fmt(b["family_shown_rate"]),
                 fmt(b["reward_per_request"], ".3f"),
                 " ".join(f"v{v}:{n}" for v, n in b["versions"].items()),
@@ -106,14 +108,15 @@ class Display:
                 if sim.phase == "baseline"
                 else "learning phase · "
             )
-        kept = sparkline([b["retained_chars_per_100"] for b in buckets], 0, 300)
+        kept = sparkline([b["kept_chars_per_100"] for b in buckets], 0, 300)
         lines = [
             f"[bold]{self.status}[/] {phase}{min(sim.now(), self.cfg.duration_s):.0f}/"
             f"{self.cfg.duration_s:.0f} s · {self.cfg.users} seats · {c.people} people · "
             f"{c.away} away · {c.switches} switches · {c.churns} churned · {c.errors} errors",
-            f"retained ch/100 {kept}   "
-            f"shown/req {sparkline([b['shown_per_request'] for b in buckets], 0, 0.5)}   "
+            f"kept ch/100 {kept}   "
             f"accept/shown {sparkline([b['accept_rate_of_shown'] for b in buckets])}   "
+            f"not taken/req {sparkline([b['not_taken_per_request'] for b in buckets], 0, 0.5)}   "
+            f"shown/req {sparkline([b['shown_per_request'] for b in buckets], 0, 0.5)}   "
             f"def/class shown {sparkline([b['family_shown_rate'] for b in buckets], 0, 0.5)}",
             f"events {ev.sent}/{ev.queued} sent · {ev.duplicates} dup · {ev.rejected} refused · "
             f"{c.settled} settled · "
@@ -137,10 +140,11 @@ class Display:
         for b in buckets[self._printed : complete]:
             phase = "baseline " if b["t1"] <= self.cfg.baseline_s else ""
             print(
-                f"{phase}t={b['t0']:6.0f}s requests {b['requests']:4d}  retained ch/100 "
-                f"{fmt(b['retained_chars_per_100'], '.1f')}  shown/req "
-                f"{fmt(b['shown_per_request'])}  accept/shown "
-                f"{fmt(b['accept_rate_of_shown'])}  def/class shown "
+                f"{phase}t={b['t0']:6.0f}s requests {b['requests']:4d}  kept ch/100 "
+                f"{fmt(b['kept_chars_per_100'], '.1f')}  accept/shown "
+                f"{fmt(b['accept_rate_of_shown'])}  not taken/req "
+                f"{fmt(b['not_taken_per_request'])}  shown/req "
+                f"{fmt(b['shown_per_request'])}  def/class shown "
                 f"{fmt(b['family_shown_rate'])}  versions "
                 + " ".join(f"v{v}:{n}" for v, n in b["versions"].items()),
                 flush=True,
@@ -179,12 +183,14 @@ def change_text(change: float | None, first: float | None, last: float | None, f
 
 
 # what people keep first; the accept rate is secondary (a policy that shows less is accepted
-# more often and gives less code)
+# more often and gives less code). retained_chars_per_100 is kept_chars_per_100's older name,
+# which every report (and simulator.phases' comparison) has.
 ROWS = (
-    ("retained_chars_per_100", "retained chars / 100 req", ".1f"),
+    ("retained_chars_per_100", "kept chars / 100 req", ".1f"),
+    ("accept_rate_of_shown", "accept rate of shown", ".3f"),
+    ("not_taken_per_request", "not taken per request", ".3f"),
     ("shown_per_request", "shown per request", ".3f"),
     ("reward_per_request", "reward per request", ".4f"),
-    ("accept_rate_of_shown", "accept rate of shown", ".3f"),
 )
 
 
@@ -225,9 +231,51 @@ def phase_table(comparison: dict[str, Any]) -> Table:
     for key, label, form in ROWS:
         cells = []
         for side in both:
-            a, b = side["reference"][key], side["last_fifth"][key]
-            cells += [fmt(a, form), fmt(b, form), change_text(side["change"][key], a, b, form)]
+            a, b = with_not_taken(side["reference"])[key], with_not_taken(side["last_fifth"])[key]
+            cells += [
+                fmt(a, form),
+                fmt(b, form),
+                change_text(change_of(side, key, a, b), a, b, form),
+            ]
         table.add_row(label, *cells)
+    return table
+
+
+def change_of(summary: dict[str, Any], key: str, a: float | None, b: float | None) -> float | None:
+    """The relative change `summary` holds for key; computed where it holds none for it (the
+    figures it does not compare, as not_taken_per_request)."""
+    changes = summary["change"]
+    return changes[key] if key in changes else rpt.relative_change(a, b)
+
+
+def with_not_taken(counts: dict[str, Any]) -> dict[str, Any]:
+    """`counts` (requests, shown, accepted, ...) with not_taken_per_request, derived when a
+    comparison (simulator.phases) or an older report does not carry it."""
+    if "not_taken_per_request" in counts:
+        return counts
+    rates = rpt.loop_rates(counts["requests"], counts["shown"], counts["accepted"], 0.0)
+    return {**counts, "not_taken_per_request": rates["not_taken_per_request"]}
+
+
+def length_table(by_length: dict[str, Any]) -> Table:
+    """report.json `by_length` as one row per policy version (and all of them), a column per
+    length of the shown suggestion: kept chars / 100 req · accept rate of shown · not taken /
+    req."""
+    labels = [*by_length["buckets"], rpt.ALL_LENGTHS]
+    table = Table(
+        title="by suggestion length (characters shown), per policy version: kept chars / 100 "
+        "req · accept rate of shown · not taken / req"
+    )
+    for col in ("version", "requests", *labels):
+        table.add_column(col, justify="right")
+    rows = [(f"v{v}", r) for v, r in by_length["versions"].items()]
+    for name, per_length in [*rows, ("all", by_length["all_versions"])]:
+        cells = [
+            f"{fmt(c['kept_chars_per_100'], '.1f')} · {fmt(c['accept_rate_of_shown'])} · "
+            f"{fmt(c['not_taken_per_request'], '.3f')}"
+            for c in (per_length[label] for label in labels)
+        ]
+        table.add_row(name, str(per_length[rpt.ALL_LENGTHS]["requests"]), *cells)
     return table
 
 
@@ -243,15 +291,17 @@ def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
         table.add_column(col, justify="right")
     base = (report.get("baseline") or {}).get("best") or {}
     for key, label, form in (*ROWS, ("family_shown_rate", "def/class shown rate", ".3f")):
-        first, last = f["first"][key], f["last"][key]
+        first, last = with_not_taken(f["first"])[key], with_not_taken(f["last"])[key]
         table.add_row(
             label,
             fmt(first, form),
             fmt(last, form),
-            change_text(f["change"].get(key), first, last, form),
+            change_text(change_of(f, key, first, last), first, last, form),
             fmt(base.get(key), form),
         )
     console.print(table)
+    if report.get("by_length"):
+        console.print(length_table(report["by_length"]))
     thirds = report.get("thirds")
     if thirds:
         table = Table(
@@ -301,10 +351,10 @@ def print_summary(console: Console, report: dict[str, Any], out: Path) -> None:
     if adversaries.get("count"):
         h, sent = report["honest"]["totals"], adversaries["events"]
         console.print(
-            f"  honest people ({report['honest']['people']}): accept rate of shown "
+            f"  honest people ({report['honest']['people']}): kept chars / 100 requests "
+            f"{fmt(h['retained_chars_per_100'], '.1f')} · accept rate of shown "
             f"{fmt(h['accept_rate_of_shown'], '.3f')} · shown per request "
-            f"{fmt(h['shown_per_request'], '.3f')} · retained chars / 100 requests "
-            f"{fmt(h['retained_chars_per_100'], '.1f')}; adversaries {adversaries['count']} "
+            f"{fmt(h['shown_per_request'], '.3f')}; adversaries {adversaries['count']} "
             f"({', '.join(adversaries['kinds'])}): {sent['sent']} events sent, "
             f"{sent['rejected']} refused",
             highlight=False,

@@ -88,6 +88,8 @@ def build_report(
             "bucket_s": cfg.bucket_width_s,
             "max_new_tokens": cfg.max_new_tokens,
             "population": cfg.population.to_dict(),
+            "people": cfg.people,  # telemetry or proxy (simulator.telemetry)
+            "telemetry": cfg.telemetry.to_dict() if cfg.people == "telemetry" else None,
             "reward_spec": sim.spec,
             "adversaries": cfg.adversaries,
             "adversary_kinds": list(cfg.adversary_kinds),
@@ -126,6 +128,7 @@ def build_report(
             "events_lost": events["dropped"] + events["pending"],
         },
         "by_version": rpt.by_version(sim.records),
+        "by_length": rpt.by_length(sim.records),
         "deployments": deployments,
         "deploy_counts": deploy_counts,
         "gated_deploys": gated,

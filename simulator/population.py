@@ -1,5 +1,8 @@
 """Simulated people: who they are, where their cursor is, what they do with a suggestion.
 
+These are the proxy people (`--people proxy`, the control); simulator.telemetry's (the
+default) add habits fitted to real telemetry and decide by their own rule.
+
 Everything here is pure — a function of its arguments and a seeded `random.Random` (drawn in a
 fixed order, so a seed replays the same people) — and tested with tables
 (tests/simulator/test_population.py). No I/O, no clock: `simulator.run` does the waiting and
@@ -318,6 +321,7 @@ class Decision:
     delay_s: float  # seconds after the suggestion appeared (for "ignore": when they move on)
     accepted_chars: int = 0  # how much of the suggestion was taken (0 unless accepted)
     retained_fraction: float = 0.0  # of the accepted text, what matches the real line
+    looked: bool = True  # False: typed through unread (telemetry people, simulator.telemetry)
 
 
 def decide(

@@ -6,6 +6,10 @@ report.json (written by `tabloop simulate`; keys are stable, new ones are only a
 - `config`: the run's settings (api, users, minutes, baseline_minutes, duration_s = the whole run
   in seconds, baseline and learning phases together, settled_share, corpus (null: the stdlib's
   held-out split), seed, bucket_s, population, reward_spec and where it came from, machine).
+- `metrics` (of any set of requests) leads with `kept_chars_per_100`: characters accepted times
+  the fraction still there at the last retention check, per 100 requests (the loop's measure;
+  `retained_chars_per_100` is the same figure under its older name), then
+  `accept_rate_of_shown` and `not_taken_per_request` (shown but not accepted, per request).
 - `totals`: `metrics` of every request, the simulator's counters (people, switches, churns,
   errors = completion requests with no answer, settled = code_settled events sent,
   settled_people = people who opted in), `events` (the sender's queued, sent, accepted,
@@ -25,6 +29,11 @@ report.json (written by `tabloop simulate`; keys are stable, new ones are only a
   `difference` and `interval`; and `gated_deploys`,
   `gated_deploys_in_baseline_phase`, `deploy_counts`, `errors`, `events_refused`,
   `events_lost` (dropped + never delivered).
+- `by_length` (by_length): per policy version (`versions`, by version number) and over all of
+  them (`all_versions`), per length of the shown suggestion (`buckets`: "<=5", "6-20", "21-60",
+  ">60" characters) and over all lengths ("all"): requests (all the version's requests: the
+  per-request rates' denominator, so a version's buckets add up to its "all"), shown,
+  accepted, accept_rate_of_shown, not_taken_per_request and kept_chars_per_100.
 - `by_version`, `deployments` (the timeline, `t` seconds into the run), `deploy_counts`,
   `gated_deploys`, `training` (GET /admin/training after the run), `baseline` (the offline
   base-policy baseline), `comparison` (the last fifth against it), `targets` (against the
@@ -109,7 +118,9 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "accepted": len(accepted),
         "rejected": sum(r.action == "reject" for r in shown),
         "ignored": sum(r.action == "ignore" for r in shown),
-        **_rates(n, len(shown), len(accepted), sum(r.retained_chars for r in accepted)),
+        **loop_rates(n, len(shown), len(accepted), kept_chars(accepted)),
+        "shown_per_request": _ratio(len(shown), n),
+        "retained_chars_per_100": _ratio(100 * kept_chars(accepted), n),  # kept_chars_per_100
         "useful_chars_per_100": _ratio(100 * sum(r.useful_chars for r in records), n),
         "whole_line_rate": _ratio(sum(r.whole_line for r in records), n),
         "exact_of_shown": _ratio(sum(r.whole_line for r in shown), len(shown)),
@@ -127,6 +138,73 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         ),
         "versions": {str(v): c for v, c in sorted(Counter(r.version for r in records).items())},
         "latency_ms_p50": _percentile([r.latency_ms for r in records], 0.5),
+    }
+
+
+def kept_chars(accepted: Sequence[RequestRecord]) -> float:
+    """Characters people kept of these accepted requests: accepted x the retained fraction."""
+    return sum(r.retained_chars for r in accepted)
+
+
+def loop_rates(requests: int, shown: int, accepted: int, kept: float) -> dict[str, float | None]:
+    """The loop's measure first, then how it was reached: kept characters per 100 requests, the
+    accept rate of shown, and shown-but-not-taken (shown, not accepted) per request."""
+    return {
+        "kept_chars_per_100": _ratio(100 * kept, requests),
+        "accept_rate_of_shown": _ratio(accepted, shown),
+        "not_taken_per_request": _ratio(shown - accepted, requests),
+    }
+
+
+# Lengths of the shown suggestion (characters): (label, longest in the bucket; None: no limit).
+LENGTH_BUCKETS: tuple[tuple[str, int | None], ...] = (
+    ("<=5", 5),
+    ("6-20", 20),
+    ("21-60", 60),
+    (">60", None),
+)
+ALL_LENGTHS = "all"
+
+
+def length_bucket(chars: int) -> str:
+    """The LENGTH_BUCKETS label of a suggestion of `chars` characters."""
+    for label, most in LENGTH_BUCKETS:
+        if most is None or chars <= most:
+            return label
+    raise AssertionError("the last length bucket has no limit")
+
+
+def length_rows(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Per length bucket of the shown suggestion, and over all lengths: requests (all of them,
+    the per-request rates' denominator, so the buckets add up to "all"), shown, accepted and
+    `loop_rates`."""
+    n = len(records)
+    parts: dict[str, list[RequestRecord]] = {label: [] for label, _ in LENGTH_BUCKETS}
+    for r in records:
+        if r.shown:
+            parts[length_bucket(r.shown_chars)].append(r)
+    parts[ALL_LENGTHS] = [r for r in records if r.shown]
+    out = {}
+    for label, part in parts.items():
+        accepted = [r for r in part if r.action == "accept"]
+        out[label] = {
+            "requests": n,
+            "shown": len(part),
+            "accepted": len(accepted),
+            **loop_rates(n, len(part), len(accepted), kept_chars(accepted)),
+        }
+    return out
+
+
+def by_length(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """`length_rows` per policy version that answered, and over all versions."""
+    per_version: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        per_version.setdefault(r.version, []).append(r)
+    return {
+        "buckets": [label for label, _ in LENGTH_BUCKETS],
+        "versions": {str(v): length_rows(per_version[v]) for v in sorted(per_version)},
+        "all_versions": length_rows(records),
     }
 
 
@@ -340,7 +418,7 @@ def targets(
             "interval": interval.get("shown_per_request"),
         },
         {
-            "name": "retained chars per 100 requests, last vs first",
+            "name": "kept chars per 100 requests, last vs first",
             "target": "not lower",
             "value": [ret_first, ret_last],
             "met": (None if ret_first is None or ret_last is None else ret_last >= ret_first),
@@ -356,7 +434,7 @@ def targets(
             "name": "no collapse",
             "target": (
                 f"last fifth shows >= {COLLAPSE_SHOWN_SHARE:.0%} of the first's rate and "
-                f"keeps >= {COLLAPSE_RETAINED_SHARE:.0%} of its retained chars"
+                f"keeps >= {COLLAPSE_RETAINED_SHARE:.0%} of its kept chars"
             ),
             "value": None if collapse is None else not collapse,
             "met": (None if collapse is None else not collapse),

@@ -2,13 +2,16 @@
 
     tabloop simulate --api http://127.0.0.1:8000 --key TOKEN --users 16 --minutes 10 --seed 0 \
         [--baseline-minutes 5] [--settled 0.5] [--corpus DIR] \
-        [--adversaries 2 --adversary-kinds accept_all,reject_all]
+        [--adversaries 2 --adversary-kinds accept_all,reject_all] [--people telemetry|proxy]
 
 Each seat holds one person (simulator.population) who types, asks for a completion at a cursor
 inside a real held-out line, judges the suggestion by the code, accepts / rejects / ignores it,
 reports retention at the reward spec's checks, switches models after bad runs and leaves when
 suggestions stay useless (a new person takes the seat). The reward windows come from
 GET /admin/reward-spec (the sim profile's defaults when the key may not read it).
+With --people telemetry (the default) each person takes suggestions as real Copilot users do,
+rarely short ones, and types through those too short or too slow to read
+(simulator.telemetry); --people proxy gives the control, who takes almost every correct one.
 
 With --baseline-minutes M the trainer is paused first and the live policy serves the people for
 M minutes (the baseline phase), then the trainer is resumed for --minutes (the learning phase);
@@ -79,6 +82,7 @@ from simulator.population import (
     step,
     think_time,
 )
+from simulator.telemetry import TelemetryParams, counts_as_good, decide_telemetry, draw_telemetry
 from simulator.writing import WritingSource
 from tabloop.core.corpus import Cursor, usefulness
 
@@ -207,18 +211,30 @@ class Simulation:
         while not self.stop.is_set():
             rng = random.Random(f"{self.cfg.seed}:{slot}:{generation}")
             person = draw_person(self.cfg.population, rng)
+            # drawn after the person, so proxy people draw exactly what they always drew
+            habits = (
+                draw_telemetry(self.cfg.telemetry, rng) if self.cfg.people == "telemetry" else None
+            )
             self.counters.people += 1
             opted_in = settles(self.cfg.seed, slot, generation, self.cfg.settled_share)
             self.counters.settled_people += opted_in
             user_id = f"sim{self.cfg.seed}-{slot}-{generation}"
-            if await self.person(user_id, person, rng, opted_in) != "churn":
+            if await self.person(user_id, person, rng, opted_in, habits) != "churn":
                 return
             generation += 1
 
     async def person(
-        self, user_id: str, person: PersonParams, rng: random.Random, opted_in: bool = False
+        self,
+        user_id: str,
+        person: PersonParams,
+        rng: random.Random,
+        opted_in: bool = False,
+        habits: TelemetryParams | None = None,
     ) -> str:
+        """One person until they leave ("churn") or the run stops; `habits`: a telemetry
+        person's (None: a proxy person)."""
         session = Session()
+        took_last = False  # a telemetry person's momentum: they took the last one shown
         # the last request's line, reported (code_settled) when the person moves on from it
         unsettled: tuple[str, Cursor, float] | None = None
 
@@ -244,11 +260,26 @@ class Simulation:
             if resp is None:
                 self.counters.errors += 1
                 continue
+            # all a person sees of the response: the text shown and how long it took, never
+            # what the policy computed (tests/simulator/test_telemetry.py checks this call)
             text = resp["text"] if resp["shown"] else ""
+            latency_ms = float(resp.get("latency_ms", 0.0))
             shown_at = self.now()
             decision = None
-            if resp["shown"] and text:
+            if resp["shown"] and text and habits is None:  # a proxy person
                 decision = decide(person, text, cursor.rest_of_line, family, self.max_delay_s, rng)
+            elif resp["shown"] and text and habits is not None:  # a telemetry person
+                decision = decide_telemetry(
+                    person,
+                    habits,
+                    text,
+                    cursor.rest_of_line,
+                    prefix=prefix,
+                    latency_ms=latency_ms,
+                    after_accept=took_last,
+                    max_delay_s=self.max_delay_s,
+                    rng=rng,
+                )
             self._record(t, user_id, resp, family, text, decision, cursor, fresh)
             if opted_in:
                 unsettled = (resp["suggestion_id"], cursor, t)
@@ -256,7 +287,11 @@ class Simulation:
                 continue
             await asyncio.sleep(decision.delay_s)  # looking at it; finishes even when stopping
             self._feedback(user_id, resp["suggestion_id"], decision, self.now() - shown_at)
-            session, move = step(session, person, decision.action == "accept")
+            took_last = decision.action == "accept"
+            good = took_last if habits is None else counts_as_good(decision)
+            if good is None:
+                continue  # typed through unread: nothing to judge the model by
+            session, move = step(session, person, good)
             if move != "stay":
                 move_on()  # leaving the editor: the line stands as it is
             if move == "switch":

@@ -71,6 +71,7 @@ class Logged:
     recall: dict[str, Any] | None = (
         None  # the copy proposal's record (tabloop.core.policy.sampling)
     )
+    person: dict[str, Any] | None = None  # what the decisions read of the person
 
     @classmethod
     def of(cls, a: Any) -> Logged:
@@ -82,6 +83,7 @@ class Logged:
             None if a.top_p is None else float(a.top_p),
             bool(a.shown),
             a.recall,
+            getattr(a, "person", None),
         )
 
 

@@ -35,6 +35,7 @@ ROLLOUT_ROWS = (
         rollouts.c.top_p,
         rollouts.c.shown,
         rollouts.c.recall,
+        rollouts.c.person,
         rollouts.c.logprob_total,
         rollouts.c.token_logprobs,
         rollouts.c.decision_logprob,

@@ -20,20 +20,28 @@ from service.metrics import COMPLETIONS, UNSUPPORTED_LANGUAGE
 from tabloop.core.config import Settings
 from tabloop.core.memory import SNIPPETS, remember, typed_through
 from tabloop.core.outbox import outbox_row
+from tabloop.core.person import History, PersonContext, moment_of, read_history
 from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.context import following_lines
 from tabloop.core.policy.languages import metric_label, request_language, supports
 from tabloop.core.policy.sampling import Prompt, unsupported_language
 from tabloop.core.privacy import rollout_without_code
 from tabloop.core.recall import Text, propose
+from tabloop.core.reward_store import default_spec
 from tabloop.core.stream.topics import ROLLOUTS
 from tabloop.core.tables import outbox, rollouts, utcnow
 
 
-def prompt_of(req: CompleteRequest, settings: Settings, memory: Text | None = None) -> Prompt:
+def prompt_of(
+    req: CompleteRequest,
+    settings: Settings,
+    memory: Text | None = None,
+    history: History | None = None,
+) -> Prompt:
     """The request as the policy reads it: the bounded prefix and suffix, the token budget,
-    a generator of its own, and the copy proposal from all of the request's text and from the
-    workspace `memory`."""
+    a generator of its own, the copy proposal from all of the request's text and from the
+    workspace `memory`, and the person and the moment (`history`: what the service recorded of
+    the person; None in privacy mode, where the decisions read nothing of them)."""
     return Prompt(
         prefix=req.prefix[-settings.max_prefix_chars :],
         suffix=req.suffix[: settings.max_suffix_chars],
@@ -44,7 +52,27 @@ def prompt_of(req: CompleteRequest, settings: Settings, memory: Text | None = No
             request_context(req, settings.max_recall_chars),
             memory,
         ),
+        person=None
+        if history is None
+        else PersonContext(history, moment_of(req.prefix, req.suffix)),
     )
+
+
+def person_history(
+    engine: sa.Engine, req: CompleteRequest, api_key_id: str | None, settings: Settings
+) -> History | None:
+    """What the service recorded of the person (tabloop.core.person.read_history); None in
+    privacy mode or with TABLOOP_PERSON_FEATURES off."""
+    if req.no_train or not settings.person_features:
+        return None
+    with engine.connect() as conn:
+        return read_history(
+            conn,
+            user_id=req.user_id,
+            api_key_id=api_key_id,
+            now=utcnow(),
+            pending_s=default_spec(settings.profile).decision_window_s,
+        )
 
 
 def request_context(req: CompleteRequest, budget: int) -> list[str]:
@@ -113,6 +141,7 @@ def rollout_record(
         "text_chars": len(stored),
         "shown": c.shown,
         "recall": None if c.recall is None else {**c.recall, "text": _storable(c.recall["text"])},
+        "person": c.person,
         "gate_prob_show": c.gate_prob_show,
         "decision_logprob": c.decision_logprob,
         "logprob_total": c.logprob_total,
@@ -270,7 +299,8 @@ async def serve(
     language = request_language(req.language, req.file_path)
     if supports(policy.languages, language):
         memory = None if workspace is None else ctx.memory.lookup(workspace, req.workspace_id)
-        prompt = prompt_of(req, settings, memory)
+        history = await run_in_threadpool(person_history, ctx.engine, req, api_key_id, settings)
+        prompt = prompt_of(req, settings, memory, history)
         completion, latency_ms = await ctx.inference.sample(policy, prompt)
     else:
         completion, latency_ms = abstain_for_language(language, settings)

@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     memory_person_bytes: int = Field(4_000_000, ge=0)
     memory_workspace_bytes: int = Field(64_000_000, ge=0, le=1_500_000_000)
     max_new_tokens_limit: int = Field(64, ge=1, le=256)
+    # the decisions read the person and the moment (tabloop/core/person.py: their recent
+    # outcomes under the key, the time since their last suggestion, the characters around the
+    # cursor); off, they read nothing of them (the heads' person inputs are 0)
+    person_features: bool = True
     # Threads running inference (each uses torch_threads cores); ingestion keeps its own pool.
     inference_threads: int = Field(2, ge=1, le=64)
     torch_threads: int = Field(1, ge=1, le=64)

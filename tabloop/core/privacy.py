@@ -61,11 +61,13 @@ def parse_no_train(value: str | None) -> bool:
 
 
 def rollout_without_code(record: dict[str, Any]) -> dict[str, Any]:
-    """A rollout record (row or message) with its code fields blank and `text_chars` kept."""
+    """A rollout record (row or message) with its code fields blank and `text_chars` kept, and
+    nothing of the person (a privacy-mode request's decisions read none: tabloop.core.person)."""
     chars = record.get("text_chars")
     return {
         **record,
         **rollout_code_blank(),
+        "person": None,
         "text_chars": chars if chars is not None else len(record.get("text") or ""),
     }
 

@@ -192,6 +192,9 @@ rollouts = sa.Table(
     # the copy proposal and the copy head's draw (tabloop.core.policy.actions.Completion.recall);
     # JSON null where the request had none. Code: blanked like `text` (service/privacy.py)
     sa.Column("recall", JSONType, nullable=True),
+    # what the decisions read of the person and the moment (Completion.person): numbers, no code;
+    # NULL where none were read (privacy mode, older rows: the heads read 0)
+    sa.Column("person", JSONType, nullable=True),
     sa.Column("gate_prob_show", sa.Float(), nullable=False),
     sa.Column("decision_logprob", sa.Float(), nullable=False),
     sa.Column("logprob_total", sa.Float(), nullable=False),

@@ -87,6 +87,7 @@ def test_a_rollout_without_code_keeps_everything_else() -> None:
         "text": "turn x",
         "shown": True,
         "recall": {"text": "turn x", "inputs": [0.0], "copied": True, "logprob": -0.1},
+        "person": {"gate": [0.5], "copy": None, "history": {"outcomes": [], "since_s": 3.0}},
         "logprob_total": -0.3,
         "no_train": True,
     }
@@ -98,6 +99,7 @@ def test_a_rollout_without_code_keeps_everything_else() -> None:
         "token_ids": [],
         "text": "",
         "recall": None,
+        "person": None,
         "text_chars": 6,
     }
     assert rollout_without_code(blank) == blank  # the length survives a second pass

@@ -561,3 +561,36 @@ def test_line_key_is_file_and_line() -> None:
     assert line_key(a) == line_key(b) == ("pkg/m.py", 3)  # any column of the same line
     assert line_key(cursor_at(CorpusLine(Path("pkg/m.py"), 2, lines), 0)) == ("pkg/m.py", 2)
     assert line_key(cursor_at(CorpusLine(Path("pkg/n.py"), 3, lines), 3)) == ("pkg/n.py", 3)
+
+
+def test_proxy_decisions_are_pinned() -> None:
+    # seed 0's first person deciding on one rng, as a seat does: (action, verdict, delay,
+    # accepted chars, retained). Changing these changes every proxy run (--people proxy).
+    rng = random.Random("0:0:0")
+    person = draw_person(PopulationConfig(), rng)
+    cases = [
+        ("foo(a, b)", "foo(a, b)", False),
+        ("foo(a, c)", "foo(a, b)", False),
+        ("bar()", "foo(a, b)", False),
+        (")", ")", False),
+        ("x", "x = 1", True),
+        ("foo(a, c)", "foo(a, b)", False),
+    ]
+    got = [
+        (d.action, d.verdict, round(d.delay_s, 4), d.accepted_chars, round(d.retained_fraction, 4))
+        for d in (decide(person, t, tr, f, 3.0, rng) for _ in range(2) for t, tr, f in cases)
+    ]
+    assert got == [
+        ("reject", "correct", 0.15, 0, 0.0),
+        ("reject", "close", 0.5464, 0, 0.0),
+        ("ignore", "wrong", 1.0483, 0, 0.0),
+        ("accept", "correct", 0.246, 1, 1.0),
+        ("reject", "wrong", 0.4038, 0, 0.0),
+        ("reject", "close", 0.15, 0, 0.0),
+        ("accept", "correct", 0.5996, 9, 1.0),
+        ("accept", "close", 0.638, 9, 0.8889),
+        ("reject", "wrong", 0.7596, 0, 0.0),
+        ("accept", "correct", 2.3259, 1, 1.0),
+        ("reject", "wrong", 1.8007, 0, 0.0),
+        ("accept", "close", 0.1916, 9, 0.8889),
+    ]

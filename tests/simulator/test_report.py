@@ -12,10 +12,14 @@ from simulator.plot import plot
 from simulator.report import (
     RequestRecord,
     bucketize,
+    by_length,
     by_version,
     change_intervals,
     fifths,
     gated_deploys,
+    length_bucket,
+    length_rows,
+    loop_rates,
     metrics,
     relative_change,
     split_by_time,
@@ -101,6 +105,126 @@ def test_metrics() -> None:
     assert m["other_accept_rate_of_shown"] == pytest.approx(2 / 3)
     assert m["mean_shown_chars"] == pytest.approx(42 / 4)
     assert m["versions"] == {"1": 4, "2": 1}
+    # the loop's measure and its alias, then how it was reached
+    assert m["kept_chars_per_100"] == m["retained_chars_per_100"]
+    assert m["not_taken_per_request"] == pytest.approx(2 / 5)  # a reject and an ignore
+    assert list(m)[5:8] == ["kept_chars_per_100", "accept_rate_of_shown", "not_taken_per_request"]
+
+
+@pytest.mark.parametrize(
+    ("counts", "expected"),
+    [
+        ((0, 0, 0, 0.0), (None, None, None)),  # no requests
+        ((10, 0, 0, 0.0), (0.0, None, 0.0)),  # nothing shown: no accept rate
+        ((1, 1, 1, 7.5), (750.0, 1.0, 0.0)),  # one request, accepted, 7.5 characters kept
+        ((20, 8, 2, 15.0), (75.0, 0.25, 0.3)),
+    ],
+)
+def test_loop_rates(
+    counts: tuple[int, int, int, float], expected: tuple[float | None, ...]
+) -> None:
+    rates = loop_rates(*counts)
+    assert list(rates) == ["kept_chars_per_100", "accept_rate_of_shown", "not_taken_per_request"]
+    assert tuple(rates.values()) == tuple(None if e is None else pytest.approx(e) for e in expected)
+
+
+@pytest.mark.parametrize(
+    ("chars", "bucket"),
+    [(0, "<=5"), (1, "<=5"), (5, "<=5"), (6, "6-20"), (20, "6-20"), (21, "21-60")]
+    + [(60, "21-60"), (61, ">60"), (1000, ">60")],
+)
+def test_length_bucket_edges(chars: int, bucket: str) -> None:
+    assert length_bucket(chars) == bucket
+
+
+def zeros(n: int) -> dict[str, Any]:
+    """A length_rows row with nothing shown out of n requests."""
+    return {
+        "requests": n,
+        "shown": 0,
+        "accepted": 0,
+        "kept_chars_per_100": 0.0 if n else None,
+        "accept_rate_of_shown": None,
+        "not_taken_per_request": 0.0 if n else None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [
+        pytest.param([], {}, id="empty"),
+        pytest.param(
+            [rec(0, "accept", chars=4, accepted=4, retained=2.0)],
+            {
+                "<=5": {
+                    "requests": 1,
+                    "shown": 1,
+                    "accepted": 1,
+                    "kept_chars_per_100": 200.0,
+                    "accept_rate_of_shown": 1.0,
+                    "not_taken_per_request": 0.0,
+                }
+            },
+            id="one record",
+        ),
+        pytest.param(
+            [
+                rec(0, "accept", chars=30, accepted=30, retained=15.0),
+                rec(1, "reject", chars=21),
+                rec(2, "ignore", chars=60),
+                rec(3),  # abstained: a request, in no bucket
+            ],
+            {
+                "21-60": {
+                    "requests": 4,
+                    "shown": 3,
+                    "accepted": 1,
+                    "kept_chars_per_100": 375.0,
+                    "accept_rate_of_shown": pytest.approx(1 / 3),
+                    "not_taken_per_request": 0.5,
+                }
+            },
+            id="all in one bucket",
+        ),
+    ],
+)
+def test_length_rows(records: list[RequestRecord], expected: dict[str, Any]) -> None:
+    rows = length_rows(records)
+    assert list(rows) == ["<=5", "6-20", "21-60", ">60", "all"]
+    for label in ("<=5", "6-20", "21-60", ">60"):
+        assert rows[label] == expected.get(label, zeros(len(records))), label
+    # the buckets add up to all lengths: one denominator, every request
+    assert rows["all"]["requests"] == len(records)
+    assert rows["all"]["shown"] == sum(r.shown for r in records)
+    if expected:
+        (only,) = expected.values()
+        assert rows["all"] == only
+
+
+def test_by_length_per_version_and_over_all() -> None:
+    records = [
+        rec(0, "accept", chars=3, accepted=3, retained=3.0, version=1),
+        rec(1, "reject", chars=80, version=1),
+        rec(2, version=1),
+        rec(3, "accept", chars=80, accepted=40, retained=20.0, version=2),
+    ]
+    out = by_length(records)
+    assert out["buckets"] == ["<=5", "6-20", "21-60", ">60"]
+    assert list(out["versions"]) == ["1", "2"]
+    v1, v2, both = out["versions"]["1"], out["versions"]["2"], out["all_versions"]
+    assert (v1["<=5"]["requests"], v1["<=5"]["kept_chars_per_100"]) == (3, 100.0)
+    assert (v1[">60"]["shown"], v1[">60"]["accepted"]) == (1, 0)
+    assert v1[">60"]["not_taken_per_request"] == pytest.approx(1 / 3)
+    assert v1[">60"]["accept_rate_of_shown"] == 0.0
+    assert v2[">60"]["kept_chars_per_100"] == 2000.0 and v2["<=5"]["shown"] == 0
+    assert both[">60"]["accept_rate_of_shown"] == 0.5
+    assert both["all"]["kept_chars_per_100"] == pytest.approx(100 * 23 / 4)
+    assert both["all"]["kept_chars_per_100"] == metrics(records)["kept_chars_per_100"]
+    assert by_length([]) == {
+        "buckets": ["<=5", "6-20", "21-60", ">60"],
+        "versions": {},
+        "all_versions": length_rows([]),
+    }
 
 
 def test_metrics_of_nothing_has_no_rates() -> None:

@@ -1,25 +1,39 @@
-"""benchmarks/writing_loop.py: every run in the table, each arm's change against the mean of
-its seed's paused runs, and a plot."""
+"""benchmarks/writing_loop.py: every run in the table, the loop's figures (kept characters, accept
+rate of shown, not taken per request) against the mean of its seed's paused runs with their
+ratio, each arm's change, and a plot."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from benchmarks.writing_loop import main
+from benchmarks.writing_loop import against_paused, last_third, main, ratio
 
 
-def write_run(root: Path, name: str, seed: int, useful: float, wrong: float) -> str:
-    last = {
+def third(
+    useful: float, wrong: float, kept: float = 50.0, shown: int = 60, accepted: int = 36
+) -> dict[str, Any]:
+    """A last third of 100 requests."""
+    return {
+        "requests": 100,
+        "shown": shown,
+        "accepted": accepted,
+        "kept_chars_per_100": kept,
+        "retained_chars_per_100": kept,
+        "accept_rate_of_shown": accepted / shown if shown else None,
+        "not_taken_per_request": (shown - accepted) / 100,
         "useful_chars_per_100": useful,
         "whole_line_rate": 0.2,
         "exact_of_shown": 0.3,
-        "shown_per_request": 0.6,
+        "shown_per_request": shown / 100,
         "wrong_shown_per_request": wrong,
-        "accept_rate_of_shown": 0.6,
     }
+
+
+def write_run(root: Path, name: str, seed: int, last: dict[str, Any]) -> str:
     run = root / name
     run.mkdir()
     report = {
@@ -36,20 +50,64 @@ def test_each_arm_against_its_seeds_paused_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = [
-        "paused=" + write_run(tmp_path, "paused-a", 0, 100.0, 0.2),
-        "paused=" + write_run(tmp_path, "paused-b", 0, 120.0, 0.2),
-        "learning=" + write_run(tmp_path, "learning-0", 0, 121.0, 0.1),
-        "paused=" + write_run(tmp_path, "paused-c", 1, 200.0, 0.4),
-        "learning=" + write_run(tmp_path, "learning-1", 1, 180.0, 0.4),
+        "paused=" + write_run(tmp_path, "paused-a", 0, third(100.0, 0.2, kept=40.0)),
+        "paused=" + write_run(tmp_path, "paused-b", 0, third(120.0, 0.2, kept=60.0)),
+        "learning="
+        + write_run(tmp_path, "learning-0", 0, third(121.0, 0.1, kept=60.0, accepted=45)),
+        "paused=" + write_run(tmp_path, "paused-c", 1, third(200.0, 0.4, kept=80.0)),
+        "learning=" + write_run(tmp_path, "learning-1", 1, third(180.0, 0.4, kept=64.0)),
     ]
     assert main([*runs, "--plot", str(tmp_path / "loop.png")]) == 0
     out = capsys.readouterr().out
     assert out.count("| 0 | paused |") == 2 and out.count("| 1 | learning |") == 1  # every run
-    assert "| 0 | learning | 121.0 | 20.0% |" in out and "| 5 (3, 1) |" in out
+    # kept chars lead the table, then the accept rate of shown and what was not taken
+    assert out.splitlines()[0].startswith(
+        "| seed | arm | kept chars / 100 req | accept rate of shown | not taken / req |"
+    )
+    assert "| 0 | learning | 60.0 | 0.750 | 0.150 | 121.0 | 20.0% |" in out
+    assert "| 5 (3, 1) |" in out
+    # the loop's figures beside the paused mean (seed 0: 40 and 60 -> 50), with the ratio
+    assert "| 0 | kept chars / 100 req | 60.0 | 50.0 | 1.20 |" in out
+    assert "| 0 | accept rate of shown | 0.750 | 0.600 | 1.25 |" in out
+    assert "| 0 | not taken / req | 0.150 | 0.240 | 0.62 |" in out
+    assert "| 1 | kept chars / 100 req | 64.0 | 80.0 | 0.80 |" in out
+    assert "- kept chars / 100 req: mean ratio 1.00 over 2 seeds" in out
     # seed 0: 121 against the mean of 100 and 120; seed 1: 180 against 200
+    assert "kept_chars_per_100: +20%, -20% (mean +0%)" in out
     assert "useful_chars_per_100: +10%, -10% (mean +0%)" in out
     assert "wrong_shown_per_request: -50%, +0% (mean -25%)" in out
+    assert out.index("kept_chars_per_100:") < out.index("useful_chars_per_100:")
     assert (tmp_path / "loop.png").stat().st_size > 0
+
+
+def test_a_report_before_the_loops_keys_gives_them_from_its_figures() -> None:
+    """An older report's last third has retained_chars_per_100 (the same kept characters) and
+    the counts, not kept_chars_per_100 or not_taken_per_request."""
+    old = {"requests": 50, "shown": 20, "accepted": 5, "retained_chars_per_100": 12.5}
+    last = last_third({"thirds": {"last": old}})
+    assert last["kept_chars_per_100"] == 12.5
+    assert last["not_taken_per_request"] == pytest.approx(15 / 50)
+    empty = last_third({"thirds": {"last": {"requests": 0, "shown": 0, "accepted": 0}}})
+    assert empty["kept_chars_per_100"] is None and empty["not_taken_per_request"] is None
+
+
+@pytest.mark.parametrize(
+    ("value", "base", "expected"),
+    [(1.0, 2.0, 0.5), (0.0, 2.0, 0.0), (1.0, 0.0, None), (None, 1.0, None), (1.0, None, None)],
+)
+def test_ratio(value: float | None, base: float | None, expected: float | None) -> None:
+    assert ratio(value, base) == expected
+
+
+def test_against_paused_needs_a_paused_run_of_the_seed() -> None:
+    runs = [
+        ("paused", 0, {"thirds": {"last": third(10.0, 0.1)}}),
+        ("learning", 1, {"thirds": {"last": third(10.0, 0.1)}}),  # no paused run of seed 1
+    ]
+    assert against_paused(runs) == {}
+    runs.append(("learning", 0, {"thirds": {"last": third(10.0, 0.1, kept=25.0)}}))
+    ((seed, last, base),) = against_paused(runs)["learning"]
+    assert (seed, last["kept_chars_per_100"], base["kept_chars_per_100"]) == (0, 25.0, 50.0)
 
 
 def test_a_run_without_its_arm_is_refused(tmp_path: Path) -> None:

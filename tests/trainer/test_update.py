@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from tabloop.core.person import SHORT_CHARS, History, PersonContext, moment_of
 from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.sampling import complete
@@ -520,14 +521,21 @@ def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) ->
     g = tiny_model.gate
     # the projections of the hidden state (192 inputs each): the gate's and the copy head's
     assert [id(p) for p in hidden["params"]] == [id(g.hidden.weight), id(g.copy.hidden)]
-    # the confidence weights and the copy head: logistic heads whose thresholds move by whole
-    # units
-    heads = (g.features.weight, g.features.bias, g.copy.weight, g.copy.bias)
+    # the confidence weights, the copy head and both heads' person weights: logistic heads whose
+    # thresholds move by whole units
+    heads = (
+        g.features.weight,
+        g.features.bias,
+        g.copy.weight,
+        g.copy.bias,
+        g.person,
+        g.copy.person,
+    )
     assert {id(p) for p in threshold["params"]} == {id(p) for p in heads}
     gate_ids = {id(p) for p in g.parameters()}
     assert not gate_ids & {id(p) for p in lm["params"]}
     n = sum(1 for _ in tiny_model.parameters())
-    assert len(lm["params"]) + 6 == n
+    assert len(lm["params"]) + 8 == n
     gate_cfg = dataclasses.replace(cfg, train_gate_only=True)
     groups = make_optimizer(tiny_model, gate_cfg).param_groups
     assert len(groups) == 2 and {id(p) for gr in groups for p in gr["params"]} == gate_ids
@@ -1092,3 +1100,78 @@ def test_settled_text_is_evidence_only_for_its_own_rollout(
         )
     )
     assert all(torch.equal(before[n], p) for n, p in _params(tiny_model).items())
+
+
+# Two populations at the same cursors, told apart only by what the service recorded of them:
+# takers accept the short suggestions they are shown, refusers never take one (the telemetry's
+# <= 5 characters); both take the longer ones.
+TAKER = History(((3, True), (4, True), (30, True), (2, True), (45, False)), since_s=3.0)
+REFUSER = History(((3, False), (4, False), (30, True), (2, False), (45, True)), since_s=3.0)
+
+
+def _population_reward(comp: Completion, refuses_short: bool) -> float:
+    if not comp.shown:
+        return 0.0
+    if refuses_short and len(comp.text.rstrip()) <= SHORT_CHARS:
+        return -0.25
+    return 0.75 * (min(len(comp.text), 60) / 20) ** 0.5
+
+
+@pytest.mark.parametrize("reads_person", [True, False], ids=["person", "zeroed"])
+def test_synthetic_learning_short_suggestions_follow_the_person(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, reads_person: bool
+) -> None:
+    """The same cursors for two populations; only the person inputs (their recorded outcomes)
+    differ. Within 100 on-policy updates the gate shows short suggestions to the takers
+    (p(show) > 0.8) and not to the refusers (< 0.2). With the person inputs zeroed it cannot:
+    both populations then get the same p(show) for the same completion."""
+    _set_gate(tiny_model, 0.0)
+    ref = copy.deepcopy(tiny_model)
+    cfg = UpdateConfig()  # the trainer's rates: the gate's weights at 100x the model's
+    optimizer = make_optimizer(tiny_model, cfg)
+    gen = torch.Generator().manual_seed(0)
+    prompts = FAMILY_A + FAMILY_B
+
+    def rollouts(history: History, n: int) -> list[Completion]:
+        return [
+            complete(
+                tiny_model,
+                tiny_tokenizer,
+                p,
+                "",
+                2,  # mostly short
+                1.0,
+                None,
+                gen,
+                stop_logprob=None,
+                person=PersonContext(history, moment_of(p, "")) if reads_person else None,
+            )
+            for p in prompts
+            for _ in range(n)
+        ]
+
+    def p_short(comps: list[Completion]) -> float:
+        short = [c.gate_prob_show for c in comps if 0 < len(c.text.rstrip()) <= SHORT_CHARS]
+        assert short, "short completions to judge"
+        return sum(short) / len(short)
+
+    history = []
+    for _ in range(100):
+        takers, refusers = rollouts(TAKER, 3), rollouts(REFUSER, 3)
+        history.append((p_short(takers), p_short(refusers)))
+        if history[-1][0] > 0.9 and history[-1][1] < 0.1:
+            break
+        rewards = [_population_reward(c, False) for c in takers] + [
+            _population_reward(c, True) for c in refusers
+        ]
+        update(
+            UpdateInputs(
+                tiny_model, ref, tiny_tokenizer, _batch(takers + refusers, rewards), optimizer, cfg
+            )
+        )
+    final = p_short(rollouts(TAKER, 6)), p_short(rollouts(REFUSER, 6))
+    learned = final[0] > 0.8 and final[1] < 0.2
+    if reads_person:
+        assert learned, f"p(show) of short ones {final} after {len(history)} updates: {history}"
+    else:
+        assert not learned and abs(final[0] - final[1]) < 0.15, final

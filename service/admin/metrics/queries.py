@@ -6,7 +6,8 @@ functions (SQLite has no percentile aggregate) and returns only the few ranked r
 p50 and p99 of each bucket and version interpolate between. Buckets are aligned to multiples of
 bucket_s since the epoch, so a refreshing chart keeps its points in place; the first and last
 bucket may be partial. The `feedback` section (whose feedback was refused or capped) comes from
-service/admin/metrics/trust.py.
+service/admin/metrics/trust.py. `recent_versions` is the same sums per version alone, for
+GET /admin/training.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ MAX_WINDOW_S = 30 * 86400
 MIN_DEFAULT_BUCKET_S = 10
 DEFAULT_BUCKETS = 30  # the default bucket is window / this (but at least MIN_DEFAULT_BUCKET_S)
 MAX_BUCKETS = 500
+RECENT_VERSIONS = 10  # GET /admin/training: the newest versions that served in its window
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)")
@@ -77,6 +79,19 @@ def resolve_end(to: datetime | None) -> datetime:
     return to.replace(tzinfo=UTC) if to.tzinfo is None else to.astimezone(UTC)
 
 
+def loop_rates(
+    *, finalized: int, shown_finalized: int, accepted: int, kept_chars: float
+) -> dict[str, float | None]:
+    """The loop's measure, then how it was reached, over the rollouts with a finalized reward
+    (as every rate of a Row): kept characters per 100 requests, the accept rate of shown, and
+    shown-but-not-taken per request. None where the denominator is 0."""
+    return {
+        "kept_chars_per_100": 100 * kept_chars / finalized if finalized else None,
+        "accept_rate_of_shown": accepted / shown_finalized if shown_finalized else None,
+        "not_taken_per_request": (shown_finalized - accepted) / finalized if finalized else None,
+    }
+
+
 @dataclass
 class _Acc:
     """Sums for one (bucket, version) or one version; `row()` turns them into rates."""
@@ -102,8 +117,18 @@ class _Acc:
         self.reward_sum += other.reward_sum
         self.rewards_finalized += other.rewards_finalized
 
+    def loop(self) -> dict[str, float | None]:
+        """`loop_rates` of these sums."""
+        return loop_rates(
+            finalized=self.rewards_finalized,
+            shown_finalized=self.shown_finalized,
+            accepted=self.accepted,
+            kept_chars=self.retained_chars,
+        )
+
     def row(self, version: int, latency: dict[int, float]) -> dict[str, Any]:
         n, done = self.suggestions, self.rewards_finalized
+        loop = self.loop()
         return {
             "policy_version": version,
             "suggestions": n,
@@ -115,6 +140,8 @@ class _Acc:
             "retained_fraction": self.retention_sum / self.accepted if self.accepted else None,
             "accepted_chars_per_request": self.accepted_chars / done if done else None,
             "retained_chars_per_request": self.retained_chars / done if done else None,
+            "kept_chars_per_100": loop["kept_chars_per_100"],
+            "not_taken_per_request": loop["not_taken_per_request"],
             "mean_reward": self.reward_sum / done if done else None,
             "rewards_finalized": self.rewards_finalized,
             "latency_ms_p50": latency.get(50),
@@ -157,6 +184,75 @@ def _epoch_s(column: Any, dialect: str) -> Any:
     return sa.cast(sa.func.floor(sa.extract("epoch", column)), sa.BigInteger)
 
 
+def _sum_columns() -> list[Any]:
+    """SQL over rollouts left-joined with rewards: the sums an _Acc holds, labelled as its
+    fields (kept characters: tabloop.core.reward_store.kept_chars)."""
+    r, w = rollouts, rewards
+    final = w.c.suggestion_id.is_not(None)
+    # an unviewed suggestion was neither accepted nor rejected by anyone: not in the accept rate
+    judged = sa.and_(r.c.shown, final, w.c.outcome != UNVIEWED)
+    accepted = w.c.outcome == "accepted"
+    retention = w.c.components["retention"].as_float()
+    return [
+        sa.func.count().label("suggestions"),
+        sa.func.sum(sa.case((r.c.shown, 1), else_=0)).label("shown"),
+        sa.func.sum(sa.case((judged, 1), else_=0)).label("shown_finalized"),
+        sa.func.sum(sa.case((accepted, 1), else_=0)).label("accepted"),
+        sa.func.sum(accepted_chars()).label("accepted_chars"),
+        sa.func.sum(kept_chars()).label("retained_chars"),
+        sa.func.sum(sa.case((accepted, retention), else_=0)).label("retention_sum"),
+        sa.func.coalesce(sa.func.sum(w.c.value), 0).label("reward_sum"),
+        sa.func.count(w.c.value).label("rewards_finalized"),
+    ]
+
+
+def _acc(row: Any) -> _Acc:
+    """An _Acc from a row of `_sum_columns`."""
+    return _Acc(
+        suggestions=int(row.suggestions),
+        shown=int(row.shown),
+        shown_finalized=int(row.shown_finalized),
+        accepted=int(row.accepted),
+        accepted_chars=float(row.accepted_chars),
+        retained_chars=float(row.retained_chars),
+        retention_sum=float(row.retention_sum),
+        reward_sum=float(row.reward_sum),
+        rewards_finalized=int(row.rewards_finalized),
+    )
+
+
+def recent_versions(
+    conn: sa.Connection, *, end: datetime, window_s: int = DEFAULT_WINDOW_S
+) -> list[dict[str, Any]]:
+    """The RECENT_VERSIONS newest policy versions that served rollouts in [end - window_s,
+    end), newest first: their counts and `_Acc.loop` figures over that window."""
+    r, w = rollouts, rewards
+    start = end - timedelta(seconds=window_s)
+    sums = (
+        sa.select(r.c.policy_version, *_sum_columns())
+        .select_from(r.outerjoin(w, w.c.suggestion_id == r.c.suggestion_id))
+        .where(r.c.created_at >= start, r.c.created_at < end)
+        .group_by(r.c.policy_version)
+        .order_by(r.c.policy_version.desc())
+        .limit(RECENT_VERSIONS)
+    )
+    out = []
+    for row in conn.execute(sums):
+        acc = _acc(row)
+        out.append(
+            {
+                "policy_version": int(row.policy_version),
+                "requests": acc.suggestions,
+                "shown": acc.shown,
+                "shown_finalized": acc.shown_finalized,
+                "accepted": acc.accepted,
+                "rewards_finalized": acc.rewards_finalized,
+                **acc.loop(),
+            }
+        )
+    return out
+
+
 def metrics(conn: sa.Connection, *, window_s: int, bucket_s: int, end: datetime) -> MetricsOut:
     """The metrics of rollouts created in [end - window_s, end), per version and per bucket."""
     try:
@@ -168,42 +264,13 @@ def metrics(conn: sa.Connection, *, window_s: int, bucket_s: int, end: datetime)
     bucket = ((_epoch_s(r.c.created_at, conn.dialect.name) - first) // bucket_s).label("bucket")
     in_window = sa.and_(r.c.created_at >= start, r.c.created_at < end)
 
-    final = w.c.suggestion_id.is_not(None)
-    # an unviewed suggestion was neither accepted nor rejected by anyone: not in the accept rate
-    judged = sa.and_(r.c.shown, final, w.c.outcome != UNVIEWED)
-    accepted = w.c.outcome == "accepted"
-    retention = w.c.components["retention"].as_float()
     sums = (
-        sa.select(
-            bucket,
-            r.c.policy_version,
-            sa.func.count().label("suggestions"),
-            sa.func.sum(sa.case((r.c.shown, 1), else_=0)).label("shown"),
-            sa.func.sum(sa.case((judged, 1), else_=0)).label("shown_finalized"),
-            sa.func.sum(sa.case((accepted, 1), else_=0)).label("accepted"),
-            sa.func.sum(accepted_chars()).label("accepted_chars"),
-            sa.func.sum(kept_chars()).label("retained_chars"),
-            sa.func.sum(sa.case((accepted, retention), else_=0)).label("retention_sum"),
-            sa.func.coalesce(sa.func.sum(w.c.value), 0).label("reward_sum"),
-            sa.func.count(w.c.value).label("rewards_finalized"),
-        )
+        sa.select(bucket, r.c.policy_version, *_sum_columns())
         .select_from(r.outerjoin(w, w.c.suggestion_id == r.c.suggestion_id))
         .where(in_window)
         .group_by(bucket, r.c.policy_version)
     )
-    accs: dict[tuple[int, int], _Acc] = {}
-    for row in conn.execute(sums):
-        accs[(int(row.bucket), int(row.policy_version))] = _Acc(
-            suggestions=int(row.suggestions),
-            shown=int(row.shown),
-            shown_finalized=int(row.shown_finalized),
-            accepted=int(row.accepted),
-            accepted_chars=float(row.accepted_chars),
-            retained_chars=float(row.retained_chars),
-            retention_sum=float(row.retention_sum),
-            reward_sum=float(row.reward_sum),
-            rewards_finalized=int(row.rewards_finalized),
-        )
+    accs = {(int(row.bucket), int(row.policy_version)): _acc(row) for row in conn.execute(sums)}
     # Latency percentiles: each rollout's rank within its (bucket, version) and its version.
     ms = r.c.latency_ms
     by_bucket, by_version = [bucket, r.c.policy_version], [r.c.policy_version]

@@ -18,6 +18,8 @@ _ROW_EXAMPLE: dict[str, Any] = {
     "retained_fraction": 0.82,
     "accepted_chars_per_request": 1.9,
     "retained_chars_per_request": 1.56,
+    "kept_chars_per_100": 156.0,
+    "not_taken_per_request": 0.238,
     "mean_reward": 0.031,
     "rewards_finalized": 1150,
     "latency_ms_p50": 11.8,
@@ -56,6 +58,14 @@ class Row(BaseModel):
     )
     retained_chars_per_request: float | None = Field(
         description="accepted characters x retention / rewards_finalized; null if none"
+    )
+    kept_chars_per_100: float | None = Field(
+        description="kept characters (accepted characters x retention) per 100 requests with a "
+        "finalized reward: 100 x retained_chars_per_request; null if none",
+    )
+    not_taken_per_request: float | None = Field(
+        description="shown but not taken, (shown_finalized - accepted) / rewards_finalized; null "
+        "if none",
     )
     mean_reward: float | None = Field(description="mean over finalized rewards; null if none")
     rewards_finalized: int = Field(description="rollouts with a finalized reward")

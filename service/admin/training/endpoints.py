@@ -1,4 +1,5 @@
-"""Admin API for the trainer: its state, and pause/resume (a flag it reads every second)."""
+"""Admin API for the trainer: its state, what the recent policy versions gave people, and
+pause/resume (a flag it reads every second)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter
 from pydantic import ValidationError
 
 from service.admin.audit.recorder import AuditEntry
+from service.admin.metrics.queries import DEFAULT_WINDOW_S, recent_versions
 from service.deps import ADMIN, AdminKey, CtxDep, audited
 from tabloop.core.reward_store import trainable_reward
 from tabloop.core.status import TrainerStatus
@@ -46,6 +48,22 @@ _STATUS_EXAMPLE = {
             "finalized": 24102,
         }
     ],
+    "recent_versions": {
+        "window_s": 3600,
+        "versions": [
+            {
+                "policy_version": 7,
+                "requests": 1200,
+                "shown": 420,
+                "shown_finalized": 400,
+                "accepted": 126,
+                "rewards_finalized": 1150,
+                "kept_chars_per_100": 156.0,
+                "accept_rate_of_shown": 0.315,
+                "not_taken_per_request": 0.238,
+            }
+        ],
+    },
 }
 _STATUS: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/json": {"example": _STATUS_EXAMPLE}}}
@@ -73,6 +91,10 @@ def _status(conn: sa.Connection) -> dict[str, Any]:
         "late_events": int(late),
         "trainer": _trainer(row.info) if row and row.info else {},
         "members": _members(conn),
+        "recent_versions": {
+            "window_s": DEFAULT_WINDOW_S,
+            "versions": recent_versions(conn, end=utcnow(), window_s=DEFAULT_WINDOW_S),
+        },
     }
 
 
@@ -110,7 +132,9 @@ def _members(conn: sa.Connection) -> list[dict[str, Any]]:
 @router.get("", responses=_STATUS)
 def get_training(_key: AdminKey, ctx: CtxDep) -> dict[str, Any]:
     """State (collecting, updating, gating, canary, paused), batch fill, last update and gate
-    result, canary progress, join lag and pending rollouts."""
+    result, canary progress, join lag and pending rollouts; per recent policy version (the
+    newest 10 that served in the last hour), kept characters per 100 requests, the accept rate
+    of shown and shown-but-not-taken per request."""
     with ctx.engine.connect() as conn:
         return _status(conn)
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch.nn import functional as F
 
+from tabloop.core.person import PERSON_INPUTS
 from tabloop.core.policy.tokenizer import CodeTokenizer
 
 NEG_INF = float("-inf")
@@ -37,6 +38,10 @@ class Completion:
     # the copy proposal, when there was one: {"text", "inputs" (the copy head's), "copied",
     # "logprob" (of copying or not)}; `text` above is the proposal's when copied
     recall: dict[str, Any] | None = None
+    # the person and the moment as the decisions read them (tabloop.core.person), when the
+    # request had them: {"gate": the gate's inputs, "copy": the copy head's (None without a
+    # proposal), "history": what they were computed from}
+    person: dict[str, Any] | None = None
 
     @property
     def shown_text(self) -> str:
@@ -64,6 +69,22 @@ class Action(Protocol):
     def shown(self) -> bool: ...
     @property
     def recall(self) -> dict[str, Any] | None: ...
+
+
+def person_inputs(action: Action, head: str) -> list[float] | None:
+    """The logged person inputs of one head ("gate" or "copy"); None where none were read (an
+    action logged without them: the heads read 0 there, as when serving it)."""
+    person = getattr(action, "person", None)
+    return None if not person else person.get(head)
+
+
+def person_tensor(rows: Sequence[list[float] | None], device: torch.device) -> torch.Tensor | None:
+    """(B, len(PERSON_INPUTS)) of person inputs, 0 for rows without any (what a head reads
+    when nothing is known); None when no row has any."""
+    if all(r is None for r in rows):
+        return None
+    zero = [0.0] * len(PERSON_INPUTS)
+    return torch.tensor([zero if r is None else r for r in rows], device=device)
 
 
 def was_copied(action: Action) -> bool:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tabloop.core.person import PERSON_INPUTS
 from tabloop.core.policy.languages import DEFAULT_LANGUAGES
 from tabloop.core.policy.model import GPT, ModelConfig
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -46,6 +47,8 @@ MANIFEST_FILE = "manifest.json"
 FIM_FORMAT = "psm"  # <|fim_prefix|> prefix <|fim_suffix|> following lines <|fim_middle|>
 COPY_HEAD = frozenset({"gate.copy.weight", "gate.copy.bias"})
 COPY_HIDDEN = "gate.copy.hidden"  # the copy head's hidden-state weights (0 where absent)
+# the heads' weights on the person and the moment (tabloop.core.person; 0 where absent)
+PERSON_WEIGHTS = ("gate.person", "gate.copy.person")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -261,6 +264,9 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
     if COPY_HIDDEN not in weights:
         # made before the copy head read the hidden state: the evidence alone decides, as then
         weights[COPY_HIDDEN] = torch.zeros(1, config.n_embd)
+    for name in PERSON_WEIGHTS:
+        # made before the heads read the person: they decide as they did then
+        weights.setdefault(name, torch.zeros(1, len(PERSON_INPUTS)))
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:

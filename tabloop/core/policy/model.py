@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from tabloop.core.person import PERSON_INPUTS
 from tabloop.core.policy.device import activation_dtype, compute, model_device
 from tabloop.core.recall import COPY_INIT, RECALL_INPUTS
 
@@ -208,10 +209,11 @@ class Block(nn.Module):
 
 
 class CopyHead(nn.Module):
-    """logit p(copy) = w . inputs + b + w_h . h: a linear logit on the copy proposal's inputs
-    (its evidence), plus one on the hidden state the gate reads (h, at the end of the model's
-    own completion), so that the loop can learn where in the code copies are kept or rejected.
-    `hidden` starts at 0: the evidence alone decides until the loop has learned otherwise. Its
+    """logit p(copy) = w . inputs + b + w_h . h + w_p . person: a linear logit on the copy
+    proposal's inputs (its evidence), plus one on the hidden state the gate reads (h, at the end
+    of the model's own completion), so that the loop can learn where in the code copies are kept
+    or rejected, and one on the person and the moment (tabloop.core.person). `hidden` and
+    `person` start at 0: the evidence alone decides until the loop has learned otherwise. Its
     parameters are made without drawing from the random generator (set by init_copy), so that
     the rest of the model initialises from a seed exactly as it did before the head existed."""
 
@@ -220,14 +222,21 @@ class CopyHead(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1, inputs))
         self.bias = nn.Parameter(torch.zeros(1))
         self.hidden = nn.Parameter(torch.zeros(1, n_embd))
+        self.person = nn.Parameter(torch.zeros(1, len(PERSON_INPUTS)))
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """(B, 1) from the inputs (B, len(RECALL_INPUTS)) and the hidden states (B, n_embd)."""
-        return F.linear(x, self.weight, self.bias) + F.linear(h, self.hidden)
+    def forward(
+        self, x: torch.Tensor, h: torch.Tensor, person: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, 1) from the inputs (B, len(RECALL_INPUTS)), the hidden states (B, n_embd) and
+        the person's inputs (B, len(PERSON_INPUTS); None: nothing known, all 0)."""
+        out = F.linear(x, self.weight, self.bias) + F.linear(h, self.hidden)
+        return out if person is None else out + F.linear(person, self.person)
 
 
 class Gate(nn.Module):
-    """logit p(show) = w_h . h + w_f . features + b; starts as a pure confidence threshold."""
+    """logit p(show) = w_h . h + w_f . features + b + w_p . person; starts as a pure confidence
+    threshold. `person` (tabloop.core.person.PERSON_INPUTS) starts at 0 and draws nothing from
+    the random generator, like the copy head."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -235,10 +244,16 @@ class Gate(nn.Module):
         self.features = nn.Linear(len(GATE_FEATURES), 1)
         # logit p(copy) from tabloop.core.recall.recall_inputs (a proposal's evidence)
         self.copy = CopyHead(len(RECALL_INPUTS), config.n_embd)
+        self.person = nn.Parameter(torch.zeros(1, len(PERSON_INPUTS)))
 
-    def forward(self, h: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = (self.hidden(h) + self.features(features)).squeeze(-1)
-        return out
+    def forward(
+        self, h: torch.Tensor, features: torch.Tensor, person: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = self.hidden(h) + self.features(features)
+        if person is not None:
+            out = out + F.linear(person, self.person)
+        squeezed: torch.Tensor = out.squeeze(-1)
+        return squeezed
 
 
 class GPT(nn.Module):
@@ -317,16 +332,21 @@ class GPT(nn.Module):
             )
         return logits, loss
 
-    def gate_logit(self, h_last: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """logit p(show) for a batch: h_last (B, C) and gate_features(...) (B, 4)."""
-        out: torch.Tensor = self.gate(h_last, features)
+    def gate_logit(
+        self, h_last: torch.Tensor, features: torch.Tensor, person: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """logit p(show) for a batch: h_last (B, C), gate_features(...) (B, 4) and the person's
+        inputs (B, len(PERSON_INPUTS); None: all 0)."""
+        out: torch.Tensor = self.gate(h_last, features, person)
         return out
 
 
 def init_gate(gate: Gate, scale: float, threshold: float) -> None:
-    """p(show) = sigmoid(scale * (mean_logprob - threshold)); hidden-state weights start at 0."""
+    """p(show) = sigmoid(scale * (mean_logprob - threshold)); hidden-state and person weights
+    start at 0."""
     with torch.no_grad():
         gate.hidden.weight.zero_()
+        gate.person.zero_()
         gate.features.weight.zero_()
         gate.features.weight[0, GATE_FEATURES.index("mean_logprob")] = scale
         gate.features.bias.fill_(-scale * threshold)
@@ -341,6 +361,7 @@ def init_copy(gate: Gate) -> None:
         gate.copy.weight.copy_(torch.tensor([weights]))
         gate.copy.bias.fill_(bias)
         gate.copy.hidden.zero_()
+        gate.copy.person.zero_()
 
 
 def gate_features(

@@ -47,11 +47,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
+from tabloop.core.person import PersonContext
 from tabloop.core.policy.actions import (
     NEG_INF,
     Completion,
     bytes_to_text,
     completion_bytes,
+    person_tensor,
     sample_token,
 )
 from tabloop.core.policy.context import MIN_PREFIX_TOKENS, context_overhead, prepare_context
@@ -77,6 +79,7 @@ class Prompt:
     max_new_tokens: int
     generator: torch.Generator | None = None
     proposal: Proposal | None = None  # what to copy here (tabloop.core.recall.propose)
+    person: PersonContext | None = None  # the person and the moment (tabloop.core.person)
 
 
 @dataclass
@@ -108,9 +111,10 @@ def complete(
     max_context_tokens: int | None = DEFAULT_MAX_CONTEXT_TOKENS,
     stop_logprob: float | None = DEFAULT_STOP_LOGPROB,
     proposal: Proposal | None = None,
+    person: PersonContext | None = None,
 ) -> Completion:
     """Sample the rest of the current line after `prefix`, then copy `proposal` or not, then the
-    show/abstain decision.
+    show/abstain decision (both reading `person`, the person and the moment, when given).
 
     `suffix` is the text after the cursor: a checkpoint trained for fill-in-the-middle (its
     tokenizer has the sentinels) reads the lines after the cursor's line, a left-to-right one
@@ -125,7 +129,7 @@ def complete(
     return complete_batch(
         model,
         tokenizer,
-        [Prompt(prefix, suffix, max_new_tokens, generator, proposal)],
+        [Prompt(prefix, suffix, max_new_tokens, generator, proposal, person)],
         temperature,
         top_p,
         heal=heal,
@@ -275,14 +279,23 @@ def _complete_batch(
         torch.tensor([len(r.tokens) for r in rows]),
         torch.tensor([len(o) for o in outs]),
     )
-    gate_logits = model.gate_logit(h, feats.to(device)).float().to(cpu)
+    people = [_person_inputs(r.prompt, bytes_to_text(o)) for r, o in zip(rows, outs, strict=True)]
+    gate_logits = (
+        model.gate_logit(h, feats.to(device), person_tensor([g for g, _ in people], device))
+        .float()
+        .to(cpu)
+    )
     inputs = [
         None if r.prompt.proposal is None else recall_inputs(r.prompt.proposal, bytes_to_text(o))
         for r, o in zip(rows, outs, strict=True)
     ]
     rows_with = [i for i, x in enumerate(inputs) if x is not None]
     copy_logits = iter(
-        model.gate.copy(torch.tensor([inputs[i] for i in rows_with], device=device), h[rows_with])
+        model.gate.copy(
+            torch.tensor([inputs[i] for i in rows_with], device=device),
+            h[rows_with],
+            person_tensor([people[i][1] for i in rows_with], device),
+        )
         .float()
         .to(cpu)[:, 0]
         .tolist()
@@ -290,9 +303,20 @@ def _complete_batch(
         else []
     )
     return [
-        _decide(r, out, float(g), temperature, top_p, x, None if x is None else next(copy_logits))
-        for r, out, g, x in zip(rows, outs, gate_logits, inputs, strict=True)
+        _decide(
+            r, out, float(g), temperature, top_p, x, None if x is None else next(copy_logits), p
+        )
+        for r, out, g, x, p in zip(rows, outs, gate_logits, inputs, people, strict=True)
     ]
+
+
+def _person_inputs(prompt: Prompt, text: str) -> tuple[list[float] | None, list[float] | None]:
+    """The gate's and the copy head's person inputs for a row: on the sampled completion and on
+    the proposal (None where the request has no person context, or no proposal)."""
+    if prompt.person is None:
+        return None, None
+    copy = None if prompt.proposal is None else prompt.person.inputs(prompt.proposal.text)
+    return prompt.person.inputs(text), copy
 
 
 def _draw(
@@ -313,6 +337,7 @@ def _decide(
     top_p: float | None,
     recall: list[float] | None = None,
     copy_logit: float | None = None,
+    person: tuple[list[float] | None, list[float] | None] = (None, None),
 ) -> Completion:
     """The row's copy draw (when it has a proposal) and show/abstain draw (after its tokens,
     from its generator, in that order), and its Completion."""
@@ -348,6 +373,13 @@ def _decide(
         stop_reason=r.stop,
         model_logprobs=r.model_lps,
         recall=logged,
+        person=None
+        if r.prompt.person is None
+        else {
+            "gate": person[0],
+            "copy": person[1],
+            "history": r.prompt.person.history.to_dict(),
+        },
     )
 
 

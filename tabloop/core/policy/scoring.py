@@ -18,6 +18,8 @@ from tabloop.core.policy.actions import (
     bytes_to_text,
     completion_bytes,
     constraint_steps,
+    person_inputs,
+    person_tensor,
     sampling_logprobs,
     was_copied,
 )
@@ -88,7 +90,8 @@ def _score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Actio
     last = torch.tensor([len(s) - 1 for s in seqs])
     feats = gate_features(model_sum, torch.tensor(lengths), torch.tensor(n_bytes))
     h_last = h[torch.arange(B), last]
-    gate_logit = model.gate_logit(h_last, feats).float()  # float32 under autocast too
+    people = person_tensor([person_inputs(a, "gate") for a in actions], h_last.device)
+    gate_logit = model.gate_logit(h_last, feats, people).float()  # float32 under autocast too
     shown = torch.tensor([bool(a.shown) for a in actions])
     dec = torch.where(shown, F.logsigmoid(gate_logit), F.logsigmoid(-gate_logit))
     fixed = torch.tensor(
@@ -100,7 +103,11 @@ def _score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Actio
     with_recall = [i for i, a in enumerate(actions) if a.recall and a.temperature != 0.0]
     if with_recall:
         inputs = torch.tensor([actions[i].recall["inputs"] for i in with_recall])  # type: ignore[index]
-        z = model.gate.copy(inputs.to(h_last.device), h_last[with_recall]).float()[:, 0].cpu()
+        copy_people = person_tensor(
+            [person_inputs(actions[i], "copy") for i in with_recall], h_last.device
+        )
+        z = model.gate.copy(inputs.to(h_last.device), h_last[with_recall], copy_people)
+        z = z.float()[:, 0].cpu()
         lp = torch.where(copied[with_recall], F.logsigmoid(z), F.logsigmoid(-z))
         source = source.index_add(0, torch.tensor(with_recall), lp)
     dec = gate_dec + source

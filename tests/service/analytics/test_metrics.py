@@ -10,7 +10,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.admin.metrics.queries import resolve_window
+from service.admin.metrics.queries import loop_rates, resolve_window
 from service.errors import Unprocessable
 from tabloop.core.reward import COMPONENTS
 from tabloop.core.tables import rewards, rollouts
@@ -131,6 +131,8 @@ def row(
         "retained_fraction": retained_fraction,
         "accepted_chars_per_request": per_final(accepted_chars),
         "retained_chars_per_request": per_final(retained_chars),
+        "kept_chars_per_100": per_final(100 * retained_chars),
+        "not_taken_per_request": per_final(shown_final - accepted),
         "mean_reward": per_final(reward_sum),
         "rewards_finalized": finalized,
         "latency_ms_p50": pytest.approx(p50),
@@ -234,3 +236,23 @@ def test_resolve_window(window: str | None, bucket: str | None, expected: tuple[
 def test_resolve_window_bucket_count_limit() -> None:
     with pytest.raises(Unprocessable, match="501 buckets"):
         resolve_window(window="501", bucket="1")
+
+
+@pytest.mark.parametrize(
+    ("counts", "expected"),
+    [
+        pytest.param((0, 0, 0, 0.0), (None, None, None), id="empty"),
+        pytest.param((1, 1, 1, 7.5), (750.0, 1.0, 0.0), id="one request, accepted"),
+        pytest.param((4, 0, 0, 0.0), (0.0, None, 0.0), id="all unviewed or abstained"),
+        pytest.param((10, 5, 2, 15.0), (150.0, 0.4, 0.3), id="some shown, some taken"),
+    ],
+)
+def test_loop_rates(counts: tuple[int, int, int, float], expected: tuple[Any, ...]) -> None:
+    """Kept characters per 100 requests, the accept rate of shown and shown-but-not-taken per
+    request, over the rollouts with a finalized reward."""
+    finalized, shown_finalized, accepted, kept = counts
+    rates = loop_rates(
+        finalized=finalized, shown_finalized=shown_finalized, accepted=accepted, kept_chars=kept
+    )
+    assert list(rates) == ["kept_chars_per_100", "accept_rate_of_shown", "not_taken_per_request"]
+    assert tuple(rates.values()) == tuple(None if e is None else pytest.approx(e) for e in expected)

@@ -3,8 +3,9 @@ service on a socket, with data from a short real flow: a canary deployed through
 completions from both versions (the shipped base policy and a
 tiny random one), accept/reject feedback, rewards finalized by the trainer's join.
 
-Then: a wrong key is refused with a message; the right key shows charts with data; "Roll back"
-adds the rollback to the timeline and to the audit log.
+Then: a wrong key is refused with a message; the right key shows each version's kept characters
+per 100 requests first, and charts with data; "Roll back" adds the rollback to the timeline and
+to the audit log.
 """
 
 from __future__ import annotations
@@ -169,13 +170,34 @@ def test_login_charts_and_rollback(
     expect(page.locator("#routing")).to_contain_text("canary v2")
     expect(page.locator("#versions-table tbody tr[data-version]")).to_have_count(2)
 
+    # the headline per version: kept characters per 100 requests, then the accept rate of shown
+    # and what was shown but not taken, as GET /admin/metrics gives them
+    headers = page.locator("#versions-table thead th").all_inner_texts()
+    assert [h.strip() for h in headers[:4]] == [
+        "version",
+        "kept chars / 100 req",
+        "accept rate of shown",
+        "not taken / req",
+    ], headers
+    versions = page.evaluate("() => window.tabloopDashboard.metrics.versions")
+    for v in versions:
+        cells = page.locator(f"#versions-table tr[data-version='{v['policy_version']}'] td")
+        kept, not_taken = v["kept_chars_per_100"], v["not_taken_per_request"]
+        assert kept is not None and not_taken is not None, v  # every reward is final
+        expect(cells.nth(1)).to_have_text(f"{kept:.1f}")
+        expect(cells.nth(3)).to_have_text(f"{not_taken:.3f}")
+    base = next(v for v in versions if v["policy_version"] == 1)
+    assert base["kept_chars_per_100"] > 0, base  # two thirds of what it showed, kept at 0.75
+    assert base["kept_chars_per_100"] == pytest.approx(100 * base["retained_chars_per_request"])
+
     # every chart drew a canvas and holds data for both versions
-    for chart in ("accept", "shown", "retained", "reward"):
+    for chart in ("kept", "accept", "shown", "reward"):
         expect(page.locator(f"#chart-{chart} canvas").first).to_be_visible()
     series = page.evaluate("""() => Object.fromEntries(
         Object.entries(window.tabloopDashboard.charts).map(([id, c]) =>
             [id, c.data.slice(1).map((s) => s.filter((v) => v != null).length)]))""")
     assert series["shown"] == [1, 1] and series["reward"] == [1, 1], series
+    assert series["kept"] == [1, 1], series  # v2 shows nothing: 0 kept, still a point
     # the accept rate is of shown suggestions: the base policy (v1) shows some, the tiny one
     # (v2) shows nothing, so it has no accept rate
     assert series["accept"] == [1, 0], series

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from tabloop.core.person import PERSON_INPUTS, History, PersonContext, moment_of
 from tabloop.core.policy.actions import Completion, constraint_steps, sampling_logprobs
 from tabloop.core.policy.model import GPT, KVCache, RaggedKVCache
 from tabloop.core.policy.sampling import Prompt, complete, complete_batch
@@ -399,3 +400,101 @@ def test_a_prompt_pass_for_the_last_positions_only_is_the_full_pass_there(
     torch.testing.assert_close(cache.k, full_cache.k)
     torch.testing.assert_close(cache.v, full_cache.v)
     assert cache.pos == full_cache.pos == 20
+
+
+def _histories() -> list[History]:
+    """People the service knows more and less of: none, one who takes everything, one who takes
+    only long suggestions, one who just rejected one."""
+    return [
+        History(),
+        History(tuple((c, True) for c in (3, 12, 40, 80)), since_s=4.0),
+        History(((3, False), (4, False), (30, True), (70, True)), since_s=60.0),
+        History(((20, False),), since_s=0.5),
+    ]
+
+
+def test_the_person_is_part_of_the_decision_and_its_logprob_is_recomputed(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """Random weights on the person inputs of both heads: each served decision's log-prob is
+    recomputed exactly from the logged inputs, with and without a proposal, and the same person
+    weights make different people's p(show) differ."""
+    _set_gate(tiny_model, 0.0)
+    _set_copy(tiny_model, 0.0, 0.0)
+    with torch.no_grad():
+        tiny_model.gate.person.normal_(0.0, 1.0)
+        tiny_model.gate.copy.person.normal_(0.0, 1.0)
+    proposal = Proposal("open(path) as f:", "memory", 24, 2, 2)
+    histories = _histories()
+    prompts = []
+    for i, prefix in enumerate(_prompts(small_code, 48, seed=7)):
+        person = None if i % 5 == 0 else PersonContext(histories[i % 4], moment_of(prefix, ""))
+        prompts.append(
+            Prompt(
+                prefix,
+                "",
+                12,
+                torch.Generator().manual_seed(i),
+                proposal if i % 3 else None,
+                person,
+            )
+        )
+    comps = complete_batch(tiny_model, tiny_tokenizer, prompts, 0.9, 0.95)
+    with torch.no_grad():
+        scores = score_actions(tiny_model, tiny_tokenizer, comps)
+    torch.testing.assert_close(scores.total, torch.tensor([c.logprob_total for c in comps]))
+    torch.testing.assert_close(scores.decision, torch.tensor([c.decision_logprob for c in comps]))
+    for c, p in zip(comps, prompts, strict=True):
+        assert (c.person is None) == (p.person is None)
+        if c.person is not None:
+            assert len(c.person["gate"]) == len(PERSON_INPUTS)
+            assert (c.person["copy"] is None) == (p.proposal is None)
+    # one prompt, four people: the gate reads who they are
+    prefix = prompts[1].prefix
+    shown = {
+        complete(
+            tiny_model,
+            tiny_tokenizer,
+            prefix,
+            "",
+            12,
+            0.9,
+            0.95,
+            torch.Generator().manual_seed(1),
+            person=PersonContext(h, moment_of(prefix, "")),
+        ).gate_prob_show
+        for h in histories
+    }
+    assert len(shown) == len(histories), shown
+    with torch.no_grad():
+        tiny_model.gate.person.zero_()
+        tiny_model.gate.copy.person.zero_()
+
+
+def test_a_person_known_as_nothing_decides_as_without_one(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """With the person weights at 0 (every checkpoint before the heads read the person), a
+    request with a person samples and decides exactly what it does without one."""
+    _set_gate(tiny_model, 0.0)
+    proposal = Proposal("open(path) as f:", "memory", 24, 2, 2)
+    for i, prefix in enumerate(_prompts(small_code, 8, seed=9)):
+        history = _histories()[i % 4]
+
+        def run(person: PersonContext | None, prefix: str = prefix, i: int = i) -> Completion:
+            return complete(
+                tiny_model,
+                tiny_tokenizer,
+                prefix,
+                "",
+                12,
+                0.9,
+                0.95,
+                torch.Generator().manual_seed(i),
+                proposal=proposal,
+                person=person,
+            )
+
+        a, b = run(None), run(PersonContext(history, moment_of(prefix, "")))
+        assert (a.text, a.shown, a.copied) == (b.text, b.shown, b.copied)
+        assert a.logprob_total == pytest.approx(b.logprob_total, abs=1e-6)

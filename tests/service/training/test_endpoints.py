@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from tabloop.core.tables import (
@@ -16,6 +17,7 @@ from tabloop.core.tables import (
     trainer_state,
 )
 from tabloop.testing.factories import rollout_row
+from tests.service.analytics.test_metrics import reward, rollout
 
 
 def test_pause_and_resume(client: httpx.Client) -> None:
@@ -125,3 +127,87 @@ def test_the_trainer_row_is_read_through_its_type(client: httpx.Client, engine: 
         )
     r = client.get("/admin/training")
     assert r.status_code == 200 and r.json()["trainer"] == newer
+
+
+def test_recent_versions_lead_with_kept_characters(client: httpx.Client, engine: sa.Engine) -> None:
+    """Per policy version that served in the last hour, newest first: kept characters per 100
+    requests, the accept rate of shown and what was shown but not taken per request, over the
+    rollouts with a finalized reward (/admin/metrics' sums)."""
+    assert client.get("/admin/training").json()["recent_versions"] == {
+        "window_s": 3600,
+        "versions": [],
+    }
+    now = datetime.now(UTC)
+    when = now - timedelta(minutes=5)
+    r = {
+        "a": rollout("a", 1, when, shown=True, text="abcdefghij", latency=1),
+        "b": rollout("b", 1, when, shown=True, text="xyz", latency=1),
+        "c": rollout("c", 1, when, shown=False, text="", latency=1),
+        "e": rollout("e", 1, when, shown=True, text="pending", latency=1),  # no reward yet
+        "u": rollout("u", 1, when, shown=True, text="never seen", latency=1),
+        "f": rollout("f", 2, when, shown=True, text="12345678", latency=1),
+        "old": rollout("old", 1, now - timedelta(hours=2), shown=True, text="zz", latency=1),
+    }
+    with engine.begin() as conn:
+        conn.execute(rollouts.insert(), list(r.values()))
+        conn.execute(
+            rewards.insert(),
+            [
+                reward(r["a"], 0.4, "accepted", share=1.0, retention=0.5),  # 5 chars kept
+                reward(r["b"], -0.25, "rejected"),
+                reward(r["c"], 0.0, "abstained"),
+                reward(r["u"], 0.0, "unviewed"),  # in no accept rate, a request all the same
+                reward(r["f"], 0.1, "accepted", share=0.25, retention=0.0),  # 2 chars, none kept
+                reward(r["old"], 1.0, "accepted", share=1.0, retention=1.0),  # outside the hour
+            ],
+        )
+    status = client.get("/admin/training").json()
+    assert status["rewards_finalized"] == 6  # the keys that were there stay as they were
+    assert status["recent_versions"]["versions"] == [
+        {
+            "policy_version": 2,
+            "requests": 1,
+            "shown": 1,
+            "shown_finalized": 1,
+            "accepted": 1,
+            "rewards_finalized": 1,
+            "kept_chars_per_100": 0.0,
+            "accept_rate_of_shown": 1.0,
+            "not_taken_per_request": 0.0,
+        },
+        {
+            "policy_version": 1,
+            "requests": 5,
+            "shown": 4,
+            "shown_finalized": 2,
+            "accepted": 1,
+            "rewards_finalized": 4,
+            "kept_chars_per_100": pytest.approx(100 * 5 / 4),
+            "accept_rate_of_shown": 0.5,
+            "not_taken_per_request": pytest.approx(1 / 4),
+        },
+    ]
+
+
+def test_recent_versions_are_the_newest_ten(client: httpx.Client, engine: sa.Engine) -> None:
+    """Only abstentions, none final yet: no rates; twelve versions served, the newest ten
+    listed."""
+    when = datetime.now(UTC) - timedelta(minutes=1)
+    with engine.begin() as conn:
+        conn.execute(
+            rollouts.insert(),
+            [rollout(f"s{v}", v, when, shown=False, text="", latency=1) for v in range(1, 13)],
+        )
+    versions = client.get("/admin/training").json()["recent_versions"]["versions"]
+    assert [v["policy_version"] for v in versions] == list(range(12, 2, -1))
+    assert versions[0] == {
+        "policy_version": 12,
+        "requests": 1,
+        "shown": 0,
+        "shown_finalized": 0,
+        "accepted": 0,
+        "rewards_finalized": 0,
+        "kept_chars_per_100": None,
+        "accept_rate_of_shown": None,
+        "not_taken_per_request": None,
+    }

@@ -11,10 +11,11 @@
                    "#8c6d31", "#d4568f"];
   const ACTION_COLORS = { deploy: "#b7791f", promote: "#1f8a4c", rollback: "#c8363d",
                           bootstrap: "#2f6fde" };
+  // what people keep leads: kept characters per 100 requests (accepted x retained)
   const CHARTS = [
+    { id: "kept", field: "kept_chars_per_100", fmt: (v) => num(v, 1), zero: true },
     { id: "accept", field: "accept_rate", fmt: pct, zero: true },
     { id: "shown", field: "shown_rate", fmt: pct, zero: true },
-    { id: "retained", field: "retained_chars_per_request", fmt: (v) => num(v, 2), zero: true },
     { id: "reward", field: "mean_reward", fmt: (v) => num(v, 3), zero: false },
   ];
 
@@ -200,17 +201,18 @@
     const rows = m.versions.slice().reverse().map((v) => el("tr", { "data-version": v.policy_version },
       el("td", {}, el("span", { class: "swatch", style: `background:${color(v.policy_version)}` }),
          `v${v.policy_version}`),
+      el("td", { class: "headline" }, num(v.kept_chars_per_100, 1)),
+      el("td", {}, pct(v.accept_rate)),
+      el("td", {}, num(v.not_taken_per_request, 3)),
       el("td", {}, int(v.suggestions)),
       el("td", {}, pct(v.shown_rate)),
-      el("td", {}, pct(v.accept_rate)),
       el("td", {}, pct(v.retained_fraction)),
-      el("td", {}, num(v.retained_chars_per_request, 2)),
       el("td", {}, num(v.mean_reward, 3)),
       el("td", {}, int(v.rewards_finalized)),
       el("td", {}, `${num(v.latency_ms_p50, 1)} / ${num(v.latency_ms_p99, 1)} ms`),
     ));
     if (!rows.length) {
-      rows.push(el("tr", {}, el("td", { class: "empty", colspan: "9" },
+      rows.push(el("tr", {}, el("td", { class: "empty", colspan: "10" },
                                 "No rollouts in this window yet.")));
     }
     $("versions-table").tBodies[0].replaceChildren(...rows);
