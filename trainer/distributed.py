@@ -72,6 +72,7 @@ class Logged:
         None  # the copy proposal's record (tabloop.core.policy.sampling)
     )
     person: dict[str, Any] | None = None  # what the decisions read of the person
+    extend: dict[str, Any] | None = None  # the extend draw
 
     @classmethod
     def of(cls, a: Any) -> Logged:
@@ -84,6 +85,7 @@ class Logged:
             bool(a.shown),
             a.recall,
             getattr(a, "person", None),
+            getattr(a, "extend", None),
         )
 
 

@@ -36,6 +36,7 @@ ROLLOUT_ROWS = (
         rollouts.c.shown,
         rollouts.c.recall,
         rollouts.c.person,
+        rollouts.c.extend,
         rollouts.c.logprob_total,
         rollouts.c.token_logprobs,
         rollouts.c.decision_logprob,

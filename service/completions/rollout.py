@@ -142,6 +142,7 @@ def rollout_record(
         "shown": c.shown,
         "recall": None if c.recall is None else {**c.recall, "text": _storable(c.recall["text"])},
         "person": c.person,
+        "extend": c.extend,
         "gate_prob_show": c.gate_prob_show,
         "decision_logprob": c.decision_logprob,
         "logprob_total": c.logprob_total,

@@ -195,6 +195,9 @@ rollouts = sa.Table(
     # what the decisions read of the person and the moment (Completion.person): numbers, no code;
     # NULL where none were read (privacy mode, older rows: the heads read 0)
     sa.Column("person", JSONType, nullable=True),
+    # how far it suggested (Completion.extend): {"at", "extended"} where the confidence stop came
+    # and the extend head drew; NULL where it did not (older rows: the stop held as a rule)
+    sa.Column("extend", JSONType, nullable=True),
     sa.Column("gate_prob_show", sa.Float(), nullable=False),
     sa.Column("decision_logprob", sa.Float(), nullable=False),
     sa.Column("logprob_total", sa.Float(), nullable=False),

@@ -519,8 +519,13 @@ def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) ->
     lm, hidden, threshold = make_optimizer(tiny_model, cfg).param_groups
     assert [g["lr"] for g in (lm, hidden, threshold)] == pytest.approx([1e-4, 1e-3, 1e-2])
     g = tiny_model.gate
-    # the projections of the hidden state (192 inputs each): the gate's and the copy head's
-    assert [id(p) for p in hidden["params"]] == [id(g.hidden.weight), id(g.copy.hidden)]
+    # the projections of the hidden state (192 inputs each): the gate's, the copy head's and the
+    # extend head's
+    assert [id(p) for p in hidden["params"]] == [
+        id(g.hidden.weight),
+        id(g.copy.hidden),
+        id(g.extend.hidden),
+    ]
     # the confidence weights, the copy head and both heads' person weights: logistic heads whose
     # thresholds move by whole units
     heads = (
@@ -530,12 +535,14 @@ def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) ->
         g.copy.bias,
         g.person,
         g.copy.person,
+        g.extend.bias,
+        g.extend.person,
     )
     assert {id(p) for p in threshold["params"]} == {id(p) for p in heads}
     gate_ids = {id(p) for p in g.parameters()}
     assert not gate_ids & {id(p) for p in lm["params"]}
     n = sum(1 for _ in tiny_model.parameters())
-    assert len(lm["params"]) + 8 == n
+    assert len(lm["params"]) + 11 == n
     gate_cfg = dataclasses.replace(cfg, train_gate_only=True)
     groups = make_optimizer(tiny_model, gate_cfg).param_groups
     assert len(groups) == 2 and {id(p) for gr in groups for p in gr["params"]} == gate_ids

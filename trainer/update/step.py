@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 
 EMBEDDINGS = ("wte.weight", "wpe.weight")  # token (tied to the output layer), position
-# the heads' weights on the hidden state: the gate's and the copy head's
-HIDDEN_PROJECTIONS = ("gate.hidden.weight", "gate.copy.hidden")
+# the heads' weights on the hidden state: the gate's, the copy head's and the extend head's
+HIDDEN_PROJECTIONS = ("gate.hidden.weight", "gate.copy.hidden", "gate.extend.hidden")
 
 
 def make_optimizer(model: GPT, cfg: UpdateConfig) -> torch.optim.AdamW:

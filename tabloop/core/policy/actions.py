@@ -42,6 +42,10 @@ class Completion:
     # request had them: {"gate": the gate's inputs, "copy": the copy head's (None without a
     # proposal), "history": what they were computed from}
     person: dict[str, Any] | None = None
+    # how far it suggested: at the first token the confidence stop would cut, {"at": tokens
+    # kept before it, "extended": True to go on to the end of the line}; None where the stop
+    # never came (or there is none, or temperature 0: the stop holds as a rule)
+    extend: dict[str, Any] | None = None
 
     @property
     def shown_text(self) -> str:
@@ -72,8 +76,8 @@ class Action(Protocol):
 
 
 def person_inputs(action: Action, head: str) -> list[float] | None:
-    """The logged person inputs of one head ("gate" or "copy"); None where none were read (an
-    action logged without them: the heads read 0 there, as when serving it)."""
+    """The logged person inputs of one head ("gate", "copy" or "extend"); None where none were
+    read (an action logged without them: the heads read 0 there, as when serving it)."""
     person = getattr(action, "person", None)
     return None if not person else person.get(head)
 
@@ -87,6 +91,12 @@ def person_tensor(rows: Sequence[list[float] | None], device: torch.device) -> t
     return torch.tensor([zero if r is None else r for r in rows], device=device)
 
 
+def extend_drawn(action: Action) -> dict[str, Any] | None:
+    """The action's extend draw ({"at", "extended"}), None where none was drawn."""
+    extend: dict[str, Any] | None = getattr(action, "extend", None)
+    return extend
+
+
 def was_copied(action: Action) -> bool:
     """The action showed its copy proposal (the gate was not drawn)."""
     return bool(action.recall and action.recall["copied"])
@@ -98,7 +108,8 @@ class ActionScores:
 
     total: torch.Tensor  # (B,) log pi(action) = tokens + decision
     tokens: torch.Tensor  # (B,) sum of token log-probs under the sampling distribution
-    decision: torch.Tensor  # (B,) log p(copy or not) + log p(gate's decision) (0: deterministic)
+    # (B,) log p(extend or not) + log p(copy or not) + log p(gate's decision) (0: deterministic)
+    decision: torch.Tensor
     gate_decision: torch.Tensor  # (B,) the gate's part (0 where it was not drawn)
     gate_logit: torch.Tensor  # (B,) logit p(show)
     token_logprobs: torch.Tensor  # (N,) every token's log-prob, rollouts concatenated

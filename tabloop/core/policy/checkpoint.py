@@ -49,6 +49,7 @@ COPY_HEAD = frozenset({"gate.copy.weight", "gate.copy.bias"})
 COPY_HIDDEN = "gate.copy.hidden"  # the copy head's hidden-state weights (0 where absent)
 # the heads' weights on the person and the moment (tabloop.core.person; 0 where absent)
 PERSON_WEIGHTS = ("gate.person", "gate.copy.person")
+EXTEND_HEAD = frozenset({"gate.extend.bias", "gate.extend.hidden", "gate.extend.person"})
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -267,6 +268,9 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
     for name in PERSON_WEIGHTS:
         # made before the heads read the person: they decide as they did then
         weights.setdefault(name, torch.zeros(1, len(PERSON_INPUTS)))
+    if not EXTEND_HEAD & weights.keys():
+        # made before the extend head: it starts as init_extend sets it (GPT() did)
+        weights.update({k: v for k, v in model.state_dict().items() if k in EXTEND_HEAD})
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:

@@ -233,6 +233,33 @@ class CopyHead(nn.Module):
         return out if person is None else out + F.linear(person, self.person)
 
 
+# logit p(extend) of a checkpoint made before the extend head: about one request in eight is
+# sampled to the end of its line rather than cut at the confidence stop, so the loop sees what
+# longer suggestions earn where the people are (tabloop.core.policy.sampling)
+EXTEND_INIT = -2.0
+
+
+class ExtendHead(nn.Module):
+    """logit p(extend) = b + w_h . h + w_p . person, drawn before the tokens: extend samples to
+    the end of the line, past the confidence stop. `h` is the hidden state at the context's last
+    position; `person` the person and the moment (tabloop.core.person) with no suggestion yet.
+    Made without drawing from the random generator (set by init_extend)."""
+
+    def __init__(self, n_embd: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.full((1,), EXTEND_INIT))
+        self.hidden = nn.Parameter(torch.zeros(1, n_embd))
+        self.person = nn.Parameter(torch.zeros(1, len(PERSON_INPUTS)))
+
+    def forward(self, h: torch.Tensor, person: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) from the hidden states (B, n_embd) and the person's inputs (None: all 0)."""
+        out = F.linear(h, self.hidden, self.bias)
+        if person is not None:
+            out = out + F.linear(person, self.person)
+        squeezed: torch.Tensor = out.squeeze(-1)
+        return squeezed
+
+
 class Gate(nn.Module):
     """logit p(show) = w_h . h + w_f . features + b + w_p . person; starts as a pure confidence
     threshold. `person` (tabloop.core.person.PERSON_INPUTS) starts at 0 and draws nothing from
@@ -245,6 +272,8 @@ class Gate(nn.Module):
         # logit p(copy) from tabloop.core.recall.recall_inputs (a proposal's evidence)
         self.copy = CopyHead(len(RECALL_INPUTS), config.n_embd)
         self.person = nn.Parameter(torch.zeros(1, len(PERSON_INPUTS)))
+        # logit p(extend): how far to suggest (ExtendHead)
+        self.extend = ExtendHead(config.n_embd)
 
     def forward(
         self, h: torch.Tensor, features: torch.Tensor, person: torch.Tensor | None = None
@@ -347,10 +376,19 @@ def init_gate(gate: Gate, scale: float, threshold: float) -> None:
     with torch.no_grad():
         gate.hidden.weight.zero_()
         gate.person.zero_()
+        init_extend(gate)
         gate.features.weight.zero_()
         gate.features.weight[0, GATE_FEATURES.index("mean_logprob")] = scale
         gate.features.bias.fill_(-scale * threshold)
         init_copy(gate)
+
+
+def init_extend(gate: Gate) -> None:
+    """The extend head as a checkpoint made before it starts: its bias alone (EXTEND_INIT)."""
+    with torch.no_grad():
+        gate.extend.bias.fill_(EXTEND_INIT)
+        gate.extend.hidden.zero_()
+        gate.extend.person.zero_()
 
 
 def init_copy(gate: Gate) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -96,6 +97,11 @@ class _Row:
     done: bytes = b""
     stop: str = "length"
     active: bool = True
+    # the extend draw, at the first token the confidence stop would cut: {"at": tokens kept
+    # before it, "extended": True to go on to the end of the line}; None: not drawn
+    extend: dict[str, Any] | None = None
+    extend_lp: float = 0.0  # its log-prob
+    extend_inputs: list[float] | None = None  # the person inputs it read
 
 
 def complete(
@@ -241,7 +247,13 @@ def _complete_batch(
                 )
             raw = logits[i] if allowed is None else logits[i].masked_fill(~allowed, NEG_INF)
             model_lp = float(raw[tok] - torch.logsumexp(raw, dim=-1))
-            if stop_logprob is not None and not remaining and model_lp < stop_logprob:
+            if (
+                stop_logprob is not None
+                and r.extend is None
+                and not remaining
+                and model_lp < stop_logprob
+                and not _extend(model, tokenizer, r, h[i], temperature)
+            ):
                 r.stop, r.active = "confidence", False  # h stays at the last token kept
                 continue
             r.model_lps.append(model_lp)
@@ -319,6 +331,23 @@ def _person_inputs(prompt: Prompt, text: str) -> tuple[list[float] | None, list[
     return prompt.person.inputs(text), copy
 
 
+def _extend(
+    model: GPT, tokenizer: CodeTokenizer, r: _Row, h: torch.Tensor, temperature: float
+) -> bool:
+    """At the first token the confidence stop would cut: go on to the end of the line (True) or
+    stop (False). A drawn decision of the policy (the extend head on `h`, the hidden state at
+    the last token kept, and on the person with the text kept so far), logged in `r.extend`;
+    at temperature 0 the stop holds, as a rule."""
+    if temperature == 0.0:
+        return False
+    kept = bytes_to_text(completion_bytes(tokenizer, r.tokens, r.constraint))
+    x = None if r.prompt.person is None else r.prompt.person.inputs(kept)
+    z = float(model.gate.extend(h[None], person_tensor([x], h.device))[0])
+    go_on, r.extend_lp = _draw(z, temperature, r.prompt.generator)
+    r.extend, r.extend_inputs = {"at": len(r.tokens), "extended": go_on}, x
+    return go_on
+
+
 def _draw(
     logit: float, temperature: float, generator: torch.Generator | None
 ) -> tuple[bool, float]:
@@ -344,11 +373,12 @@ def _decide(
     text = bytes_to_text(out)
     p_show = 1.0 / (1.0 + math.exp(-gate_logit))
     logged = None
-    copied, dec_lp = False, 0.0
+    copied, dec_lp = False, r.extend_lp
     proposal = r.prompt.proposal
     if proposal is not None and recall is not None and copy_logit is not None:
-        copied, dec_lp = _draw(copy_logit, temperature, r.prompt.generator)
-        logged = {"text": proposal.text, "inputs": recall, "copied": copied, "logprob": dec_lp}
+        copied, copy_lp = _draw(copy_logit, temperature, r.prompt.generator)
+        dec_lp += copy_lp
+        logged = {"text": proposal.text, "inputs": recall, "copied": copied, "logprob": copy_lp}
         if copied:
             text = proposal.text
     if copied:
@@ -378,8 +408,10 @@ def _decide(
         else {
             "gate": person[0],
             "copy": person[1],
+            "extend": r.extend_inputs,
             "history": r.prompt.person.history.to_dict(),
         },
+        extend=r.extend,
     )
 
 

@@ -6,6 +6,7 @@ of served rollouts use it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -18,6 +19,7 @@ from tabloop.core.policy.actions import (
     bytes_to_text,
     completion_bytes,
     constraint_steps,
+    extend_drawn,
     person_inputs,
     person_tensor,
     sampling_logprobs,
@@ -110,6 +112,21 @@ def _score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Actio
         z = z.float()[:, 0].cpu()
         lp = torch.where(copied[with_recall], F.logsigmoid(z), F.logsigmoid(-z))
         source = source.index_add(0, torch.tensor(with_recall), lp)
+    extends = [extend_drawn(a) for a in actions]
+    drawn = [i for i, e in enumerate(extends) if e is not None and actions[i].temperature != 0.0]
+    if drawn:  # how far to suggest: drawn at the last token kept before the stop would cut
+        at = torch.tensor(
+            [len(actions[i].context_token_ids) - 1 + int(extends[i]["at"]) for i in drawn]  # type: ignore[index]
+        )
+        z = model.gate.extend(
+            h[torch.tensor(drawn), at],
+            person_tensor([person_inputs(actions[i], "extend") for i in drawn], h.device),
+        )
+        z = z.float().cpu()
+        yes = torch.tensor([bool(extends[i]["extended"]) for i in drawn])  # type: ignore[index]
+        source = source.index_add(
+            0, torch.tensor(drawn), torch.where(yes, F.logsigmoid(z), F.logsigmoid(-z))
+        )
     dec = gate_dec + source
     return ActionScores(
         total=tok_sum + dec,
@@ -141,8 +158,10 @@ def action_logprob(
     temperature: float,
     top_p: float | None,
     heal_text: str,
+    extend: dict[str, Any] | None = None,
 ) -> torch.Tensor:
-    """log pi(action) of one logged action (a scalar tensor), by a fresh full forward pass."""
+    """log pi(action) of one logged action (a scalar tensor), by a fresh full forward pass;
+    `extend`: its extend draw (None: none was drawn)."""
     act = Completion(
         text="",
         token_ids=list(token_ids),
@@ -156,5 +175,6 @@ def action_logprob(
         decision_logprob=0.0,
         logprob_total=0.0,
         stop_reason="",
+        extend=extend,
     )
     return batch_action_logprobs(model, tokenizer, [act])[0]

@@ -1,6 +1,7 @@
 """The person and the moment over HTTP: what a decision read of the person comes from the
 service's own records (their earlier suggestions and feedback under the key), is logged with the
-rollout, recomputes exactly, stays out of privacy mode, and goes with the person."""
+rollout, recomputes exactly (with the extend draws: how far to suggest), stays out of privacy
+mode, and goes with the person."""
 
 from __future__ import annotations
 
@@ -34,8 +35,11 @@ def served_overrides(tiny_checkpoint_factory: Any, tmp_path: Path) -> dict[str, 
         gen = torch.Generator().manual_seed(3)
         model.gate.person.copy_(torch.randn(model.gate.person.shape, generator=gen))
         model.gate.copy.person.copy_(torch.randn(model.gate.copy.person.shape, generator=gen))
+        model.gate.extend.bias.fill_(0.0)
+        model.gate.extend.person.copy_(torch.randn(model.gate.extend.person.shape, generator=gen))
     out = save_checkpoint(tmp_path / "person", model, tokenizer, version=0, parent=None)
-    return {"base_checkpoint": out}
+    # a confidence stop the tiny model often reaches: the extend head draws there
+    return {"base_checkpoint": out, "stop_logprob": -3.0}
 
 
 @pytest.fixture
@@ -110,8 +114,13 @@ def test_the_decisions_read_the_persons_record_and_recompute_exactly(
     # another person starts with nothing known
     assert rows[other].person["history"] == {"outcomes": [], "since_s": None}
 
+    # how far to suggest is drawn where the stop comes, and logged
+    extends = [r.extend for r in rows.values() if r.extend is not None]
+    assert extends and all(set(e) == {"at", "extended"} for e in extends), extends
     model, tokenizer, _ = load_checkpoint(served.settings.base_checkpoint)
-    scored = [rows[s] for s in (*later, after_private, other)]
+    scored = [rows[s] for s in (*later, after_private, other)] + [
+        r for r in rows.values() if r.extend is not None and r.no_train is not True
+    ]
     with torch.no_grad():
         scores = score_actions(model, tokenizer, scored)
     torch.testing.assert_close(

@@ -87,6 +87,7 @@ def test_single_action_logprob_matches_batch(
             c.temperature,
             c.top_p,
             c.heal_text,
+            c.extend,
         )
         assert abs(one.item() - c.logprob_total) < 1e-4
         assert abs(one.item() - batch[b].item()) < 1e-4
@@ -170,11 +171,14 @@ def test_empty_completion_is_never_shown(
     ]
     empty = [c for c in comps if not c.text]
     assert empty, "the seed should produce some immediate line ends"
-    assert all(not c.shown and c.decision_logprob == 0.0 for c in empty)
+    # no gate draw; the only decision drawn is the extend head's, where the stop came first
+    assert all(not c.shown for c in empty)
+    assert all(c.decision_logprob == 0.0 for c in empty if c.extend is None)
     assert all(c.shown for c in comps if c.text)
     with torch.no_grad():
         scores = score_actions(tiny_model, tiny_tokenizer, empty)
-    assert (scores.decision == 0).all()
+    assert (scores.gate_decision == 0).all()
+    torch.testing.assert_close(scores.decision, torch.tensor([c.decision_logprob for c in empty]))
 
 
 # --- sampling_logprobs, a pure function -------------------------------------------------
@@ -205,7 +209,10 @@ def test_confidence_stop_keeps_the_part_the_model_is_sure_of(
     tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
 ) -> None:
     """Same random stream with and without the stop: the stopped completion is the whole one up
-    to (not including) its first unhealed token below the bar, and scores as it was logged."""
+    to (not including) its first unhealed token below the bar, and scores as it was logged
+    (the extend head set never to go on past the stop)."""
+    with torch.no_grad():
+        tiny_model.gate.extend.bias.fill_(-30.0)
     prompts = _prompts(small_code, 40, seed=21) + [""]  # an empty prefix has nothing to heal
 
     def run(stop: float | None) -> list[Completion]:
@@ -498,3 +505,58 @@ def test_a_person_known_as_nothing_decides_as_without_one(
         a, b = run(None), run(PersonContext(history, moment_of(prefix, "")))
         assert (a.text, a.shown, a.copied) == (b.text, b.shown, b.copied)
         assert a.logprob_total == pytest.approx(b.logprob_total, abs=1e-6)
+
+
+def test_going_on_past_the_stop_is_a_drawn_decision_and_recomputes_exactly(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """At the first token the confidence stop would cut, the extend head draws: go on to the end
+    of the line (the token is kept) or stop there. With random weights on its hidden-state and
+    person inputs, every draw's log-prob is recomputed exactly from the logged rollout, and the
+    rows that went on kept a token below the bar at the logged position."""
+    _set_gate(tiny_model, 0.0)
+    with torch.no_grad():
+        tiny_model.gate.extend.bias.fill_(0.0)
+        tiny_model.gate.extend.hidden.normal_(0.0, 0.5)
+        tiny_model.gate.extend.person.normal_(0.0, 1.0)
+    histories = _histories()
+    prompts = [
+        Prompt(
+            prefix,
+            "",
+            16,
+            torch.Generator().manual_seed(i),
+            person=PersonContext(histories[i % 4], moment_of(prefix, "")) if i % 3 else None,
+        )
+        for i, prefix in enumerate(_prompts(small_code, 48, seed=23))
+    ]
+    bar = -2.0
+    comps = complete_batch(tiny_model, tiny_tokenizer, prompts, 1.0, 0.95, stop_logprob=bar)
+    drawn = [c for c in comps if c.extend is not None]
+    went_on = [c for c in drawn if c.extend["extended"]]  # type: ignore[index]
+    assert went_on and len(went_on) < len(drawn), [c.extend for c in comps]
+    for c in went_on:
+        at = c.extend["at"]  # type: ignore[index]
+        assert c.model_logprobs[at] < bar and c.stop_reason != "confidence"
+    for c in drawn:
+        if not c.extend["extended"]:  # type: ignore[index]
+            assert c.stop_reason == "confidence" and len(c.token_ids) == c.extend["at"]  # type: ignore[index]
+    with torch.no_grad():
+        scores = score_actions(tiny_model, tiny_tokenizer, comps)
+    torch.testing.assert_close(scores.total, torch.tensor([c.logprob_total for c in comps]))
+    torch.testing.assert_close(scores.decision, torch.tensor([c.decision_logprob for c in comps]))
+    # a row alone samples and decides what it did in the batch
+    i = comps.index(went_on[0])
+    alone = complete(
+        tiny_model,
+        tiny_tokenizer,
+        prompts[i].prefix,
+        "",
+        16,
+        1.0,
+        0.95,
+        torch.Generator().manual_seed(i),
+        stop_logprob=bar,
+        person=prompts[i].person,
+    )
+    assert (alone.token_ids, alone.extend) == (went_on[0].token_ids, went_on[0].extend)
