@@ -42,7 +42,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fresh = bool(buckets) and "fresh_shown_per_request" in buckets[0]
     panels = [  # what people keep first; the accept rate is secondary
         (
-            "retained chars / 100 requests",
+            "kept chars / 100 requests",
             [("all", "retained_chars_per_100")]
             + ([("fresh lines", "fresh_retained_chars_per_100")] if fresh else []),
             base.get("retained_chars_per_100"),

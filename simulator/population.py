@@ -156,16 +156,24 @@ class PopulationConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def draw_person(cfg: PopulationConfig, rng: random.Random) -> PersonParams:
-    """One person, each parameter uniform in its range (integers inclusive), in field order."""
+def draw_params(
+    kind: Any, cfg: Any, int_fields: Sequence[str], rng: random.Random
+) -> dict[str, Any]:
+    """The fields of dataclass `kind`, each uniform in `cfg`'s range of the same name (the
+    `int_fields` integers, inclusive), drawn in field order."""
     values: dict[str, Any] = {}
-    for f in fields(PersonParams):
+    for f in fields(kind):
         low, high = getattr(cfg, f.name)
-        if f.name in _INT_FIELDS:
+        if f.name in int_fields:
             values[f.name] = rng.randint(int(low), int(high))
         else:
             values[f.name] = rng.uniform(low, high)
-    return PersonParams(**values)
+    return values
+
+
+def draw_person(cfg: PopulationConfig, rng: random.Random) -> PersonParams:
+    """One person, each parameter uniform in its range (integers inclusive), in field order."""
+    return PersonParams(**draw_params(PersonParams, cfg, _INT_FIELDS, rng))
 
 
 def settles(seed: int, slot: int, generation: int, share: float) -> bool:

@@ -73,6 +73,7 @@ from simulator.population import (
     PopulationConfig,
     Verdict,
     common_prefix_len,
+    draw_params,
     in_reject_family,
     judge,
     line_before_cursor,
@@ -185,14 +186,7 @@ def population_from_dict(
 def draw_telemetry(cfg: TelemetryConfig, rng: random.Random) -> TelemetryParams:
     """One person's telemetry habits, each uniform in its range, in field order (drawn after
     their PersonParams from the same rng)."""
-    values: dict[str, Any] = {}
-    for f in fields(TelemetryParams):
-        low, high = getattr(cfg, f.name)
-        if f.name in _INT_FIELDS:
-            values[f.name] = rng.randint(int(low), int(high))
-        else:
-            values[f.name] = rng.uniform(low, high)
-    return TelemetryParams(**values)
+    return TelemetryParams(**draw_params(TelemetryParams, cfg, _INT_FIELDS, rng))
 
 
 # --- what they do with a suggestion --------------------------------------------------------

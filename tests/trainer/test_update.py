@@ -1182,3 +1182,53 @@ def test_synthetic_learning_short_suggestions_follow_the_person(
         assert learned, f"p(show) of short ones {final} after {len(history)} updates: {history}"
     else:
         assert not learned and abs(final[0] - final[1]) < 0.15, final
+
+
+def test_gate_fit_reads_the_person(tiny_model: GPT, tiny_tokenizer: CodeTokenizer) -> None:
+    """The gate's fit uses the person inputs too: at the same cursors, short suggestions shown to
+    the takers paid and those shown to the refusers did not, so one fit shows short ones to the
+    first and not to the second, on fresh samples."""
+    _set_gate(tiny_model, 0.0)
+    gen = torch.Generator().manual_seed(0)
+
+    def rollouts(history: History) -> list[Completion]:
+        return [
+            complete(
+                tiny_model,
+                tiny_tokenizer,
+                p,
+                "",
+                2,
+                1.0,
+                None,
+                gen,
+                stop_logprob=None,
+                person=PersonContext(history, moment_of(p, "")),
+            )
+            for p in FAMILY_A + FAMILY_B
+            for _ in range(6)
+        ]
+
+    takers, refusers = rollouts(TAKER), rollouts(REFUSER)
+    rewards = [_population_reward(c, False) for c in takers] + [
+        _population_reward(c, True) for c in refusers
+    ]
+    cfg = UpdateConfig(train_gate_only=True, gate_fit=True, gate_fit_l2=1.0, gate_fit_min_shown=0)
+    m = update(
+        UpdateInputs(
+            tiny_model,
+            copy.deepcopy(tiny_model),
+            tiny_tokenizer,
+            _batch(takers + refusers, rewards),
+            make_optimizer(tiny_model, cfg),
+            cfg,
+        )
+    )
+    assert m["gate_fit/fitted"] == 1.0
+    assert float(tiny_model.gate.person.abs().sum()) > 0
+
+    def p_short(comps: list[Completion]) -> float:
+        short = [c for c in comps if 0 < len(c.text.rstrip()) <= SHORT_CHARS]
+        return _p_show(tiny_model, tiny_tokenizer, short)
+
+    assert p_short(rollouts(TAKER)) > 0.8 > 0.2 > p_short(rollouts(REFUSER))

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import functional as F
 
-from tabloop.core.policy.actions import Action, was_copied
+from tabloop.core.person import PERSON_INPUTS
+from tabloop.core.policy.actions import Action, extend_drawn, was_copied
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -28,20 +29,26 @@ def gate_inputs(
     actions: Sequence[Action],
     group: DataParallel | None = None,
     chunk: int = 256,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gate's inputs for `actions`, without gradient: the hidden states (B, C), the
-    confidence features (B, 4) and the gate's decisions' log-probs (B,) (score_actions), `chunk`
-    actions per forward pass. With a `group` each rank scores its share and all get them all."""
+    confidence features (B, 4), the person inputs (B, len(PERSON_INPUTS); 0 where none were
+    logged) and the gate's decisions' log-probs (B,) (score_actions), `chunk` actions per forward
+    pass. With a `group` each rank scores its share and all get them all."""
     n = len(actions)
     mine = list(range(n)) if group is None else group.shard(torch.arange(n)).tolist()
-    width = model.config.n_embd + model.gate.features.in_features
+    c, f = model.config.n_embd, model.gate.features.in_features
+    width = c + f + len(PERSON_INPUTS)
     rows = [torch.zeros(0, width + 1)]
     with torch.no_grad():
         for i in range(0, len(mine), chunk):
             s = score_actions(model, tokenizer, [actions[j] for j in mine[i : i + chunk]])
-            rows.append(torch.cat([s.gate_hidden, s.gate_inputs, s.gate_decision[:, None]], 1))
+            rows.append(
+                torch.cat(
+                    [s.gate_hidden, s.gate_inputs, s.gate_person, s.gate_decision[:, None]], 1
+                )
+            )
     both = torch.cat(rows) if group is None else group.gather_rows(torch.cat(rows), n)
-    return both[:, : model.config.n_embd], both[:, model.config.n_embd : width], both[:, width]
+    return both[:, :c], both[:, c : c + f], both[:, c + f : width], both[:, width]
 
 
 def gate_passes(
@@ -68,12 +75,17 @@ def gate_passes(
     """
     if batch.behaviour_decision_logp is None:
         return {}
-    # the gate's part of the logged decision: without the copy draw's (tabloop.core.policy.sampling)
+    # the gate's part of the logged decision: without the copy and extend draws'
+    # (tabloop.core.policy.sampling)
     old = batch.behaviour_decision_logp - torch.tensor(
-        [float(a.recall["logprob"]) if a.recall else 0.0 for a in batch.actions]
+        [
+            (float(a.recall["logprob"]) if a.recall else 0.0)
+            + float((extend_drawn(a) or {}).get("logprob", 0.0))
+            for a in batch.actions
+        ]
     )
     n = len(batch.actions)
-    hidden, feats, decision = gate_inputs(model, tokenizer, batch.actions, group, chunk=n)
+    hidden, feats, person, decision = gate_inputs(model, tokenizer, batch.actions, group, chunk=n)
     sampled = decision != 0  # score_actions: 0 where the decision was not sampled
     shown = torch.tensor([bool(a.shown) for a in batch.actions])
     gate = [p for n, p in model.named_parameters() if n.startswith("gate.") and p.requires_grad]
@@ -82,7 +94,7 @@ def gate_passes(
         order = torch.randperm(n) if group is None else group.randperm(n)
         for start in range(0, n, cfg.minibatch_size):
             idx = order[start : start + cfg.minibatch_size]
-            z = model.gate_logit(hidden[idx], feats[idx])
+            z = model.gate_logit(hidden[idx], feats[idx], person[idx])
             new = torch.where(shown[idx], F.logsigmoid(z), F.logsigmoid(-z))
             ratio = torch.exp(new - old[idx])
             terms = clipped_terms(ratio, adv[idx], cfg.clip_eps) * sampled[idx]
@@ -95,7 +107,7 @@ def gate_passes(
             clipped += float(clip_fraction(ratio[keep], cfg.clip_eps)) if keep.any() else 0.0
             steps += 1
     with torch.no_grad():
-        p_show = torch.sigmoid(model.gate_logit(hidden, feats)).mean().item()
+        p_show = torch.sigmoid(model.gate_logit(hidden, feats, person)).mean().item()
     return {"gate/clipfrac": clipped / max(steps, 1), "gate/p_show": p_show, "gate/steps": steps}
 
 
@@ -117,14 +129,14 @@ def fit_gate_to_rewards(
     a rollout was shown. "Show iff E[r | x] > r0" is then a weighted classification (the
     cost-sensitive reduction of a bandit's decision): label y_i = [r_i > r0], weight |r_i - r0|
     (times the row's weight, trainer/caps.py; r0 is then the weighted mean).
-    Its weighted logistic regression on the gate's own inputs x (the last hidden state and the
-    confidence features) has logit ~ log(E[gain | x] / E[loss | x]): positive exactly where the
-    expected reward of showing beats abstaining, and the further from zero the surer. The fit is
-    to convergence (L-BFGS) on standardised inputs with L2 `l2` on the hidden-state weights (a
-    few hundred verdicts against 192 of them), then written into the gate's linear layers times
-    `sharpness`: p(show) = sigmoid(sharpness * logit) is near 0 or 1 where the fit is sure and
-    stays near 1/2 where the evidence is even, so the gate keeps exploring at its boundary
-    (it learns only from what it shows). With `sharpness_max` above `sharpness` (and
+    Its weighted logistic regression on the gate's own inputs x (the last hidden state, the
+    confidence features and the person inputs) has logit ~ log(E[gain | x] / E[loss | x]):
+    positive exactly where the expected reward of showing beats abstaining, and the further from
+    zero the surer. The fit is to convergence (L-BFGS) on standardised inputs with L2 `l2` on
+    the hidden-state weights (a few hundred verdicts against 192 of them), then written into the
+    gate's weights times `sharpness`: p(show) = sigmoid(sharpness * logit) is near 0 or 1 where
+    the fit is sure and stays near 1/2 where the evidence is even, so the gate keeps exploring at
+    its boundary (it learns only from what it shows). With `sharpness_max` above `sharpness` (and
     `min_shown` > 0), the sharpness grows as sqrt(n / min_shown) with the n verdicts fit on, up
     to `sharpness_max`: the fitted logit's standard error shrinks as 1/sqrt(n), so p(show)
     keeps tracking how sure the evidence is that showing pays, and the exploration it buys
@@ -158,7 +170,10 @@ def fit_gate_to_rewards(
     # too few verdicts for a fit on the hidden state, or one class (or none): nothing to separate
     if len(y) < min_shown or int(y.sum()) == 0 or int(y.sum()) == len(y):
         return {"gate_fit/shown": float(len(y)), "gate_fit/fitted": 0.0}
-    h, x, _ = gate_inputs(model, tokenizer, actions, group)  # only once there is a fit to make
+    # only once there is a fit to make; the fit's inputs besides the hidden state: the confidence
+    # features and the person inputs
+    h, feats, person, _ = gate_inputs(model, tokenizer, actions, group)
+    x = torch.cat([feats, person], 1)
     w = gain.abs() * row_w[shown]
     w = w / w.mean()
     inputs = torch.cat([h[shown], x[shown]], 1).double()
@@ -185,9 +200,11 @@ def fit_gate_to_rewards(
     bias = sharpness * c[-1] - (scaled * mu).sum()
     with torch.no_grad():
         model.gate.hidden.weight.copy_(scaled[: h.shape[1]].float()[None])
-        model.gate.features.weight.copy_(scaled[h.shape[1] :].float()[None])
+        f = h.shape[1] + feats.shape[1]
+        model.gate.features.weight.copy_(scaled[h.shape[1] : f].float()[None])
+        model.gate.person.copy_(scaled[f:].float()[None])
         model.gate.features.bias.fill_(float(bias))
-        p_show = torch.sigmoid(model.gate_logit(h[in_batch], x[in_batch]))
+        p_show = torch.sigmoid(model.gate_logit(h[in_batch], feats[in_batch], person[in_batch]))
     return {
         "gate_fit/shown": float(len(y)),
         "gate_fit/fitted": 1.0,

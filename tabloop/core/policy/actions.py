@@ -43,7 +43,8 @@ class Completion:
     # proposal), "history": what they were computed from}
     person: dict[str, Any] | None = None
     # how far it suggested: at the first token the confidence stop would cut, {"at": tokens
-    # kept before it, "extended": True to go on to the end of the line}; None where the stop
+    # kept before it, "extended": True to go on to the end of the line, "logprob": the draw's};
+    # None where the stop
     # never came (or there is none, or temperature 0: the stop holds as a rule)
     extend: dict[str, Any] | None = None
 
@@ -117,6 +118,7 @@ class ActionScores:
     lengths: list[int]  # tokens per rollout (to split token_logprobs)
     gate_hidden: torch.Tensor  # (B, C) the gate's hidden-state input
     gate_inputs: torch.Tensor  # (B, 4) the gate's confidence features (detached)
+    gate_person: torch.Tensor  # (B, len(PERSON_INPUTS)) the gate's person inputs (0: none)
 
 
 # --- pure helpers ------------------------------------------------------------------------

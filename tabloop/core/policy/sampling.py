@@ -98,7 +98,7 @@ class _Row:
     stop: str = "length"
     active: bool = True
     # the extend draw, at the first token the confidence stop would cut: {"at": tokens kept
-    # before it, "extended": True to go on to the end of the line}; None: not drawn
+    # before it, "extended": True to go on to the end of the line, "logprob"}; None: not drawn
     extend: dict[str, Any] | None = None
     extend_lp: float = 0.0  # its log-prob
     extend_inputs: list[float] | None = None  # the person inputs it read
@@ -344,7 +344,8 @@ def _extend(
     x = None if r.prompt.person is None else r.prompt.person.inputs(kept)
     z = float(model.gate.extend(h[None], person_tensor([x], h.device))[0])
     go_on, r.extend_lp = _draw(z, temperature, r.prompt.generator)
-    r.extend, r.extend_inputs = {"at": len(r.tokens), "extended": go_on}, x
+    r.extend = {"at": len(r.tokens), "extended": go_on, "logprob": r.extend_lp}
+    r.extend_inputs = x
     return go_on
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from tabloop.core.person import PERSON_INPUTS
 from tabloop.core.policy.actions import (
     NEG_INF,
     Action,
@@ -139,6 +140,7 @@ def _score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Actio
         lengths=lengths,
         gate_hidden=h_last.float(),
         gate_inputs=feats,
+        gate_person=torch.zeros(B, len(PERSON_INPUTS)) if people is None else people.float().cpu(),
     )
 
 

@@ -116,7 +116,7 @@ def test_the_decisions_read_the_persons_record_and_recompute_exactly(
 
     # how far to suggest is drawn where the stop comes, and logged
     extends = [r.extend for r in rows.values() if r.extend is not None]
-    assert extends and all(set(e) == {"at", "extended"} for e in extends), extends
+    assert extends and all(set(e) == {"at", "extended", "logprob"} for e in extends), extends
     model, tokenizer, _ = load_checkpoint(served.settings.base_checkpoint)
     scored = [rows[s] for s in (*later, after_private, other)] + [
         r for r in rows.values() if r.extend is not None and r.no_train is not True
