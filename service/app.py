@@ -111,6 +111,7 @@ def create_app(settings: Settings, engine: sa.Engine | None = None) -> FastAPI:
             ctx.policies.stop()
             monitor.stop()
             ctx.inference.close()
+            ctx.people.shutdown(wait=True)
             engine.dispose()
 
     app = FastAPI(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -64,6 +65,11 @@ class AppContext:
     # the retention an accept without a report counts at, read at most once a minute (the
     # dashboard asks for it with the reward spec on every poll)
     retention: MeasuredRetention = field(default_factory=MeasuredRetention)
+    # reads what the service recorded of a person while the model reads the prompt
+    # (service/completions/rollout.py, person_history)
+    people: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="person-history")
+    )
 
 
 async def get_ctx(request: Request) -> AppContext:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +33,14 @@ from tabloop.core.reward_store import default_spec
 from tabloop.core.stream.topics import ROLLOUTS
 from tabloop.core.tables import outbox, rollouts, utcnow
 
+log = logging.getLogger(__name__)
+
 
 def prompt_of(
     req: CompleteRequest,
     settings: Settings,
     memory: Text | None = None,
-    history: History | None = None,
+    history: History | Future[History] | None = None,
 ) -> Prompt:
     """The request as the policy reads it: the bounded prefix and suffix, the token budget,
     a generator of its own, the copy proposal from all of the request's text and from the
@@ -59,20 +63,33 @@ def prompt_of(
 
 
 def person_history(
-    engine: sa.Engine, req: CompleteRequest, api_key_id: str | None, settings: Settings
-) -> History | None:
-    """What the service recorded of the person (tabloop.core.person.read_history); None in
-    privacy mode or with TABLOOP_PERSON_FEATURES off."""
+    ctx: AppContext, req: CompleteRequest, api_key_id: str | None
+) -> Future[History] | None:
+    """What the service recorded of the person (tabloop.core.person.read_history), read on the
+    context's own threads while the model reads the prompt: the decisions wait for it only when
+    they are drawn. None in privacy mode or with TABLOOP_PERSON_FEATURES off. A read that fails
+    (the database went away) reads as nothing known, logged: the decisions read what they are
+    logged with, and the rollout's own write reports the database."""
+    settings = ctx.settings
     if req.no_train or not settings.person_features:
         return None
-    with engine.connect() as conn:
-        return read_history(
-            conn,
-            user_id=req.user_id,
-            api_key_id=api_key_id,
-            now=utcnow(),
-            pending_s=default_spec(settings.profile).decision_window_s,
-        )
+    pending_s = default_spec(settings.profile).decision_window_s
+
+    def read() -> History:
+        try:
+            with ctx.engine.connect() as conn:
+                return read_history(
+                    conn,
+                    user_id=req.user_id,
+                    api_key_id=api_key_id,
+                    now=utcnow(),
+                    pending_s=pending_s,
+                )
+        except sa.exc.SQLAlchemyError as e:
+            log.warning("person history unavailable, read as nothing known: %s", e)
+            return History()
+
+    return ctx.people.submit(read)
 
 
 def request_context(req: CompleteRequest, budget: int) -> list[str]:
@@ -300,8 +317,7 @@ async def serve(
     language = request_language(req.language, req.file_path)
     if supports(policy.languages, language):
         memory = None if workspace is None else ctx.memory.lookup(workspace, req.workspace_id)
-        history = await run_in_threadpool(person_history, ctx.engine, req, api_key_id, settings)
-        prompt = prompt_of(req, settings, memory, history)
+        prompt = prompt_of(req, settings, memory, person_history(ctx, req, api_key_id))
         completion, latency_ms = await ctx.inference.sample(policy, prompt)
     else:
         completion, latency_ms = abstain_for_language(language, settings)

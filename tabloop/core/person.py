@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -80,10 +81,16 @@ class Moment:
 
 @dataclass(frozen=True)
 class PersonContext:
-    """Everything a request's decisions read of the person and the moment."""
+    """Everything a request's decisions read of the person and the moment. `known` is the
+    History, or a Future of it: the service reads it from the database while the model reads the
+    prompt, and the decisions wait for it only when they are drawn."""
 
-    history: History
+    known: History | Future[History]
     moment: Moment
+
+    @property
+    def history(self) -> History:
+        return self.known.result() if isinstance(self.known, Future) else self.known
 
     def inputs(self, text: str) -> list[float]:
         """The features for a suggestion `text` (the gate's: the sampled completion; the copy
