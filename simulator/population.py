@@ -358,12 +358,20 @@ def decide(
     explicit = rng.random() < person.explicit_reject
     if not accept:
         return Decision(verdict, "reject" if explicit else "ignore", delay)
-    chars = len(text)
+    chars = taken_chars(person, verdict, text, truth, rng)
+    return Decision(verdict, "accept", delay, chars, matched_fraction(text[:chars], truth))
+
+
+def taken_chars(
+    person: PersonParams, verdict: Verdict, text: str, truth: str, rng: random.Random
+) -> int:
+    """How much of an accepted suggestion is taken: all of it, or of a close one, with
+    probability `partial_accept`, only its leading part that matches (one draw, close only)."""
     if verdict == "close" and rng.random() < person.partial_accept:
         lead = common_prefix_len(text, truth)
         if lead > 0:
-            chars = lead
-    return Decision(verdict, "accept", delay, chars, matched_fraction(text[:chars], truth))
+            return lead
+    return len(text)
 
 
 # --- switching and leaving -----------------------------------------------------------------

@@ -72,12 +72,12 @@ from simulator.population import (
     PersonParams,
     PopulationConfig,
     Verdict,
-    common_prefix_len,
     draw_params,
     in_reject_family,
     judge,
     line_before_cursor,
     matched_fraction,
+    taken_chars,
 )
 
 People = Literal["proxy", "telemetry"]
@@ -298,10 +298,6 @@ def decide_telemetry(
     )
     if u_accept >= p_accept:
         return Decision(verdict, "reject" if explicit else "ignore", delay)
-    chars = len(text)
-    if verdict == "close" and rng.random() < person.partial_accept:
-        lead = common_prefix_len(text, truth)
-        if lead > 0:
-            chars = lead
+    chars = taken_chars(person, verdict, text, truth, rng)
     kept = habits.kept_when_edited if u_edit < habits.edit_later else 1.0
     return Decision(verdict, "accept", delay, chars, kept * matched_fraction(text[:chars], truth))

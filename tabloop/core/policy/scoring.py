@@ -113,21 +113,21 @@ def _score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Actio
         z = z.float()[:, 0].cpu()
         lp = torch.where(copied[with_recall], F.logsigmoid(z), F.logsigmoid(-z))
         source = source.index_add(0, torch.tensor(with_recall), lp)
-    extends = [extend_drawn(a) for a in actions]
-    drawn = [i for i, e in enumerate(extends) if e is not None and actions[i].temperature != 0.0]
+    drawn = [
+        (i, e)
+        for i, (a, e) in enumerate(zip(actions, map(extend_drawn, actions), strict=True))
+        if e is not None and a.temperature != 0.0
+    ]
     if drawn:  # how far to suggest: drawn at the last token kept before the stop would cut
-        at = torch.tensor(
-            [len(actions[i].context_token_ids) - 1 + int(extends[i]["at"]) for i in drawn]  # type: ignore[index]
-        )
+        rows = torch.tensor([i for i, _ in drawn])
+        at = torch.tensor([len(actions[i].context_token_ids) - 1 + int(e["at"]) for i, e in drawn])
         z = model.gate.extend(
-            h[torch.tensor(drawn), at],
-            person_tensor([person_inputs(actions[i], "extend") for i in drawn], h.device),
+            h[rows, at],
+            person_tensor([person_inputs(actions[i], "extend") for i, _ in drawn], h.device),
         )
         z = z.float().cpu()
-        yes = torch.tensor([bool(extends[i]["extended"]) for i in drawn])  # type: ignore[index]
-        source = source.index_add(
-            0, torch.tensor(drawn), torch.where(yes, F.logsigmoid(z), F.logsigmoid(-z))
-        )
+        yes = torch.tensor([bool(e["extended"]) for _, e in drawn])
+        source = source.index_add(0, rows, torch.where(yes, F.logsigmoid(z), F.logsigmoid(-z)))
     dec = gate_dec + source
     return ActionScores(
         total=tok_sum + dec,
