@@ -201,8 +201,18 @@ def test_rewards_finalized_and_a_candidate_is_gated_canaried_and_judged(embedded
     batch_caps = status["trainer"]["capped"][0]
     assert batch_caps["rollouts"] == candidate.summary["rollouts"]
     assert len(batch_caps["users"]) == caps["users_capped"]
+    # a batch of 60 rows may miss one of the 12 people: the cap is then 1/11 (never below 1/n)
+    with engine.connect() as conn:
+        people = conn.execute(
+            sa.select(sa.func.count(sa.distinct(rollouts.c.user_id))).where(
+                rollouts.c.suggestion_id.in_(
+                    sa.select(rewards.c.suggestion_id).where(rewards.c.trained_into == 2)
+                )
+            )
+        ).scalar_one()
+    assert 2 <= people <= 12
     assert all(
-        u["weight_share"] == pytest.approx(1 / 12, abs=1e-3) and u["share"] > 1 / 12
+        u["weight_share"] == pytest.approx(1 / people, abs=1e-3) and u["share"] > 1 / people
         for u in batch_caps["users"]
     )
     trust = httpx.get(
