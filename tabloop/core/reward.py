@@ -33,7 +33,7 @@ UNREWARDED_EVENTS = ("code_settled",)
 # nobody saw it, so it says nothing about the suggestion and is never trained on
 UNVIEWED = "unviewed"
 # typed_through: shown, neither accepted nor rejected, and the person typed it themselves; it
-# was right, and it saved them nothing: no rejection, decision 0
+# was right, and it saved them nothing: no rejection, a smaller penalty (typed_through_penalty)
 TYPED_THROUGH = "typed_through"
 OUTCOMES = ("abstained", "accepted", "rejected", "ignored", UNVIEWED, TYPED_THROUGH)
 COMPONENTS = ("decision", "size_scale", "share", "retention", "provisional", "switch", "churn")
@@ -288,7 +288,8 @@ def compute_reward(
     else:
         decision = _decision(counted)
         if decision is None and any(e.type == TYPED_THROUGH for e in counted):
-            outcome = TYPED_THROUGH  # decision 0: right, but not taken
+            outcome = TYPED_THROUGH  # right, but not taken: it cost a read and saved nothing
+            parts["decision"] = -float(spec.typed_through_penalty)
         elif decision is None and _unviewed(rollout, counted):
             outcome = UNVIEWED  # decision 0: nobody saw it (the trainer skips it)
         elif decision is None or decision.type == "reject":

@@ -20,6 +20,9 @@ class RewardSpec:
 
     accept_reward: float = 0.75  # reward of a whole, fully retained accept of chars_norm chars
     reject_penalty: float = 0.1  # subtracted when a shown suggestion is rejected or ignored
+    # subtracted when a shown suggestion was right but typed through, not taken: it cost a read
+    # and saved nothing (a fragment too short to be worth a Tab)
+    typed_through_penalty: float = 0.05
     abstain_reward: float = 0.0  # reward of showing nothing
     chars_norm: float = 20  # accepted size (characters) at which size_scale is 1
     chars_exponent: float = 1.0  # size_scale = (min(chars, 3 * chars_norm) / chars_norm) ** this
@@ -47,6 +50,7 @@ class RewardSpec:
         bounds: dict[str, tuple[float, bool] | None] = {
             "accept_reward": (0, True),
             "reject_penalty": (0, True),
+            "typed_through_penalty": (0, True),
             "abstain_reward": None,
             "chars_norm": (0, False),
             "chars_exponent": (0, True),

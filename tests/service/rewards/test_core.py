@@ -842,6 +842,7 @@ def test_code_settled_changes_no_reward(rollout: RolloutInfo, events: list[Feedb
 DESIGN_JSON = {
     "accept_reward": 0.75,
     "reject_penalty": 0.1,
+    "typed_through_penalty": 0.05,
     "abstain_reward": 0.0,
     "chars_norm": 20,
     "chars_exponent": 1.0,
@@ -966,6 +967,7 @@ def test_sim_windows_smaller_same_rewards() -> None:
     for name in (
         "accept_reward",
         "reject_penalty",
+        "typed_through_penalty",
         "abstain_reward",
         "chars_norm",
         "chars_exponent",

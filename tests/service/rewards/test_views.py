@@ -100,14 +100,14 @@ CASES = [
     pytest.param(
         ro(), [ev("view", 31), ev("accept", 31)], "unviewed", 0.0, id="late-view-and-late-accept"
     ),
-    # typed through: right, not taken; neither a reject nor an accept, and an explicit decision
-    # inside the window still decides
+    # typed through: right, not taken; neither a reject (-0.25) nor an accept: it cost a read
+    # (typed_through_penalty, 0.05). An explicit decision inside the window still decides
     pytest.param(
-        ro(), [ev("view", 1), ev("typed_through", 3)], "typed_through", 0.0, id="viewed-typed"
+        ro(), [ev("view", 1), ev("typed_through", 3)], "typed_through", -0.05, id="viewed-typed"
     ),
-    pytest.param(ro(), [ev("typed_through", 3)], "typed_through", 0.0, id="typed-never-viewed"),
+    pytest.param(ro(), [ev("typed_through", 3)], "typed_through", -0.05, id="typed-never-viewed"),
     pytest.param(
-        ro(views=False), [ev("typed_through", 3)], "typed_through", 0.0, id="typed-no-views"
+        ro(views=False), [ev("typed_through", 3)], "typed_through", -0.05, id="typed-no-views"
     ),
     pytest.param(
         ro(),

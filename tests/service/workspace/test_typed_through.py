@@ -110,8 +110,10 @@ def test_a_suggestion_typed_through_is_recorded_and_is_no_reject(
         ask(PREFIX + "w * h\n\n\ndef perimeter(w, h):\n    return ")
         assert len(typed_events(served.settings)) == 1
     assert reward_of(served.settings, typed).outcome == "typed_through"
-    assert reward_of(served.settings, typed).value == 0.0
+    # a read that saved nothing: less than an ignored suggestion costs
+    assert reward_of(served.settings, typed).value == -0.05
     assert reward_of(served.settings, other).outcome == "ignored"
+    assert reward_of(served.settings, other).value == -0.1
 
 
 def complete(c: httpx.Client, prefix: str, *, user: str, **extra: Any) -> str:
