@@ -175,12 +175,11 @@ def _event_exists(*types: str) -> sa.ColumnElement[bool]:
     )
 
 
-def read_history(
-    conn: sa.Connection, *, user_id: str, api_key_id: str | None, now: datetime, pending_s: float
-) -> History:
-    """The person's newest suggestions under this key (privacy-mode ones never read): one
-    indexed query of at most 2 * HISTORY rows."""
-    rows = conn.execute(
+def _history_query(keyed: bool) -> sa.Select[Any]:
+    """The newest 2 * HISTORY rollouts of `:user_id` under `:api_key_id` (or under no key), built
+    once: building a select costs more than SQLite takes to run it."""
+    key = rollouts.c.api_key_id == sa.bindparam("api_key_id") if keyed else None
+    return (
         sa.select(
             rollouts.c.created_at,
             rollouts.c.shown,
@@ -189,13 +188,25 @@ def read_history(
             _event_exists("accept", "reject").label("judged"),
         )
         .where(
-            rollouts.c.user_id == user_id,
-            rollouts.c.api_key_id.is_(None)
-            if api_key_id is None
-            else rollouts.c.api_key_id == api_key_id,
+            rollouts.c.user_id == sa.bindparam("user_id"),
+            rollouts.c.api_key_id.is_(None) if key is None else key,
             rollouts.c.no_train.is_not(True),
         )
         .order_by(rollouts.c.created_at.desc())
         .limit(2 * HISTORY)
-    ).all()
+    )
+
+
+_HISTORY_KEYED, _HISTORY_UNKEYED = _history_query(True), _history_query(False)
+
+
+def read_history(
+    conn: sa.Connection, *, user_id: str, api_key_id: str | None, now: datetime, pending_s: float
+) -> History:
+    """The person's newest suggestions under this key (privacy-mode ones never read): one
+    indexed query of at most 2 * HISTORY rows."""
+    if api_key_id is None:
+        rows = conn.execute(_HISTORY_UNKEYED, {"user_id": user_id}).all()
+    else:
+        rows = conn.execute(_HISTORY_KEYED, {"user_id": user_id, "api_key_id": api_key_id}).all()
     return history_of(rows, now, pending_s)
