@@ -63,7 +63,7 @@ async def simulate(cfg: SimConfig, console: Console) -> dict[str, Any]:
             paths = (
                 sorted(corpus_files("heldout")) if cfg.corpus is None else corpus_paths(cfg.corpus)
             )
-            writing = WritingSource(paths)
+            writing = WritingSource(paths, cfg.seed)
             console.print(f"writing mode: {len(paths)} files, top to bottom", highlight=False)
         sim = Simulation(cfg, spec, source, client, sender, control, writing)
         display = Display(cfg, admin, console, admin_client)

@@ -113,6 +113,15 @@ async def fetch_spec(client: Client) -> tuple[dict[str, Any], str]:
 # --- the simulation ---------------------------------------------------------------------------
 
 
+def cursor_rng(seed: int, cursor: Cursor) -> random.Random:
+    """A telemetry person's draws for their decision at `cursor` (when they look, whether they
+    take it, edit it later): from the seed and the cursor alone, not the person's own stream.
+    Every run of a seed then draws the same numbers at the same cursor, so a learning run and its
+    paused control differ where their suggestions differ, not by the luck of the draw (common
+    random numbers); the draws still never read what the policy computed."""
+    return random.Random(f"{seed}:decide:{cursor.path}:{cursor.line_no}:{len(cursor.prefix)}")
+
+
 class Simulation:
     def __init__(
         self,
@@ -278,7 +287,7 @@ class Simulation:
                     latency_ms=latency_ms,
                     after_accept=took_last,
                     max_delay_s=self.max_delay_s,
-                    rng=rng,
+                    rng=cursor_rng(self.cfg.seed, cursor),
                 )
             self._record(t, user_id, resp, family, text, decision, cursor, fresh)
             if opted_in:

@@ -28,9 +28,12 @@ class _Writing:
 class WritingSource:
     """The cursors of people writing files top to bottom (module docstring)."""
 
-    def __init__(self, paths: Sequence[Path]) -> None:
+    def __init__(self, paths: Sequence[Path], seed: int | None = None) -> None:
+        """With a `seed`, a line's column is drawn from the seed and the line alone (not the
+        person's rng): whoever writes the line, in whichever run of that seed, asks there."""
         assert paths, "no files to write"
         self.paths = list(paths)
+        self.seed = seed
         self.started = 0  # files started so far (all passes)
         self.writing: dict[str, _Writing] = {}  # person -> the file they are writing
 
@@ -48,7 +51,8 @@ class WritingSource:
             while w.next_line < len(w.lines):
                 i = w.next_line
                 w.next_line += 1
-                cur = cursor_in_line(CorpusLine(w.path, i, w.lines), rng)
+                at = rng if self.seed is None else random.Random(f"{self.seed}:{w.path}:{i}")
+                cur = cursor_in_line(CorpusLine(w.path, i, w.lines), at)
                 if cur is None:
                     continue
                 return Cursor(cur.path, i, cur.prefix, "", cur.rest_of_line)

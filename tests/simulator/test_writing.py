@@ -7,6 +7,7 @@ from pathlib import Path
 
 from simulator import report as rpt
 from simulator.population import SentLines
+from simulator.run import cursor_rng
 from simulator.writing import WritingSource
 from tabloop.core.corpus import usefulness
 
@@ -85,3 +86,24 @@ def test_useful_characters_and_whole_lines_per_request() -> None:
     assert m["whole_line_rate"] == 1 / 4
     assert m["exact_of_shown"] == 1 / 3
     assert m["wrong_shown_per_request"] == 1 / 4
+
+
+def test_with_a_seed_every_run_asks_at_the_same_column_and_draws_the_same_decision(
+    tmp_path: Path,
+) -> None:
+    """Common random numbers: a learning run and its paused control of one seed ask at the same
+    column of a line whoever writes it, and a telemetry person decides there with the same draws
+    (simulator.run.cursor_rng); another seed draws other columns."""
+    a = tmp_path / "a.py"
+    a.write_text("".join(f"value_{i} = compute_something({i}, more_args)\n" for i in range(40)))
+
+    def columns(seed: int, person: str, rng_seed: int) -> list[int]:
+        source = WritingSource([a], seed)
+        cursors = [source.draw(person, random.Random(rng_seed)) for _ in range(40)]
+        return [len(c.prefix) for c in cursors]
+
+    assert columns(7, "alice", 1) == columns(7, "bob", 2)
+    assert columns(7, "alice", 1) != columns(8, "alice", 1)
+    cursor = WritingSource([a], 7).draw("alice", random.Random(0))
+    draws = [cursor_rng(7, cursor).random() for _ in range(2)]
+    assert draws[0] == draws[1] != cursor_rng(8, cursor).random()
