@@ -114,8 +114,8 @@ async def fetch_spec(client: Client) -> tuple[dict[str, Any], str]:
 
 
 def cursor_rng(seed: int, cursor: Cursor) -> random.Random:
-    """A telemetry person's draws for their decision at `cursor` (when they look, whether they
-    take it, edit it later): from the seed and the cursor alone, not the person's own stream.
+    """A person's draws for their decision at `cursor` (when they look, whether they take it,
+    edit it later): from the seed and the cursor alone, not the person's own stream.
     Every run of a seed then draws the same numbers at the same cursor, so a learning run and its
     paused control differ where their suggestions differ, not by the luck of the draw (common
     random numbers); the draws still never read what the policy computed."""
@@ -276,7 +276,14 @@ class Simulation:
             shown_at = self.now()
             decision = None
             if resp["shown"] and text and habits is None:  # a proxy person
-                decision = decide(person, text, cursor.rest_of_line, family, self.max_delay_s, rng)
+                decision = decide(
+                    person,
+                    text,
+                    cursor.rest_of_line,
+                    family,
+                    self.max_delay_s,
+                    cursor_rng(self.cfg.seed, cursor),
+                )
             elif resp["shown"] and text and habits is not None:  # a telemetry person
                 decision = decide_telemetry(
                     person,
