@@ -349,13 +349,21 @@ def _extend(
     return go_on
 
 
+def _sigmoid(x: float) -> float:
+    """1 / (1 + e^-x) without overflow: a fitted gate's logit can be far past -709."""
+    if x >= 0.0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
+
+
 def _draw(
     logit: float, temperature: float, generator: torch.Generator | None
 ) -> tuple[bool, float]:
     """A Bernoulli draw with p = sigmoid(logit) and its log-prob; at temperature 0, p >= 1/2."""
     if temperature == 0.0:
         return logit >= 0.0, 0.0
-    yes = bool(torch.rand(1, generator=generator, device="cpu")[0] < 1.0 / (1.0 + math.exp(-logit)))
+    yes = bool(torch.rand(1, generator=generator, device="cpu")[0] < _sigmoid(logit))
     return yes, float(F.logsigmoid(torch.tensor(logit if yes else -logit)))
 
 
@@ -372,7 +380,7 @@ def _decide(
     """The row's copy draw (when it has a proposal) and show/abstain draw (after its tokens,
     from its generator, in that order), and its Completion."""
     text = bytes_to_text(out)
-    p_show = 1.0 / (1.0 + math.exp(-gate_logit))
+    p_show = _sigmoid(gate_logit)
     logged = None
     copied, dec_lp = False, r.extend_lp
     proposal = r.prompt.proposal

@@ -35,7 +35,12 @@ def _set_gate(model: GPT, bias: float) -> None:
 SETTINGS = [(t, p) for t in (0.3, 0.7, 1.0, 1.6) for p in (None, 0.5, 0.9, 1.0)]
 
 
-@pytest.mark.parametrize("gate_bias", [-30.0, 0.0, 30.0], ids=["abstain", "mixed", "show"])
+# +-1000: a fitted gate's logit can go past what math.exp takes (about 709)
+@pytest.mark.parametrize(
+    "gate_bias",
+    [-1000.0, -30.0, 0.0, 30.0, 1000.0],
+    ids=["abstain-far", "abstain", "mixed", "show", "show-far"],
+)
 def test_logged_logprob_equals_recomputed(
     tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str], gate_bias: float
 ) -> None:
