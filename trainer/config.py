@@ -89,14 +89,17 @@ PROFILES: dict[str, TrainerConfig] = {
         # the language model learns from the rewards (policy gradient on the tokens) and from
         # settled text: one pass over the batch's and the 320 newest earlier settled rollouts,
         # mixed with generic code (docs/TRAINER.md); the gate is set by a fit on every shown
-        # verdict so far (fit_gate_to_rewards), sharpened 3x once 300 are in, growing as
-        # sqrt(verdicts / 300) up to 10x; until then four more passes on the gate alone
+        # verdict so far (fit_gate_to_rewards), sharpened 3x once 100 are in, growing as
+        # sqrt(verdicts / 100) up to 10x; until then four more passes on the gate alone.
+        # 100, not 300: the gate's verdicts exclude the shown copies, and with 8 people 300
+        # came after about 9 minutes, so the gate learned only by its clipped passes
         update=UpdateConfig(
             minibatch_size=64,
             gate_epochs=4,
             gate_fit=True,
             gate_fit_sharpness=3.0,
             gate_fit_sharpness_max=10.0,
+            gate_fit_min_shown=100,
             settled_epochs=1,
             settled_replay=320,
         ),
