@@ -275,27 +275,24 @@ class Simulation:
             latency_ms = float(resp.get("latency_ms", 0.0))
             shown_at = self.now()
             decision = None
-            if resp["shown"] and text and habits is None:  # a proxy person
-                decision = decide(
-                    person,
-                    text,
-                    cursor.rest_of_line,
-                    family,
-                    self.max_delay_s,
-                    cursor_rng(self.cfg.seed, cursor),
-                )
-            elif resp["shown"] and text and habits is not None:  # a telemetry person
-                decision = decide_telemetry(
-                    person,
-                    habits,
-                    text,
-                    cursor.rest_of_line,
-                    prefix=prefix,
-                    latency_ms=latency_ms,
-                    after_accept=took_last,
-                    max_delay_s=self.max_delay_s,
-                    rng=cursor_rng(self.cfg.seed, cursor),
-                )
+            if resp["shown"] and text:
+                draws = cursor_rng(self.cfg.seed, cursor)
+                if habits is None:  # a proxy person
+                    decision = decide(
+                        person, text, cursor.rest_of_line, family, self.max_delay_s, draws
+                    )
+                else:  # a telemetry person
+                    decision = decide_telemetry(
+                        person,
+                        habits,
+                        text,
+                        cursor.rest_of_line,
+                        prefix=prefix,
+                        latency_ms=latency_ms,
+                        after_accept=took_last,
+                        max_delay_s=self.max_delay_s,
+                        rng=draws,
+                    )
             self._record(t, user_id, resp, family, text, decision, cursor, fresh)
             if opted_in:
                 unsettled = (resp["suggestion_id"], cursor, t)
