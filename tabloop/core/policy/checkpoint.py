@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tabloop.core.person import PERSON_INPUTS
+from tabloop.core.policy.hf import HFConfig, HFModelError, HFPolicy, policy_from_config
 from tabloop.core.policy.languages import DEFAULT_LANGUAGES
 from tabloop.core.policy.model import GPT, ModelConfig
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -155,9 +156,9 @@ def save_checkpoint(
         raise CheckpointError(f"{out} already holds a checkpoint")
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST_FILE).unlink(missing_ok=True)
-    state = {
-        k: v.detach().to("cpu", _DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()
-    }
+    # a Hugging Face policy stores its own weights only: the adapter and the heads
+    own = model.policy_state() if isinstance(model, HFPolicy) else model.state_dict()
+    state = {k: v.detach().to("cpu", _DTYPES[dtype]).contiguous() for k, v in own.items()}
     weights = _write_atomic(out / WEIGHTS_FILE, lambda p: save_file(state, str(p)))
     tok = _write_atomic(
         out / TOKENIZER_FILE, lambda p: p.write_text(tokenizer.to_json(), encoding="utf-8")
@@ -251,6 +252,9 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
     """Verify, then load (float32, eval mode). Never unpickles."""
     d = Path(ckpt_dir)
     manifest = verify_checkpoint(d)
+    if manifest.config.get("backend") == "hf":
+        hf, hf_tokenizer = _load_hf(d, manifest)
+        return hf, hf_tokenizer, manifest
     config = ModelConfig.from_dict(manifest.config)
     try:
         state = load_file(str(d / WEIGHTS_FILE))
@@ -285,3 +289,14 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
             f"{'has' if tokenizer.fim else 'lacks'} the fill-in-the-middle sentinels"
         )
     return model.eval(), tokenizer, manifest
+
+
+def _load_hf(d: Path, manifest: Manifest) -> tuple[HFPolicy, CodeTokenizer]:
+    """A Hugging Face policy: its base (checked against the recorded sha256), a fresh adapter,
+    then the checkpoint's adapter and heads."""
+    try:
+        model, tokenizer = policy_from_config(HFConfig.from_dict(manifest.config))
+        model.load_policy_state(load_file(str(d / WEIGHTS_FILE)))
+    except (HFModelError, ValueError, TypeError) as e:
+        raise CheckpointError(f"cannot load the Hugging Face policy in {d}: {e}") from e
+    return model.eval(), tokenizer

@@ -66,7 +66,7 @@ from tabloop.core.policy.defaults import (
     STOP_LANGUAGE,
 )
 from tabloop.core.policy.device import compute, model_device
-from tabloop.core.policy.model import GPT, KVCache, RaggedKVCache, gate_features
+from tabloop.core.policy.model import GPT, RaggedKVCache, gate_features
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.recall import Proposal, recall_inputs
 
@@ -164,10 +164,16 @@ def complete_batch(
     each step's logits come back to the CPU in float32, where every row draws from its own
     generator."""
     device = model_device(model)
+    # a backend that decodes one row per cache (tabloop.core.policy.hf) takes the rows in turn
+    batches = [prompts] if model.ragged else [[p] for p in prompts]
     with torch.inference_mode(), compute(device):
-        return _complete_batch(
-            model, tokenizer, prompts, temperature, top_p, heal, max_context_tokens, stop_logprob
-        )
+        return [
+            c
+            for b in batches
+            for c in _complete_batch(
+                model, tokenizer, b, temperature, top_p, heal, max_context_tokens, stop_logprob
+            )
+        ]
 
 
 def _complete_batch(
@@ -199,9 +205,7 @@ def _complete_batch(
     # the positions a row can fill: its context and its budget (less cache to zero and read)
     positions = min(cfg.block_size, max(len(r.context_ids) + r.max_new_tokens for r in rows))
     # one row: the plain cache (its decode step skips the ragged bookkeeping, ~7% of a request)
-    cache = (
-        RaggedKVCache(cfg, B, device, positions) if B > 1 else KVCache(cfg, 1, device, positions)
-    )
+    cache = model.new_cache(B, device, positions)
     longest = max(len(r.context_ids) for r in rows)
     padded = [r.context_ids + [0] * (longest - len(r.context_ids)) for r in rows]  # right
     ids = torch.tensor(padded, dtype=torch.long, device=device)

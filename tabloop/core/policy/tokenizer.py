@@ -17,9 +17,12 @@ their presence is what makes a checkpoint read the suffix.
 from __future__ import annotations
 
 import bisect
+import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -55,19 +58,27 @@ class Healing:
 class CodeTokenizer:
     """A trained byte-level BPE tokenizer; special tokens in *input text* are plain text."""
 
-    def __init__(self, tk: Tokenizer):
+    def __init__(
+        self,
+        tk: Tokenizer,
+        eof: str = EOF_TOKEN,
+        fim_tokens: tuple[str, str, str] = FIM_TOKENS,
+        control: Iterable[int] = (),
+    ):
+        """`eof`: the token that ends a generation; `fim_tokens`: the (prefix, suffix, middle)
+        sentinels, if the vocabulary has them; `control`: more control tokens (ids)."""
         self.tk = tk
-        # user code containing "<|eof|>" must not turn into the control token
+        # user code containing "<|eof|>" (or a sentinel) must not turn into the control token
         self.tk.encode_special_tokens = True
-        eof_id = tk.token_to_id(EOF_TOKEN)
-        assert eof_id is not None, f"tokenizer has no {EOF_TOKEN} token"
+        eof_id = tk.token_to_id(eof)
+        assert eof_id is not None, f"tokenizer has no {eof} token"
         self.eof_id: int = eof_id
-        fim = [i for i in (tk.token_to_id(t) for t in FIM_TOKENS) if i is not None]
+        fim = [i for i in (tk.token_to_id(t) for t in fim_tokens) if i is not None]
         assert len(fim) in (0, 3), "a tokenizer has all three FIM sentinels or none"
         # (prefix, suffix, middle) sentinel ids; None: a left-to-right tokenizer
         self.fim_ids: tuple[int, int, int] | None = (fim[0], fim[1], fim[2]) if fim else None
         # control tokens: no bytes, never produced by encoding text, and end a generation
-        self.special_ids: frozenset[int] = frozenset([eof_id, *(self.fim_ids or ())])
+        self.special_ids: frozenset[int] = frozenset([eof_id, *(self.fim_ids or ()), *control])
         self._mask_cache: dict[bytes, torch.Tensor] = {}
 
     # --- serialisation -------------------------------------------------------------------
@@ -205,3 +216,70 @@ def train_tokenizer(
     )
     tk.train_from_iterator(texts, trainer)
     return CodeTokenizer(tk)
+
+
+# fill-in-the-middle sentinels of the open code models, (prefix, suffix, middle) in PSM order:
+# the layout tabloop.core.policy.context builds for every one of them
+FIM_FAMILIES: dict[str, tuple[str, str, str]] = {
+    "qwen": FIM_TOKENS,  # Qwen2.5-Coder (the same strings as our own)
+    "starcoder": ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2
+    "deepseek": (
+        "<\uff5cfim\u2581begin\uff5c>",
+        "<\uff5cfim\u2581hole\uff5c>",
+        "<\uff5cfim\u2581end\uff5c>",
+    ),  # DeepSeek-Coder
+    "codellama": ("<PRE>", "<SUF>", "<MID>"),  # CodeLlama
+}
+# the tokens that end a generation, the first the vocabulary has
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>", "<eos>")
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class HFTokenizer(CodeTokenizer):
+    """A model directory's own `tokenizer.json` (a Hugging Face fast tokenizer), with its own
+    end-of-text token and fill-in-the-middle sentinels. Byte-level BPE (Qwen2.5-Coder,
+    StarCoder2, DeepSeek-Coder, Llama 3) maps tokens to bytes as our own tokenizer does;
+    SentencePiece-style vocabularies (CodeLlama: `\u2581` for a space, `<0xNN>` byte tokens)
+    are mapped the same way."""
+
+    def __init__(self, tk: Tokenizer, eos: str | None = None):
+        vocab = tk.get_vocab()
+        eof = eos if eos in vocab else next((t for t in EOS_CANDIDATES if t in vocab), None)
+        if eof is None:
+            raise ValueError(f"no end-of-text token in the tokenizer (looked for {EOS_CANDIDATES})")
+        self.fim_family = next(
+            (k for k, f in FIM_FAMILIES.items() if all(t in vocab for t in f)), ""
+        )
+        added = [i for i, t in tk.get_added_tokens_decoder().items() if t.special]
+        super().__init__(tk, eof, FIM_FAMILIES.get(self.fim_family, FIM_TOKENS), added)
+
+    @classmethod
+    def from_dir(cls, directory: Path | str) -> HFTokenizer:
+        """`tokenizer.json` of a model directory; its eos token from tokenizer_config.json."""
+        d = Path(directory)
+        if not (d / "tokenizer.json").is_file():
+            raise ValueError(f"{d} has no tokenizer.json (a fast tokenizer is required)")
+        eos = None
+        cfg = d / "tokenizer_config.json"
+        if cfg.is_file():
+            tok = json.loads(cfg.read_text(encoding="utf-8")).get("eos_token")
+            eos = tok.get("content") if isinstance(tok, dict) else tok
+        return cls(Tokenizer.from_file(str(d / "tokenizer.json")), eos)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        dec = _byte_decoder()
+        out = [b""] * self.vocab_size
+        added = self.tk.get_added_tokens_decoder()
+        for tok, i in self.tk.get_vocab().items():
+            if i in self.special_ids or i >= self.vocab_size:
+                continue
+            if i in added:  # added text tokens are plain text, not byte-level
+                out[i] = tok.encode("utf-8")
+            elif (m := _BYTE_TOKEN.fullmatch(tok)) is not None:
+                out[i] = bytes([int(m.group(1), 16)])
+            elif all(c in dec for c in tok):
+                out[i] = bytes(dec[c] for c in tok)
+            else:
+                out[i] = tok.replace("\u2581", " ").encode("utf-8")
+        return out

@@ -1,0 +1,311 @@
+"""A Hugging Face causal LM as the policy: any open code model, with a LoRA adapter and the
+decision heads on top.
+
+The built-in transformer (tabloop.core.policy.model.GPT) and this backend offer the same
+surface, which is all that sampling, scoring, the trainer's update, the deploy check and the
+checkpoints use:
+
+    config.{n_embd, block_size, vocab_size}   sizes
+    hidden(idx, cache=None, last=None)          final (post-norm) hidden states
+    logits(h)                                   next-token logits over the tokenizer's vocabulary
+    forward(idx, targets)                       logits and mean cross-entropy (held-out loss)
+    gate, gate_logit(h, features, person)       the decision heads (model.Gate), unchanged
+    new_cache(batch, device, positions)         the decoding cache (`ragged`: more than 1 row)
+    requires_grad_(flag)                        what an update may train
+
+The base model is loaded from a local directory (`local_files_only`, `trust_remote_code=False`,
+safetensors only) and stays frozen. The policy's own weights are a LoRA adapter (peft) on its
+linear layers and the decision heads: that is all a checkpoint of this backend stores, a few
+megabytes against the base's gigabytes (tabloop.core.policy.checkpoint). A fresh adapter has
+B = 0, so it computes exactly what the base computes; `base_only()` turns it off for the KL
+reference.
+
+Decoding keeps one row per cache (a transformers DynamicCache): the HF models' ragged batching
+needs attention masks the built-in model does without, and batched serving of large models is
+the job of a serving engine such as vLLM (docs/MODEL.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tabloop.core.policy.model import GPT, Gate, ModelConfig, init_gate
+from tabloop.core.policy.tokenizer import CodeTokenizer, HFTokenizer
+
+log = logging.getLogger(__name__)
+
+# the largest context the policy uses, whatever the model's own limit: prefill time and the
+# cache grow with it, and a completion needs the nearby code, not the whole file
+MAX_BLOCK_SIZE = 2048
+# the base's linear layers a fresh adapter adapts: attention and MLP projections
+LORA_TARGETS = "all-linear"
+
+
+class HFModelError(ValueError):
+    """A model directory that cannot be the policy (missing files, pickled weights, a
+    tokenizer whose tokens are not bytes)."""
+
+
+@dataclass
+class HFConfig(ModelConfig):
+    """What a checkpoint of this backend carries about its model (manifest `config`): the sizes
+    the rest of the code reads (vocab_size: the tokenizer's, logits are cut to it; block_size:
+    context and completion tokens at most; n_embd: the hidden size the heads read), and:"""
+
+    base_dir: str = ""  # the base model's directory (local, safetensors)
+    base_sha256: str = ""  # base_sha256(base_dir): the base's identity, checked on load
+    model_type: str = ""  # transformers' model_type (qwen2, llama, starcoder2, ...)
+    lora_r: int = 8  # the adapter's rank
+    lora_alpha: int = 16  # its scale is lora_alpha / lora_r
+    backend: str = "hf"  # what load_checkpoint dispatches on
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HFConfig:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def base_sha256(directory: Path | str) -> str:
+    """The base's identity: sha256 over the sha256 of its config, its tokenizer and each
+    weights file."""
+    d = Path(directory)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise HFModelError(f"{d} has no *.safetensors weights (pickled weights are refused)")
+    h = hashlib.sha256()
+    for f in [d / "config.json", d / "tokenizer.json", *files]:
+        if not f.is_file():
+            raise HFModelError(f"{f} is missing")
+        h.update(f"{f.name}:{_file_sha256(f)}\n".encode())
+    return h.hexdigest()
+
+
+_SHA_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+def _file_sha256(path: Path) -> str:
+    """A file's sha256, remembered per (path, size, mtime): a base is gigabytes, and every
+    policy version checks it."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SHA_CACHE:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        _SHA_CACHE[key] = h.hexdigest()
+    return _SHA_CACHE[key]
+
+
+class HFCache:
+    """One row's decoding cache: a transformers DynamicCache and the tokens in it."""
+
+    def __init__(self, config: Any):
+        from transformers import DynamicCache
+
+        self.past = DynamicCache(config=config)
+        self.pos = 0
+
+
+class HFPolicy(GPT):
+    """A causal LM from a local directory, a LoRA adapter on it and the decision heads.
+
+    A GPT to the code that takes a policy: it overrides every method that reads the built-in
+    transformer (module docstring), and builds none of it."""
+
+    ragged = False  # decodes one row per cache (module docstring)
+
+    def __init__(self, lm: Any, config: HFConfig):
+        nn.Module.__init__(self)  # not GPT's: no built-in transformer
+        self.config: HFConfig = config
+        self.lm: Any = lm  # a transformers PreTrainedModel
+        self.gate = Gate(config)
+        init_gate(self.gate, config.gate_scale, config.gate_threshold)
+        self.requires_grad_(False)
+
+    # --- what an update trains -----------------------------------------------------------
+    def trainable_names(self) -> list[str]:
+        """The adapter's and the heads' parameters: the policy's own weights."""
+        return [n for n, _ in self.named_parameters() if "lora_" in n or n.startswith("gate.")]
+
+    def requires_grad_(self, requires_grad: bool = True) -> HFPolicy:
+        """Only the adapter and the heads ever train; the base stays frozen."""
+        own = set(self.trainable_names())
+        for n, p in self.named_parameters():
+            p.requires_grad_(requires_grad and n in own)
+        return self
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The adapter's and the heads' weights: what a checkpoint stores."""
+        params = dict(self.named_parameters())
+        return {n: params[n] for n in self.trainable_names()}
+
+    def load_policy_state(self, state: dict[str, torch.Tensor]) -> None:
+        own = self.trainable_names()
+        missing, extra = set(own) - state.keys(), state.keys() - set(own)
+        if missing or extra:
+            raise HFModelError(
+                f"adapter does not fit the base: missing {sorted(missing)[:3]}, "
+                f"unexpected {sorted(extra)[:3]}"
+            )
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for n in own:
+                if params[n].shape != state[n].shape:
+                    raise HFModelError(
+                        f"{n}: {tuple(state[n].shape)}, base wants {tuple(params[n].shape)}"
+                    )
+                params[n].copy_(state[n].to(params[n].dtype))
+
+    @contextlib.contextmanager
+    def base_only(self) -> Iterator[None]:
+        """The base model alone: the adapter turned off (the KL reference)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.lm.modules() if isinstance(m, BaseTunerLayer)]
+        for m in layers:
+            m.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.enable_adapters(True)
+
+    # --- the model surface (module docstring) --------------------------------------------
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(  # type: ignore[override]  # its own cache type
+        self, batch: int, device: torch.device, positions: int
+    ) -> HFCache:
+        assert batch == 1, "this backend decodes one row per cache"
+        return HFCache(self.lm.config)
+
+    def hidden(  # type: ignore[override]  # its own cache type
+        self, idx: torch.Tensor, cache: HFCache | None = None, last: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final (post-norm) hidden states for token ids idx (B, T), right-padded rows allowed
+        (causal attention keeps every real position off the padding); `last` (B,): only each
+        row's state at that position, (B, 1, C)."""
+        start = 0 if cache is None else cache.pos
+        T = idx.size(1)
+        assert start + T <= self.config.block_size, (
+            f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}"
+        )
+        out = self.lm.get_decoder()(
+            input_ids=idx,
+            cache=None if cache is None else cache.past,
+            use_cache=cache is not None,
+        )
+        if cache is not None:
+            cache.pos += T
+        h: torch.Tensor = out.last_hidden_state
+        if last is not None:
+            h = h[torch.arange(h.size(0), device=h.device), last].unsqueeze(1)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits over the tokenizer's tokens (a model's embedding rows past them
+        are padding, never sampled)."""
+        head = self.lm.get_output_embeddings()
+        return F.linear(h, head.weight[: self.config.vocab_size])
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.logits(self.hidden(idx))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
+            )
+        return logits, loss
+
+    def gate_logit(
+        self, h_last: torch.Tensor, features: torch.Tensor, person: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out: torch.Tensor = self.gate(h_last, features, person)
+        return out
+
+
+def load_base(directory: Path | str, dtype: torch.dtype = torch.float32) -> Any:
+    """The causal LM in `directory`: local files only, no remote code, safetensors only."""
+    d = Path(directory)
+    if not (d / "config.json").is_file():
+        raise HFModelError(f"{d} is not a Hugging Face model directory (no config.json)")
+    if not list(d.glob("*.safetensors")):
+        raise HFModelError(f"{d} has no *.safetensors weights (pickled weights are refused)")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        lm: Any = AutoModelForCausalLM.from_pretrained(
+            d, local_files_only=True, trust_remote_code=False, use_safetensors=True, dtype=dtype
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise HFModelError(f"cannot load the model in {d}: {e}") from e
+    return lm.eval()
+
+
+def add_adapter(lm: Any, r: int, alpha: int) -> Any:
+    """A fresh LoRA adapter (B = 0: the base's outputs unchanged) on the base's linear layers."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    return inject_adapter_in_model(cfg, lm)
+
+
+def new_policy(
+    directory: Path | str, r: int = 8, alpha: int = 16
+) -> tuple[HFPolicy, CodeTokenizer]:
+    """The base in `directory` as a policy: a fresh adapter and heads as the built-in model's
+    start (the gate a confidence threshold)."""
+    d = Path(directory).resolve()
+    tokenizer = HFTokenizer.from_dir(d)
+    lm = add_adapter(load_base(d), r, alpha)
+    cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    limit = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or MAX_BLOCK_SIZE)
+    config = HFConfig(
+        n_layer=int(lm.config.num_hidden_layers),
+        n_head=int(lm.config.num_attention_heads),
+        base_dir=str(d),
+        base_sha256=base_sha256(d),
+        model_type=str(cfg.get("model_type", "")),
+        n_embd=int(lm.config.hidden_size),
+        block_size=min(limit, MAX_BLOCK_SIZE),
+        vocab_size=tokenizer.vocab_size,
+        lora_r=r,
+        lora_alpha=alpha,
+    )
+    return HFPolicy(lm, config).eval(), tokenizer
+
+
+def policy_from_config(config: HFConfig) -> tuple[HFPolicy, CodeTokenizer]:
+    """The policy a checkpoint describes, before its own weights are loaded: the base checked
+    against its recorded sha256."""
+    d = Path(config.base_dir)
+    got = base_sha256(d)
+    if got != config.base_sha256:
+        raise HFModelError(
+            f"the base model in {d} has sha256 {got}, the policy was trained on "
+            f"{config.base_sha256}: refusing to load"
+        )
+    tokenizer = HFTokenizer.from_dir(d)
+    if tokenizer.vocab_size != config.vocab_size:
+        raise HFModelError(
+            f"{d}'s tokenizer has {tokenizer.vocab_size} tokens, the policy {config.vocab_size}"
+        )
+    lm = add_adapter(load_base(d), config.lora_r, config.lora_alpha)
+    return HFPolicy(lm, config).eval(), tokenizer

@@ -1,0 +1,177 @@
+"""Hugging Face causal LMs as the policy (tabloop.core.policy.hf): tiny random-weight Qwen2, Llama
+and Starcoder2 models built here from their configs, with tokenizers trained here; no network.
+
+Exact log-probabilities through sampling and rescoring, a fresh adapter equal to the base, an
+update's adapter saved and loaded into a fresh process's policy, sentinels in user code kept as
+text, and the checkpoint's size."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from tabloop.core.policy.checkpoint import (
+    WEIGHTS_FILE,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tabloop.core.policy.context import prepare_context
+from tabloop.core.policy.hf import HFPolicy, load_base, new_policy
+from tabloop.core.policy.sampling import Prompt, complete_batch
+from tabloop.core.policy.scoring import score_actions
+from tabloop.core.policy.tokenizer import FIM_FAMILIES, CodeTokenizer
+from tabloop.testing.hf_models import ARCHITECTURES, make_model_dir
+
+SETTINGS = [(0.3, None), (0.7, 0.9), (1.0, 0.5), (1.6, 1.0)]
+
+
+@pytest.fixture(scope="module")
+def code() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [p.read_text(encoding="utf-8") for p in sorted((stdlib / "json").glob("*.py"))]
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def arch(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def model_dir(arch: str, tmp_path_factory: pytest.TempPathFactory, code: list[str]) -> Path:
+    # 7 embedding rows past the tokenizer's: real models pad theirs, and those are never drawn
+    return make_model_dir(tmp_path_factory.mktemp(arch), arch, code, pad_vocab=7)
+
+
+def _prompts(code: list[str], n: int, fim: bool, seed: int) -> list[Prompt]:
+    gen = torch.Generator().manual_seed(seed)
+    text = "\n".join(code)
+    step = len(text) // (n + 1)
+    return [
+        Prompt(text[: (i + 1) * step], text[(i + 1) * step :][:300] if fim else "", 16, gen)
+        for i in range(n)
+    ]
+
+
+def _mixed_gate(model: HFPolicy) -> None:
+    with torch.no_grad():
+        model.gate.features.weight.zero_()
+        model.gate.features.bias.fill_(0.0)
+
+
+def _sample(model: HFPolicy, tok: CodeTokenizer, code: list[str], seed: int = 1) -> list:
+    out = []
+    for i, (temp, top_p) in enumerate(SETTINGS):
+        prompts = _prompts(code, 6, fim=i % 2 == 0, seed=seed + i)
+        out += complete_batch(model, tok, prompts, temp, top_p)
+    return out
+
+
+def test_logged_logprobs_equal_recomputed(model_dir: Path, code: list[str]) -> None:
+    model, tok = new_policy(model_dir)
+    _mixed_gate(model)
+    comps = _sample(model, tok, code)
+    with torch.no_grad():
+        scores = score_actions(model, tok, comps)
+    logged = torch.tensor([c.logprob_total for c in comps])
+    torch.testing.assert_close(scores.total, logged, atol=1e-5, rtol=0)
+    per_token = torch.tensor([lp for c in comps for lp in c.token_logprobs])
+    torch.testing.assert_close(scores.token_logprobs, per_token, atol=1e-5, rtol=0)
+    assert any(c.shown for c in comps) and not all(c.shown for c in comps)
+    assert any(c.heal_text for c in comps)
+    assert all(t < tok.vocab_size for c in comps for t in c.token_ids)  # never a padding row
+
+
+def test_fresh_adapter_is_the_base(model_dir: Path) -> None:
+    model, _ = new_policy(model_dir)
+    base = load_base(model_dir)
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        want = base(input_ids=ids).logits[..., : model.config.vocab_size]
+        got, _ = model(ids)
+    assert torch.equal(got, want)
+
+
+def test_an_update_saved_and_loaded_scores_the_same(
+    model_dir: Path, code: list[str], tmp_path: Path
+) -> None:
+    model, tok = new_policy(model_dir)
+    _mixed_gate(model)
+    comps = _sample(model, tok, code)
+    with torch.no_grad():
+        before = score_actions(model, tok, comps).total
+    model.requires_grad_(True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(
+        ("lora_" in n or n.startswith("gate.")) == p.requires_grad
+        for n, p in model.named_parameters()
+    )
+    opt = torch.optim.Adam(trainable, lr=1e-2)
+    adv = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(comps))])
+    for _ in range(3):
+        loss = -(score_actions(model, tok, comps).total * adv).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.requires_grad_(False)
+    with torch.no_grad():
+        after = score_actions(model, tok, comps).total
+        with model.base_only():
+            base_only = score_actions(model, tok, comps).tokens
+    assert (after - before).abs().max() > 1e-3  # the adapter moved the policy
+    fresh, _ = new_policy(model_dir)
+    with torch.no_grad():
+        fresh_tokens = score_actions(fresh, tok, comps).tokens
+    torch.testing.assert_close(base_only, fresh_tokens, atol=1e-5, rtol=0)  # the KL reference
+
+    ckpt = save_checkpoint(tmp_path / "v2", model, tok, version=2, parent=1)
+    loaded, loaded_tok, manifest = load_checkpoint(ckpt)
+    assert isinstance(loaded, HFPolicy) and manifest.config["backend"] == "hf"
+    with torch.no_grad():
+        again = score_actions(loaded, loaded_tok, comps).total
+    torch.testing.assert_close(again, after, atol=1e-5, rtol=0)
+
+
+def test_the_checkpoint_is_the_adapter_and_heads_only(model_dir: Path, tmp_path: Path) -> None:
+    model, tok = new_policy(model_dir)
+    ckpt = save_checkpoint(tmp_path / "v1", model, tok, version=1, parent=None)
+    own = sum(p.numel() for p in model.policy_state().values())
+    adapter = (ckpt / WEIGHTS_FILE).stat().st_size
+    base = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    assert adapter <= 4 * own + 64 * 1024  # float32 weights and the safetensors header
+    assert adapter < base / 2
+    assert own < sum(p.numel() for p in model.parameters()) / 4
+
+
+def test_a_changed_base_is_refused(model_dir: Path, tmp_path: Path, code: list[str]) -> None:
+    base = make_model_dir(tmp_path / "base", "qwen2", code[:2])
+    model, tok = new_policy(base)
+    ckpt = save_checkpoint(tmp_path / "v1", model, tok, version=1, parent=None)
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1.0}))
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_checkpoint(ckpt)
+
+
+def test_sentinels_in_user_code_stay_text(arch: str, model_dir: Path) -> None:
+    _, tok = new_policy(model_dir)
+    family = ARCHITECTURES[arch]
+    sentinels = FIM_FAMILIES[family or "qwen"]
+    code = f"x = '{sentinels[0]}'  # {sentinels[1]} {sentinels[2]} <|endoftext|>\ny = "
+    ids = tok.encode(code)
+    assert not set(ids) & tok.special_ids
+    assert tok.decode(ids) == code
+    healing = prepare_context(tok, code, 256, 16, suffix="\nz = 1\n")
+    if family:
+        pre, suf, mid = tok.fim_ids or ()
+        assert healing.context_ids[0] == pre and healing.context_ids[-1] == mid
+        assert healing.context_ids.count(pre) == healing.context_ids.count(suf) == 1
+    else:  # no sentinels: the prefix alone, after the end-of-text token at a file's start
+        assert tok.fim_ids is None and healing.context_ids[0] == tok.eof_id
+        assert not set(healing.context_ids[1:]) & tok.special_ids
