@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from service.logs import LogFormat, setup_logging
@@ -140,23 +141,46 @@ def _bootstrap_policy(settings: Settings) -> None:
     from tabloop.core.policy.checkpoint import MANIFEST_FILE
     from tabloop.core.registry import bootstrap
 
-    if not (settings.base_checkpoint / MANIFEST_FILE).is_file():
+    base = settings.base_checkpoint
+    if settings.base_model is not None:
+        base = settings.data_dir / "base-model"
+        if not (base / MANIFEST_FILE).is_file():
+            _import_model(settings.base_model, base)
+    elif not (base / MANIFEST_FILE).is_file():
         raise SystemExit(
-            f"tabloop: no base policy at {settings.base_checkpoint}; build one with "
-            f"`tabloop pretrain --out {settings.base_checkpoint}` or set TABLOOP_BASE_CHECKPOINT"
+            f"tabloop: no base policy at {base}; build one with "
+            f"`tabloop pretrain --out {base}` or set TABLOOP_BASE_CHECKPOINT"
         )
     engine = make_engine(settings)
     try:
         with engine.begin() as conn:
-            version = bootstrap(conn, settings.base_checkpoint)
+            version = bootstrap(conn, base)
     finally:
         engine.dispose()
     if version is not None:
-        log.info(
-            "registered the base policy from %s as v%d and made it live",
-            settings.base_checkpoint,
-            version,
-        )
+        log.info("registered the base policy from %s as v%d and made it live", base, version)
+
+
+def _import_model(model_dir: Path, out: Path) -> None:
+    """A Hugging Face model directory as a base checkpoint in `out`; exits with a one-line
+    error where it cannot be."""
+    from tabloop.core.policy.checkpoint import CheckpointError, import_model
+
+    try:
+        import_model(model_dir, out, overwrite=True)
+    except ImportError as e:
+        raise SystemExit(
+            f"tabloop: {e.name} is missing: a Hugging Face model needs `pip install 'tabloop[hf]'`"
+        ) from None
+    except CheckpointError as e:
+        raise SystemExit(f"tabloop: cannot import {model_dir}: {e}") from None
+    log.info("imported the Hugging Face model in %s as a base policy in %s", model_dir, out)
+
+
+def cmd_models_import(args: argparse.Namespace) -> int:
+    _import_model(args.model_dir, args.out)
+    print(f"tabloop: base policy written to {args.out}", flush=True)
+    return 0
 
 
 def _start_relay(settings: Settings, stop: threading.Event) -> threading.Thread:
@@ -489,6 +513,18 @@ def build_parser() -> argparse.ArgumentParser:
     upg = db.add_parser("upgrade", help="run Alembic migrations")
     upg.add_argument("revision", nargs="?", default="head")
     upg.set_defaults(fn=cmd_db_upgrade)
+
+    models = sub.add_parser("models", help="bring your own model").add_subparsers(
+        dest="models_cmd", required=True
+    )
+    mi = models.add_parser(
+        "import",
+        help="a Hugging Face causal LM's directory as a base policy checkpoint (its LoRA "
+        "adapter and heads); use it as TABLOOP_BASE_CHECKPOINT or POST it to /admin/policies",
+    )
+    mi.add_argument("model_dir", type=Path, help="config.json, *.safetensors, tokenizer.json")
+    mi.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write")
+    mi.set_defaults(fn=cmd_models_import)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_cmd", required=True)
     kc = keys.add_parser("create", help="make a key; prints its token once, alone on stdout")

@@ -143,6 +143,10 @@ class Settings(BaseSettings):
     max_checkpoint_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # The pretrained policy registered and made live on first start (shipped with the code).
     base_checkpoint: Path = Path(__file__).resolve().parent / "policy" / "base"
+    # A Hugging Face causal LM's directory (safetensors, tokenizer.json) to serve and train
+    # instead: imported on first start as the base policy, with a fresh LoRA adapter
+    # (docs/MODEL.md, Bring your model). Needs `pip install 'tabloop[hf]'`.
+    base_model: Path | None = None
     # Days code text is kept (rollouts' context and suggestion, settled text, their outbox
     # copies); then it is blanked and the rows, rewards and counts stay. Unset: kept until the
     # person is purged. At least 1 day, and never shorter than twice the reward horizon

@@ -260,3 +260,58 @@ def test_serve_with_workers_sums_every_workers_metrics(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert not new & set(Path(tempfile.gettempdir()).glob("tabloop-metrics-*"))
+
+
+def _tiny_hf_model(tmp_path: Path) -> Path:
+    from tabloop.testing.hf_models import make_model_dir
+
+    code = [p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))]
+    return make_model_dir(tmp_path / "qwen2", "qwen2", code)
+
+
+def test_models_import_writes_a_base_policy_and_refuses_what_is_not_a_model(
+    tmp_path: Path,
+) -> None:
+    model = _tiny_hf_model(tmp_path)
+    env = env_for(tmp_path)
+    out = run(["models", "import", str(model), "--out", str(tmp_path / "ckpt")], env)
+    assert out.returncode == 0, out.stderr
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert manifest["config"]["backend"] == "hf" and manifest["config"]["base_dir"] == str(model)
+    assert "python" in manifest["languages"] and "rust" in manifest["languages"]
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+    out = run(["models", "import", str(model), "--out", str(tmp_path / "again")], env)
+    assert out.returncode != 0 and "safetensors" in out.stderr and "Traceback" not in out.stderr
+    out = run(["models", "import", str(tmp_path), "--out", str(tmp_path / "again")], env)
+    assert out.returncode != 0 and "no config.json" in out.stderr
+
+
+def test_up_with_a_hugging_face_base_model_serves_it(tmp_path: Path) -> None:
+    port = free_port()
+    env = env_for(
+        tmp_path, TABLOOP_PORT=str(port), TABLOOP_BASE_MODEL=str(_tiny_hf_model(tmp_path))
+    )
+    proc = subprocess.Popen(
+        [TABLOOP, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert "first API key" in proc.stdout.readline()
+        token = proc.stdout.readline().strip()
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ready(url, proc, timeout_s=60)
+        r = httpx.post(
+            url + "/v1/complete",
+            json={
+                "user_id": "u",
+                "prefix": "import json\n\ndef f(x):\n    return ",
+                "suffix": "\n",
+            },
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        assert r.status_code == 200 and r.json()["policy_version"] == 1, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    manifest = json.loads((tmp_path / "data" / "base-model" / "manifest.json").read_text())
+    assert manifest["config"]["backend"] == "hf"

@@ -36,8 +36,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tabloop.core.person import PERSON_INPUTS
-from tabloop.core.policy.hf import HFConfig, HFModelError, HFPolicy, policy_from_config
-from tabloop.core.policy.languages import DEFAULT_LANGUAGES
+from tabloop.core.policy.hf import (
+    HFConfig,
+    HFModelError,
+    HFPolicy,
+    new_policy,
+    policy_from_config,
+)
+from tabloop.core.policy.languages import DEFAULT_LANGUAGES, EXTENSION_LANGUAGES
 from tabloop.core.policy.model import GPT, ModelConfig
 from tabloop.core.policy.tokenizer import CodeTokenizer
 
@@ -51,6 +57,7 @@ COPY_HIDDEN = "gate.copy.hidden"  # the copy head's hidden-state weights (0 wher
 # the heads' weights on the person and the moment (tabloop.core.person; 0 where absent)
 PERSON_WEIGHTS = ("gate.person", "gate.copy.person")
 EXTEND_HEAD = frozenset({"gate.extend.bias", "gate.extend.hidden", "gate.extend.person"})
+ALL_LANGUAGES = tuple(sorted(set(EXTENSION_LANGUAGES.values())))
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -289,6 +296,26 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
             f"{'has' if tokenizer.fim else 'lacks'} the fill-in-the-middle sentinels"
         )
     return model.eval(), tokenizer, manifest
+
+
+def import_model(model_dir: Path | str, out_dir: Path | str, overwrite: bool = False) -> Path:
+    """A Hugging Face model directory as a base policy checkpoint (version 0, no parent): a
+    fresh adapter (the base's own outputs) and the heads as the built-in model starts them.
+    Every language the service knows is its own (an open code model is multilingual)."""
+    try:
+        model, tokenizer = new_policy(model_dir)
+    except (HFModelError, ValueError) as e:
+        raise CheckpointError(str(e)) from e
+    return save_checkpoint(
+        out_dir,
+        model,
+        tokenizer,
+        version=0,
+        parent=None,
+        summary={"base_model": model.config.base_dir, "model_type": model.config.model_type},
+        overwrite=overwrite,
+        languages=ALL_LANGUAGES,
+    )
 
 
 def _load_hf(d: Path, manifest: Manifest) -> tuple[HFPolicy, CodeTokenizer]:

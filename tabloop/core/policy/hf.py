@@ -273,8 +273,8 @@ def new_policy(
     """The base in `directory` as a policy: a fresh adapter and heads as the built-in model's
     start (the gate a confidence threshold)."""
     d = Path(directory).resolve()
-    tokenizer = HFTokenizer.from_dir(d)
     lm = add_adapter(load_base(d), r, alpha)
+    tokenizer = HFTokenizer.from_dir(d)
     cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
     limit = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or MAX_BLOCK_SIZE)
     config = HFConfig(

@@ -1,0 +1,173 @@
+"""The whole loop with a Hugging Face model as the policy, over HTTP, embedded and full: a tiny
+Qwen2 built here is imported as the base, serves, gets feedback, and the trainer's LoRA adapter
+is gated, deployed as a canary, judged, and served."""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from service.relay import Relay
+from tabloop.core.db import make_engine, upgrade
+from tabloop.core.keys import create_key
+from tabloop.core.policy.checkpoint import import_model
+from tabloop.core.registry import bootstrap
+from tabloop.core.stream.kafka import ensure_topics
+from tabloop.core.tables import deployments, policies, policy_artifacts
+from tabloop.testing.hf_models import make_model_dir
+from tests.service.conftest import RunningService, make_settings
+from tests.trainer.test_loop import PASSING_CHECK, PREFIXES, count, now_z, wait_for
+from trainer.canary import CanaryConfig
+from trainer.client import ServiceClient
+from trainer.loop import Trainer, TrainerConfig
+from trainer.update import UpdateConfig
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    code = [p.read_text(encoding="utf-8") for p in sorted((stdlib / "json").glob("*.py"))]
+    model = make_model_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", code)
+    return import_model(model, tmp_path_factory.mktemp("base") / "ckpt")
+
+
+def _drive(url: str, token: str, n: int, seed: int) -> list[int]:
+    """n completions from 12 people with feedback on the shown ones; the versions served."""
+    rng = random.Random(seed)
+    versions = []
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as c:
+        for _ in range(0, n, 10):
+            events = []
+            for _ in range(10):
+                user = f"u{rng.randrange(12)}"
+                r = c.post(
+                    "/v1/complete",
+                    json={"user_id": user, "prefix": rng.choice(PREFIXES), "max_new_tokens": 8},
+                )
+                assert r.status_code == 200, r.text
+                body = r.json()
+                versions.append(body["policy_version"])
+                if body["shown"]:
+                    kind = "accept" if rng.random() < 0.5 else "reject"
+                    events.append(
+                        {
+                            "event_id": str(uuid.uuid4()),
+                            "type": kind,
+                            "user_id": user,
+                            "suggestion_id": body["suggestion_id"],
+                            "occurred_at": now_z(),
+                        }
+                    )
+            if events:
+                assert c.post("/v1/events", json={"events": events}).status_code == 202
+    return versions
+
+
+@pytest.mark.parametrize("mode", ["embedded", "full"])
+def test_a_hugging_face_policy_learns_deploys_and_serves(
+    mode: str, hf_base: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    full: dict[str, Any] = {}
+    if mode == "full":
+        broker = request.getfixturevalue("kafka_broker")
+        full = {
+            "pg_url": request.getfixturevalue("pg_url"),
+            "bootstrap": broker.bootstrap,
+            "trainer_group": f"hf-{tmp_path.name[-12:]}",  # the broker is the session's
+        }
+    settings = make_settings(
+        tmp_path,
+        **full,
+        profile="sim",
+        base_checkpoint=hf_base,
+        policy_poll_interval_s=0.2,
+        rate_limit_per_s=10_000,
+        rate_limit_burst=10_000,
+    )
+    upgrade(settings)
+    if not settings.embedded:
+        ensure_topics(settings)
+    engine = make_engine(settings)
+    with engine.begin() as conn:
+        assert bootstrap(conn, settings.base_checkpoint) == 1
+        ingest = create_key(conn, name="t", scopes=frozenset({"ingest", "admin"}))[1]
+        deploy = create_key(conn, name="trainer", scopes=frozenset({"deploy"}))[1]
+    svc = RunningService(settings).start()
+    stop = threading.Event()
+    threads = [] if settings.embedded else [(Relay(settings, make_engine(settings)).run)]
+    cfg = TrainerConfig(
+        group=settings.trainer_group,
+        batch_size=60,
+        canary_fraction=0.5,
+        canary=CanaryConfig(
+            min_rollouts=20, timeout_s=60, reward_tolerance=1.0, accept_tolerance=1.0
+        ),
+        deploy_check=PASSING_CHECK,
+        poll_timeout_s=0.2,
+        canary_poll_s=0.6,
+        update=UpdateConfig(gate_fit=True, gate_fit_min_shown=0, settled_epochs=0),
+    )
+    trainer = Trainer(settings, engine, ServiceClient(svc.url, deploy), cfg)
+    threads.append(trainer.run)
+    running = [threading.Thread(target=t, args=(stop,), daemon=True) for t in threads]
+    for t in running:
+        t.start()
+    served: list[int] = []
+    try:
+        served += _drive(svc.url, ingest, 120, seed=1)
+        for seed in range(100, 130):  # traffic until the trained adapter is deployed
+            if count(engine, deployments, deployments.c.action == "deploy"):
+                break
+            served += _drive(svc.url, ingest, 20, seed=seed)
+            time.sleep(1.0)
+        wait_for(
+            lambda: count(engine, deployments, deployments.c.action == "deploy") >= 1,
+            120,
+            "a gated canary deploy of the trained adapter",
+        )
+        for seed in range(2, 30):
+            served += _drive(svc.url, ingest, 40, seed=seed)
+            if count(engine, deployments, deployments.c.action.in_(("promote", "rollback"))):
+                break
+        wait_for(
+            lambda: (
+                count(engine, deployments, deployments.c.action.in_(("promote", "rollback"))) >= 1
+            ),
+            90,
+            "a canary verdict",
+        )
+        served += _drive(svc.url, ingest, 20, seed=99)
+    finally:
+        stop.set()
+        for t in running:
+            t.join(timeout=60)
+        svc.stop()
+    assert 2 in served  # the trained adapter served (as the canary, or live after it)
+    with engine.connect() as conn:
+        v2 = conn.execute(sa.select(policies).where(policies.c.version == 2)).one()
+        sizes = dict(
+            conn.execute(
+                sa.select(policy_artifacts.c.name, sa.func.length(policy_artifacts.c.data)).where(
+                    policy_artifacts.c.version == 2
+                )
+            ).all()
+        )
+    assert v2.parent == 1 and v2.manifest["config"]["backend"] == "hf"
+    assert v2.summary["gate"]["passed"] is True
+    # a deploy ships the adapter and the heads, never the base's weights
+    base_bytes = sum(
+        f.stat().st_size for f in Path(v2.manifest["config"]["base_dir"]).glob("*.safetensors")
+    )
+    assert sizes["model.safetensors"] < base_bytes
+    engine.dispose()
