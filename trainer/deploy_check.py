@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tabloop.core.policy.actions import Action
+from tabloop.core.policy.hf import HFPolicy
 from tabloop.core.policy.model import GPT, heldout_loss
 from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -149,7 +150,11 @@ def check(
     logged rollout's kept characters (trainer/store.ROLLOUT_ROWS); None: not checked."""
     loss_live = heldout_loss(live, heldout)
     loss_cand = heldout_loss(candidate, heldout)
-    loss_base = loss_live if base is None or base is live else heldout_loss(base, heldout)
+    if isinstance(live, HFPolicy):  # its base: the same model with the adapter off
+        with live.base_only():
+            loss_base = heldout_loss(live, heldout)
+    else:
+        loss_base = loss_live if base is None or base is live else heldout_loss(base, heldout)
     v = torch.ones(len(actions), dtype=torch.float64) if weights is None else weights.double()
     reward_live = float((rewards.double() * v).sum() / v.sum()) if rewards.numel() else float("nan")
     logp_new = (

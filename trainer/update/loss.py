@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
+from tabloop.core.policy.hf import HFPolicy
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -154,7 +155,13 @@ def pg_loss(
         adv = weighted_advantages(batch, cfg)
     new = score_actions(model, tokenizer, batch.actions)
     with torch.no_grad():
-        ref = score_actions(ref_model, tokenizer, batch.actions).total
+        if isinstance(model, HFPolicy):
+            # its reference is its own base with the adapter off (no second copy of a large
+            # model); the heads are the policy's own, so the KL holds the language model only
+            with model.base_only():
+                ref = score_actions(model, tokenizer, batch.actions).tokens + new.decision
+        else:
+            ref = score_actions(ref_model, tokenizer, batch.actions).total
     # the decision's entropy counts only where it was sampled (score_actions: 0 = deterministic)
     sampled = new.gate_decision != 0
     entropy = new.entropy + torch.where(sampled, bernoulli_entropy(new.gate_logit), 0.0)

@@ -175,3 +175,30 @@ def test_sentinels_in_user_code_stay_text(arch: str, model_dir: Path) -> None:
     else:  # no sentinels: the prefix alone, after the end-of-text token at a file's start
         assert tok.fim_ids is None and healing.context_ids[0] == tok.eof_id
         assert not set(healing.context_ids[1:]) & tok.special_ids
+
+
+def test_the_kl_reference_is_the_base_with_the_adapter_off(
+    model_dir: Path, code: list[str]
+) -> None:
+    """The update's KL term reads the policy's own base with the adapter off, never a second
+    model: 0 for a fresh adapter, above 0 once the adapter has moved."""
+    from trainer.update import UpdateConfig
+    from trainer.update.batch import Batch
+    from trainer.update.loss import pg_loss
+
+    model, tok = new_policy(model_dir)
+    _mixed_gate(model)
+    comps = _sample(model, tok, code)
+    batch = Batch.of(comps, [float(i % 3 == 0) for i in range(len(comps))])
+    cfg = UpdateConfig()
+    _, fresh = pg_loss(model, None, tok, batch, cfg)  # type: ignore[arg-type]  # never read
+    assert fresh["losses/kl"] == pytest.approx(0.0, abs=1e-6)
+    model.requires_grad_(True)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        loss, _ = pg_loss(model, None, tok, batch, cfg)  # type: ignore[arg-type]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    _, moved = pg_loss(model, None, tok, batch, cfg)  # type: ignore[arg-type]
+    assert moved["losses/kl"] > 1e-4
