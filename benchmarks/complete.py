@@ -1,9 +1,10 @@
 """Completion latency and throughput on held-out code, and latency around hot swaps.
 
     python benchmarks/complete.py [--seconds 20] [--concurrency 1 8 32] [--batch-max 1 32]
-                                  [--device auto|cpu|cuda]
+                                  [--device auto|cpu|cuda] [--model DIR]
 
-Starts `tabloop up` (embedded, the shipped base policy) on a loopback port, once per
+Starts `tabloop up` (embedded, the shipped base policy, or with `--model` a Hugging Face
+model directory as the base: TABLOOP_BASE_MODEL) on a loopback port, once per
 `--batch-max` (TABLOOP_INFERENCE_BATCH_MAX: 1 samples one request at a time, more batches
 concurrent requests), sends prompts cut from the held-out split of the corpus (never trained
 on), and prints p50/p99 latency (client side, HTTP included; and the model time the server
@@ -100,7 +101,13 @@ def main() -> None:
     )
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--device", default="cpu", help="TABLOOP_DEVICE of the servers")
+    ap.add_argument(
+        "--model",
+        help="a Hugging Face model directory to serve instead of the shipped base "
+        "(TABLOOP_BASE_MODEL; docs/MODEL.md, Bring your model)",
+    )
     args = ap.parse_args()
+    base = {"TABLOOP_BASE_MODEL": args.model} if args.model else {}
     bodies = prompts(args.prompts)
     print(f"{len(bodies)} held-out prompts, max_new_tokens 32")
     print(
@@ -109,7 +116,7 @@ def main() -> None:
     )
     for i, batch_max in enumerate(args.batch_max):
         with tabloop_up(
-            TABLOOP_INFERENCE_BATCH_MAX=str(batch_max), TABLOOP_DEVICE=args.device
+            TABLOOP_INFERENCE_BATCH_MAX=str(batch_max), TABLOOP_DEVICE=args.device, **base
         ) as srv:
             load(srv.url, srv.token, bodies, 1, 3.0)  # warm-up
             for conc in args.concurrency:

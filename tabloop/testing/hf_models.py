@@ -90,3 +90,28 @@ def make_model_dir(
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(d, safe_serialization=True)
     return d
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tabloop.testing.hf_models --out DIR [--arch qwen2] [--shape tiny|0.5b]`: a
+    random-weight model directory for trying and benchmarking the Hugging Face backend without
+    a download (its suggestions are noise; its sizes and speeds are the real shape's)."""
+    import argparse
+    import sysconfig
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0] if main.__doc__ else "")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2")
+    ap.add_argument("--shape", choices=("tiny", "0.5b"), default="tiny")
+    ap.add_argument("--vocab", type=int, default=4096, help="tokens of the trained tokenizer")
+    args = ap.parse_args(argv)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in stdlib.glob("*.py")]
+    shape = TINY if args.shape == "tiny" else QWEN_05B
+    d = make_model_dir(args.out, args.arch, texts, shape, vocab_size=args.vocab)
+    size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+    print(f"{args.arch} ({args.shape}) written to {d}: {size / 1e6:.1f} MB of weights")
+
+
+if __name__ == "__main__":
+    main()
