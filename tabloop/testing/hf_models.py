@@ -37,6 +37,7 @@ QWEN_05B: dict[str, Any] = {
     "max_position_embeddings": 32768,
     "rope_theta": 1000000.0,
 }
+QWEN_VOCAB_ROWS = 151936  # its embedding rows (tied to the output layer)
 
 
 def train_family_tokenizer(texts: Iterable[str], vocab_size: int, family: str) -> Tokenizer:
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in stdlib.glob("*.py")]
     shape = TINY if args.shape == "tiny" else QWEN_05B
-    d = make_model_dir(args.out, args.arch, texts, shape, vocab_size=args.vocab)
+    # the real shape's embedding rows: a tokenizer trained here has fewer tokens
+    pad = 0 if args.shape == "tiny" else QWEN_VOCAB_ROWS - args.vocab
+    d = make_model_dir(args.out, args.arch, texts, shape, vocab_size=args.vocab, pad_vocab=pad)
     size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
     print(f"{args.arch} ({args.shape}) written to {d}: {size / 1e6:.1f} MB of weights")
 
