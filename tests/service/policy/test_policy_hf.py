@@ -202,3 +202,21 @@ def test_the_kl_reference_is_the_base_with_the_adapter_off(
         opt.step()
     _, moved = pg_loss(model, None, tok, batch, cfg)  # type: ignore[arg-type]
     assert moved["losses/kl"] > 1e-4
+
+
+def test_bf16_drift_is_small_and_measured(model_dir: Path, code: list[str]) -> None:
+    """What a GPU runs, on the CPU: sampling in bf16 autocast logs log-probs that bf16 scoring
+    recomputes closely, and that float32 scoring (the trainer's on the CPU) stays near."""
+    from tabloop.core.policy.device import compute
+
+    model, tok = new_policy(model_dir)
+    _mixed_gate(model)
+    with compute(torch.device("cpu"), bf16=True):
+        comps = complete_batch(model, tok, _prompts(code, 8, fim=True, seed=3), 0.8, 0.95)
+        bf16 = score_actions(model, tok, comps)
+    logged = torch.tensor([c.logprob_total for c in comps])
+    assert bf16.total.dtype == torch.float32
+    torch.testing.assert_close(bf16.total, logged, atol=5e-2, rtol=0)
+    with torch.no_grad():
+        fp32 = score_actions(model, tok, comps).total
+    torch.testing.assert_close(fp32, logged, atol=0.25, rtol=0)
