@@ -161,13 +161,13 @@ def _bootstrap_policy(settings: Settings) -> None:
         log.info("registered the base policy from %s as v%d and made it live", base, version)
 
 
-def _import_model(model_dir: Path, out: Path) -> None:
+def _import_model(model_dir: Path, out: Path, lora_r: int = 8) -> None:
     """A Hugging Face model directory as a base checkpoint in `out`; exits with a one-line
     error where it cannot be."""
     from tabloop.core.policy.checkpoint import CheckpointError, import_model
 
     try:
-        import_model(model_dir, out, overwrite=True)
+        import_model(model_dir, out, overwrite=True, lora_r=lora_r)
     except ImportError as e:
         raise SystemExit(
             f"tabloop: {e.name} is missing: a Hugging Face model needs `pip install 'tabloop[hf]'`"
@@ -178,7 +178,9 @@ def _import_model(model_dir: Path, out: Path) -> None:
 
 
 def cmd_models_import(args: argparse.Namespace) -> int:
-    _import_model(args.model_dir, args.out)
+    if args.lora_rank < 1:
+        raise SystemExit(f"tabloop: --lora-rank must be at least 1, got {args.lora_rank}")
+    _import_model(args.model_dir, args.out, 0 if args.full else args.lora_rank)
     print(f"tabloop: base policy written to {args.out}", flush=True)
     return 0
 
@@ -524,6 +526,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mi.add_argument("model_dir", type=Path, help="config.json, *.safetensors, tokenizer.json")
     mi.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write")
+    mi.add_argument("--lora-rank", type=int, default=8, help="the LoRA adapter's rank (8)")
+    mi.add_argument(
+        "--full",
+        action="store_true",
+        help="no adapter: the whole model trains and every version stores all of it (small "
+        "models: a checkpoint must fit TABLOOP_MAX_CHECKPOINT_BYTES)",
+    )
     mi.set_defaults(fn=cmd_models_import)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_cmd", required=True)

@@ -150,7 +150,7 @@ def check(
     logged rollout's kept characters (trainer/store.ROLLOUT_ROWS); None: not checked."""
     loss_live = heldout_loss(live, heldout)
     loss_cand = heldout_loss(candidate, heldout)
-    if isinstance(live, HFPolicy):  # its base: the same model with the adapter off
+    if isinstance(live, HFPolicy) and live.adapted:  # its base: the same model with the adapter off
         with live.base_only():
             loss_base = heldout_loss(live, heldout)
     else:

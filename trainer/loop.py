@@ -236,7 +236,7 @@ class Trainer:
         # (HFPolicy.base_only): no second copy of the base in memory
         ref_model = (
             live_model
-            if isinstance(live_model, HFPolicy)
+            if isinstance(live_model, HFPolicy) and live_model.adapted
             else self.policies.get(self.policies.base_version(dep.live_version))[0]
         )
         rows.sort(key=lambda r: r.suggestion_id)  # random uuids: an unbiased train/gate split

@@ -155,7 +155,7 @@ def pg_loss(
         adv = weighted_advantages(batch, cfg)
     new = score_actions(model, tokenizer, batch.actions)
     with torch.no_grad():
-        if isinstance(model, HFPolicy):
+        if isinstance(model, HFPolicy) and model.adapted:
             # its reference is its own base with the adapter off (no second copy of a large
             # model); the heads are the policy's own, so the KL holds the language model only
             with model.base_only():

@@ -298,12 +298,16 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
     return model.eval(), tokenizer, manifest
 
 
-def import_model(model_dir: Path | str, out_dir: Path | str, overwrite: bool = False) -> Path:
+def import_model(
+    model_dir: Path | str, out_dir: Path | str, overwrite: bool = False, lora_r: int = 8
+) -> Path:
     """A Hugging Face model directory as a base policy checkpoint (version 0, no parent): a
-    fresh adapter (the base's own outputs) and the heads as the built-in model starts them.
-    Every language the service knows is its own (an open code model is multilingual)."""
+    fresh adapter of rank `lora_r` (the base's own outputs) and the heads as the built-in model
+    starts them; `lora_r` 0: no adapter, the whole model trains and every checkpoint holds it
+    (small models). Every language the service knows is its own (a code model is
+    multilingual)."""
     try:
-        model, tokenizer = new_policy(model_dir)
+        model, tokenizer = new_policy(model_dir, r=lora_r)
     except (HFModelError, ValueError) as e:
         raise CheckpointError(str(e)) from e
     return save_checkpoint(

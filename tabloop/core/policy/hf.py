@@ -66,7 +66,7 @@ class HFConfig(ModelConfig):
     base_dir: str = ""  # the base model's directory (local, safetensors)
     base_sha256: str = ""  # base_sha256(base_dir): the base's identity, checked on load
     model_type: str = ""  # transformers' model_type (qwen2, llama, starcoder2, ...)
-    lora_r: int = 8  # the adapter's rank
+    lora_r: int = 8  # the adapter's rank; 0: no adapter, every weight trains (small models)
     lora_alpha: int = 16  # its scale is lora_alpha / lora_r
     backend: str = "hf"  # what load_checkpoint dispatches on
 
@@ -135,9 +135,18 @@ class HFPolicy(GPT):
         self.requires_grad_(False)
 
     # --- what an update trains -----------------------------------------------------------
+    @property
+    def adapted(self) -> bool:
+        """A LoRA adapter on a frozen base (else full fine-tuning: every weight trains)."""
+        return self.config.lora_r > 0
+
     def trainable_names(self) -> list[str]:
-        """The adapter's and the heads' parameters: the policy's own weights."""
-        return [n for n, _ in self.named_parameters() if "lora_" in n or n.startswith("gate.")]
+        """The policy's own weights: the adapter's and the heads' (all, without an adapter)."""
+        return [
+            n
+            for n, _ in self.named_parameters()
+            if not self.adapted or "lora_" in n or n.startswith("gate.")
+        ]
 
     def requires_grad_(self, requires_grad: bool = True) -> HFPolicy:
         """Only the adapter and the heads ever train; the base stays frozen."""
@@ -170,7 +179,9 @@ class HFPolicy(GPT):
 
     @contextlib.contextmanager
     def base_only(self) -> Iterator[None]:
-        """The base model alone: the adapter turned off (the KL reference)."""
+        """The base model alone: the adapter turned off (the KL reference). Only with an
+        adapter: a fully fine-tuned policy no longer holds its base."""
+        assert self.adapted, "a fully fine-tuned policy has no adapter to turn off"
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         layers = [m for m in self.lm.modules() if isinstance(m, BaseTunerLayer)]
@@ -260,7 +271,10 @@ def load_base(directory: Path | str, dtype: torch.dtype = torch.float32) -> Any:
 
 
 def add_adapter(lm: Any, r: int, alpha: int) -> Any:
-    """A fresh LoRA adapter (B = 0: the base's outputs unchanged) on the base's linear layers."""
+    """A fresh LoRA adapter (B = 0: the base's outputs unchanged) on the base's linear layers;
+    r = 0: none (full fine-tuning)."""
+    if r == 0:
+        return lm
     from peft import LoraConfig, inject_adapter_in_model
 
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=LORA_TARGETS)

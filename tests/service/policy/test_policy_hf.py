@@ -220,3 +220,44 @@ def test_bf16_drift_is_small_and_measured(model_dir: Path, code: list[str]) -> N
     with torch.no_grad():
         fp32 = score_actions(model, tok, comps).total
     torch.testing.assert_close(fp32, logged, atol=0.25, rtol=0)
+
+
+def test_full_fine_tuning_trains_and_stores_every_weight(
+    model_dir: Path, code: list[str], tmp_path: Path
+) -> None:
+    """Without an adapter (lora_r 0, for small models) every weight trains against a loaded
+    copy of the base as the KL reference, and a checkpoint holds them all."""
+    from trainer.update import UpdateConfig
+    from trainer.update.batch import Batch
+    from trainer.update.loss import pg_loss
+
+    model, tok = new_policy(model_dir, r=0)
+    ref, _ = new_policy(model_dir, r=0)
+    assert not model.adapted and set(model.trainable_names()) == {
+        n for n, _ in model.named_parameters()
+    }
+    _mixed_gate(model)
+    _mixed_gate(ref)
+    comps = _sample(model, tok, code)
+    batch = Batch.of(comps, [float(i % 3 == 0) for i in range(len(comps))])
+    model.requires_grad_(True)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(2):
+        loss, metrics = pg_loss(model, ref, tok, batch, UpdateConfig())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.requires_grad_(False)
+    _, moved = pg_loss(model, ref, tok, batch, UpdateConfig())
+    assert moved["losses/kl"] > 0
+    ckpt = save_checkpoint(tmp_path / "v2", model, tok, version=2, parent=1)
+    base = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    assert (ckpt / WEIGHTS_FILE).stat().st_size >= base * 0.9
+    loaded, _, _ = load_checkpoint(ckpt)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            score_actions(loaded, tok, comps).total,
+            score_actions(model, tok, comps).total,
+            atol=1e-5,
+            rtol=0,
+        )
