@@ -28,6 +28,7 @@ the job of a serving engine such as vLLM (docs/MODEL.md).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -197,6 +198,19 @@ class HFPolicy(GPT):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> HFPolicy:
+        """A copy with its own adapter and heads; with an adapter the frozen base's tensors
+        stay shared (the trainer copies the live policy for every candidate)."""
+        if self.adapted:
+            own = set(self.trainable_names())
+            for n, t in [*self.named_parameters(), *self.named_buffers()]:
+                if n not in own:
+                    memo[id(t)] = t
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
     def new_cache(  # type: ignore[override]  # its own cache type
         self, batch: int, device: torch.device, positions: int
     ) -> HFCache:
@@ -287,7 +301,8 @@ def new_policy(
     """The base in `directory` as a policy: a fresh adapter and heads as the built-in model's
     start (the gate a confidence threshold)."""
     d = Path(directory).resolve()
-    lm = add_adapter(load_base(d), r, alpha)
+    sha = base_sha256(d) if (d / "config.json").is_file() else ""
+    lm = add_adapter(_base_for(d, sha, r), r, alpha)
     tokenizer = HFTokenizer.from_dir(d)
     cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
     limit = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or MAX_BLOCK_SIZE)
@@ -295,7 +310,7 @@ def new_policy(
         n_layer=int(lm.config.num_hidden_layers),
         n_head=int(lm.config.num_attention_heads),
         base_dir=str(d),
-        base_sha256=base_sha256(d),
+        base_sha256=sha,
         model_type=str(cfg.get("model_type", "")),
         n_embd=int(lm.config.hidden_size),
         block_size=min(limit, MAX_BLOCK_SIZE),
@@ -321,5 +336,46 @@ def policy_from_config(config: HFConfig) -> tuple[HFPolicy, CodeTokenizer]:
         raise HFModelError(
             f"{d}'s tokenizer has {tokenizer.vocab_size} tokens, the policy {config.vocab_size}"
         )
-    lm = add_adapter(load_base(d), config.lora_r, config.lora_alpha)
+    lm = add_adapter(
+        _base_for(d, config.base_sha256, config.lora_r), config.lora_r, config.lora_alpha
+    )
     return HFPolicy(lm, config).eval(), tokenizer
+
+
+# the loaded bases of this process, by (directory, sha256): every adapted policy on one base
+# shares its frozen weights (live, canary, the trainer's versions and candidates), so a second
+# version costs its adapter, not another copy of the model
+_BASES: dict[tuple[str, str], Any] = {}
+
+
+def _base_for(d: Path, sha256: str, r: int) -> Any:
+    """A model for a policy on the base in `d`: with an adapter (r > 0), a new module tree whose
+    frozen weights and buffers are those of the process's one copy of the base; without (full
+    fine-tuning, whose weights train), a copy of its own."""
+    if r == 0:
+        return load_base(d)
+    key = (str(d), sha256)
+    if key not in _BASES:
+        _BASES[key] = load_base(d).requires_grad_(False)
+    return _sharing(_BASES[key])
+
+
+def _sharing(base: Any) -> Any:
+    """A model of `base`'s architecture built on the meta device (no memory), then given
+    `base`'s own parameter and buffer objects: the same tensors, a separate module tree for
+    an adapter to be injected into."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        lm: Any = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)  # type: ignore[no-untyped-call]
+    tensors = dict(base.named_parameters(remove_duplicate=False))
+    tensors.update(dict(base.named_buffers(remove_duplicate=False)))
+    for name, module in lm.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            for leaf in list(getattr(module, kind)):
+                full = f"{name}.{leaf}" if name else leaf
+                if full in tensors:
+                    getattr(module, kind)[leaf] = tensors[full]
+    missing = [n for n, t in [*lm.named_parameters(), *lm.named_buffers()] if t.is_meta]
+    assert not missing, f"weights the base does not have: {missing[:3]}"
+    return lm.eval()

@@ -7,6 +7,7 @@ text, and the checkpoint's size."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sysconfig
 from pathlib import Path
@@ -261,3 +262,36 @@ def test_full_fine_tuning_trains_and_stores_every_weight(
             atol=1e-5,
             rtol=0,
         )
+
+
+def test_versions_on_one_base_share_its_weights(model_dir: Path, code: list[str]) -> None:
+    """Two policies on one base (live and canary) and the trainer's copy of one hold the
+    base's frozen weights once: the same tensors; each its own adapter. Training the copy
+    changes neither the other policies nor the base."""
+    a, tok = new_policy(model_dir)
+    b, _ = new_policy(model_dir)
+    copy_ = copy.deepcopy(a)
+
+    def base_weights(m: HFPolicy) -> dict[str, torch.Tensor]:
+        own = set(m.trainable_names())
+        return {n: p for n, p in m.named_parameters() if n not in own}
+
+    wa, wb, wc = base_weights(a), base_weights(b), base_weights(copy_)
+    assert wa and wa.keys() == wb.keys() == wc.keys()
+    assert all(wa[n].data_ptr() == wb[n].data_ptr() == wc[n].data_ptr() for n in wa)
+    own = [n for n in a.trainable_names() if "lora_" in n]
+    pa, pc = dict(a.named_parameters()), dict(copy_.named_parameters())
+    assert own and all(pa[n].data_ptr() != pc[n].data_ptr() for n in own)
+    _mixed_gate(a)
+    _mixed_gate(copy_)
+    comps = _sample(a, tok, code)
+    with torch.no_grad():
+        before = score_actions(a, tok, comps).total
+    copy_.requires_grad_(True)
+    opt = torch.optim.Adam([p for p in copy_.parameters() if p.requires_grad], lr=1e-2)
+    loss = -score_actions(copy_, tok, comps).total.mean()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        assert torch.equal(score_actions(a, tok, comps).total, before)
+        assert not torch.equal(score_actions(copy_, tok, comps).total, before)
