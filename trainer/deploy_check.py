@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tabloop.core.policy.actions import Action
-from tabloop.core.policy.hf import HFPolicy
 from tabloop.core.policy.model import GPT, heldout_loss
 from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -150,8 +149,8 @@ def check(
     logged rollout's kept characters (trainer/store.ROLLOUT_ROWS); None: not checked."""
     loss_live = heldout_loss(live, heldout)
     loss_cand = heldout_loss(candidate, heldout)
-    if isinstance(live, HFPolicy) and live.adapted:  # its base: the same model with the adapter off
-        with live.base_only():
+    if live.holds_reference:  # its base: the same model as its reference (an adapter's base)
+        with live.reference():
             loss_base = heldout_loss(live, heldout)
     else:
         loss_base = loss_live if base is None or base is live else heldout_loss(base, heldout)

@@ -26,7 +26,6 @@ from kafka.errors import KafkaError
 from tabloop.core.config import Settings
 from tabloop.core.policy.checkpoint import save_checkpoint
 from tabloop.core.policy.device import resolve
-from tabloop.core.policy.hf import HFPolicy
 from tabloop.core.registry import Deployment, current_deployment
 from tabloop.core.retention import code_cutoff
 from tabloop.core.reward_store import current_spec
@@ -232,11 +231,10 @@ class Trainer:
             self._remember("skipped", dep.live_version, f"all {len(rows)} rewards equal")
             return
         live_model, tokenizer = self.policies.get(dep.live_version)
-        # a Hugging Face policy's reference is its own base with the adapter off
-        # (HFPolicy.base_only): no second copy of the base in memory
+        # a policy that holds its own KL reference (a LoRA adapter's base) needs no second model
         ref_model = (
             live_model
-            if isinstance(live_model, HFPolicy) and live_model.adapted
+            if live_model.holds_reference
             else self.policies.get(self.policies.base_version(dep.live_version))[0]
         )
         rows.sort(key=lambda r: r.suggestion_id)  # random uuids: an unbiased train/gate split
@@ -256,7 +254,7 @@ class Trainer:
             else None
         )
         pool = self._update_pool() if self.cfg.nproc > 1 or self.pool is not None else None
-        if pool is not None and isinstance(live_model, HFPolicy):
+        if pool is not None and not live_model.distributable:
             # the ranks rebuild the built-in model from its config; an adapter on a Hugging
             # Face base updates here (on a GPU, one process is the usual way to run it)
             log.warning("a Hugging Face policy updates in one process: --nproc is ignored")

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
-from tabloop.core.policy.hf import HFPolicy
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -155,10 +154,10 @@ def pg_loss(
         adv = weighted_advantages(batch, cfg)
     new = score_actions(model, tokenizer, batch.actions)
     with torch.no_grad():
-        if isinstance(model, HFPolicy) and model.adapted:
-            # its reference is its own base with the adapter off (no second copy of a large
+        if model.holds_reference:
+            # its reference is its own (a LoRA adapter's base: no second copy of a large
             # model); the heads are the policy's own, so the KL holds the language model only
-            with model.base_only():
+            with model.reference():
                 ref = score_actions(model, tokenizer, batch.actions).tokens + new.decision
         else:
             ref = score_actions(ref_model, tokenizer, batch.actions).total

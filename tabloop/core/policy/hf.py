@@ -12,6 +12,8 @@ checkpoints use:
     gate, gate_logit(h, features, person)       the decision heads (model.Gate), unchanged
     new_cache(batch, device, positions)         the decoding cache (`ragged`: more than 1 row)
     requires_grad_(flag)                        what an update may train
+    holds_reference, reference()                the KL reference, where the policy holds it
+    distributable                               data-parallel ranks can rebuild it
 
 The base model is loaded from a local directory (`local_files_only`, `trust_remote_code=False`,
 safetensors only) and stays frozen. The policy's own weights are a LoRA adapter (peft) on its
@@ -126,6 +128,15 @@ class HFPolicy(GPT):
     transformer (module docstring), and builds none of it."""
 
     ragged = False  # decodes one row per cache (module docstring)
+    distributable = False  # one process updates it
+
+    @property
+    def holds_reference(self) -> bool:  # type: ignore[override]
+        """With an adapter, its KL reference is its own base (`reference()`)."""
+        return self.adapted
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        return self.base_only()
 
     def __init__(self, lm: Any, config: HFConfig):
         nn.Module.__init__(self)  # not GPT's: no built-in transformer

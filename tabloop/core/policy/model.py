@@ -12,6 +12,7 @@ completion agrees with it and on the same hidden state the gate reads. See docs/
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -315,6 +316,15 @@ class GPT(nn.Module):
     # decodes rows of different lengths in one cache (RaggedKVCache); a backend that does not
     # (tabloop.core.policy.hf) gets its rows one at a time
     ragged = True
+    # data-parallel ranks rebuild it from its config and weights (trainer/distributed.py)
+    distributable = True
+    # the KL reference of its updates is a separate model, the lineage's pretrained root; a
+    # policy that holds its own (a LoRA adapter's base) says so and enters `reference()`
+    holds_reference = False
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        """Compute as the KL reference, where the policy holds its own (holds_reference)."""
+        raise NotImplementedError("the built-in model's reference is a separate model")
 
     def num_params(self) -> int:
         """Parameters, counting the tied embedding once and excluding nothing else."""
