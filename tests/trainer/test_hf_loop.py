@@ -4,15 +4,12 @@ is gated, deployed as a canary, judged, and served."""
 
 from __future__ import annotations
 
-import random
 import sysconfig
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -25,7 +22,7 @@ from tabloop.core.stream.kafka import ensure_topics
 from tabloop.core.tables import deployments, policies, policy_artifacts
 from tabloop.testing.hf_models import make_model_dir
 from tests.service.conftest import RunningService, make_settings
-from tests.trainer.test_loop import PASSING_CHECK, PREFIXES, count, now_z, wait_for
+from tests.trainer.test_loop import PASSING_CHECK, count, drive, wait_for
 from trainer.canary import CanaryConfig
 from trainer.client import ServiceClient
 from trainer.loop import Trainer, TrainerConfig
@@ -40,38 +37,6 @@ def hf_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     code = [p.read_text(encoding="utf-8") for p in sorted((stdlib / "json").glob("*.py"))]
     model = make_model_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", code)
     return import_model(model, tmp_path_factory.mktemp("base") / "ckpt")
-
-
-def _drive(url: str, token: str, n: int, seed: int) -> list[int]:
-    """n completions from 12 people with feedback on the shown ones; the versions served."""
-    rng = random.Random(seed)
-    versions = []
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as c:
-        for _ in range(0, n, 10):
-            events = []
-            for _ in range(10):
-                user = f"u{rng.randrange(12)}"
-                r = c.post(
-                    "/v1/complete",
-                    json={"user_id": user, "prefix": rng.choice(PREFIXES), "max_new_tokens": 8},
-                )
-                assert r.status_code == 200, r.text
-                body = r.json()
-                versions.append(body["policy_version"])
-                if body["shown"]:
-                    kind = "accept" if rng.random() < 0.5 else "reject"
-                    events.append(
-                        {
-                            "event_id": str(uuid.uuid4()),
-                            "type": kind,
-                            "user_id": user,
-                            "suggestion_id": body["suggestion_id"],
-                            "occurred_at": now_z(),
-                        }
-                    )
-            if events:
-                assert c.post("/v1/events", json={"events": events}).status_code == 202
-    return versions
 
 
 @pytest.mark.parametrize("mode", ["embedded", "full"])
@@ -125,11 +90,11 @@ def test_a_hugging_face_policy_learns_deploys_and_serves(
         t.start()
     served: list[int] = []
     try:
-        served += _drive(svc.url, ingest, 120, seed=1)
+        drive(svc.url, ingest, 120, seed=1, versions=served)
         for seed in range(100, 130):  # traffic until the trained adapter is deployed
             if count(engine, deployments, deployments.c.action == "deploy"):
                 break
-            served += _drive(svc.url, ingest, 20, seed=seed)
+            drive(svc.url, ingest, 20, seed=seed, versions=served)
             time.sleep(1.0)
         wait_for(
             lambda: count(engine, deployments, deployments.c.action == "deploy") >= 1,
@@ -137,7 +102,7 @@ def test_a_hugging_face_policy_learns_deploys_and_serves(
             "a gated canary deploy of the trained adapter",
         )
         for seed in range(2, 30):
-            served += _drive(svc.url, ingest, 40, seed=seed)
+            drive(svc.url, ingest, 40, seed=seed, versions=served)
             if count(engine, deployments, deployments.c.action.in_(("promote", "rollback"))):
                 break
         wait_for(
@@ -147,7 +112,7 @@ def test_a_hugging_face_policy_learns_deploys_and_serves(
             90,
             "a canary verdict",
         )
-        served += _drive(svc.url, ingest, 20, seed=99)
+        drive(svc.url, ingest, 20, seed=99, versions=served)
     finally:
         stop.set()
         for t in running:

@@ -52,9 +52,17 @@ def now_z() -> str:
     return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
 
 
-def drive(url: str, token: str, n: int, seed: int, settled: bool = False) -> list[str]:
+def drive(
+    url: str,
+    token: str,
+    n: int,
+    seed: int,
+    settled: bool = False,
+    versions: list[int] | None = None,
+) -> list[str]:
     """n completions from 12 users; accept shown suggestions that end a call, reject others;
-    with `settled`, a code_settled report for every request (shown or not)."""
+    with `settled`, a code_settled report for every request (shown or not); `versions`
+    collects the policy version that served each."""
     rng = random.Random(seed)
     ids = []
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as c:
@@ -69,6 +77,8 @@ def drive(url: str, token: str, n: int, seed: int, settled: bool = False) -> lis
                 assert r.status_code == 200, r.text
                 body = r.json()
                 ids.append(body["suggestion_id"])
+                if versions is not None:
+                    versions.append(body["policy_version"])
                 if settled:
                     evs.append(
                         {

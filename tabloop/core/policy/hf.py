@@ -206,9 +206,6 @@ class HFPolicy(GPT):
                 m.enable_adapters(True)
 
     # --- the model surface (module docstring) --------------------------------------------
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def __deepcopy__(self, memo: dict[int, Any]) -> HFPolicy:
         """A copy with its own adapter and heads; with an adapter the frozen base's tensors
         stay shared (the trainer copies the live policy for every candidate)."""
@@ -256,23 +253,6 @@ class HFPolicy(GPT):
         are padding, never sampled)."""
         head = self.lm.get_output_embeddings()
         return F.linear(h, head.weight[: self.config.vocab_size])
-
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = self.logits(self.hidden(idx))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
-            )
-        return logits, loss
-
-    def gate_logit(
-        self, h_last: torch.Tensor, features: torch.Tensor, person: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        out: torch.Tensor = self.gate(h_last, features, person)
-        return out
 
 
 def load_base(directory: Path | str, dtype: torch.dtype = torch.float32) -> Any:
