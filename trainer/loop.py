@@ -253,12 +253,12 @@ class Trainer:
             if self.cfg.update.generic_mix > 0
             else None
         )
-        pool = self._update_pool() if self.cfg.nproc > 1 or self.pool is not None else None
-        if pool is not None and not live_model.distributable:
+        parallel = self.cfg.nproc > 1 or self.pool is not None
+        if parallel and not live_model.distributable:
             # the ranks rebuild the built-in model from its config; an adapter on a Hugging
             # Face base updates here (on a GPU, one process is the usual way to run it)
-            log.warning("a Hugging Face policy updates in one process: --nproc is ignored")
-            pool = None
+            log.warning("this policy updates in one process: --nproc is ignored")
+        pool = self._update_pool() if parallel and live_model.distributable else None
         try:
             candidate = train_candidate(
                 live_model,

@@ -38,7 +38,6 @@ from safetensors.torch import load_file, save_file
 from tabloop.core.person import PERSON_INPUTS
 from tabloop.core.policy.hf import (
     HFConfig,
-    HFModelError,
     HFPolicy,
     new_policy,
     policy_from_config,
@@ -308,7 +307,9 @@ def import_model(
     multilingual)."""
     try:
         model, tokenizer = new_policy(model_dir, r=lora_r)
-    except (HFModelError, ValueError) as e:
+    except ImportError:
+        raise  # the hf extra is missing: the caller says what to install
+    except Exception as e:  # a directory that is not a model: transformers' own errors too
         raise CheckpointError(str(e)) from e
     return save_checkpoint(
         out_dir,
@@ -328,6 +329,11 @@ def _load_hf(d: Path, manifest: Manifest) -> tuple[HFPolicy, CodeTokenizer]:
     try:
         model, tokenizer = policy_from_config(HFConfig.from_dict(manifest.config))
         model.load_policy_state(load_file(str(d / WEIGHTS_FILE)))
-    except (HFModelError, ValueError, TypeError) as e:
+    except ImportError as e:
+        raise CheckpointError(
+            f"{d} is a Hugging Face policy: it needs `pip install 'tabloop[hf]'` ({e.name} is "
+            "missing)"
+        ) from e
+    except Exception as e:  # safetensors, transformers and peft raise their own types
         raise CheckpointError(f"cannot load the Hugging Face policy in {d}: {e}") from e
     return model.eval(), tokenizer

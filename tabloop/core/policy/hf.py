@@ -34,6 +34,7 @@ import copy
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 MAX_BLOCK_SIZE = 2048
 # the base's linear layers a fresh adapter adapts: attention and MLP projections
 LORA_TARGETS = "all-linear"
+# config fields of models whose forward scales or caps the logits (Gemma 2's softcapping,
+# Granite's scaling): the policy's logits are the output layer's, so these are refused
+UNSUPPORTED_LOGITS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
 
 
 class HFModelError(ValueError):
@@ -80,8 +84,8 @@ class HFConfig(ModelConfig):
 
 
 def base_sha256(directory: Path | str) -> str:
-    """The base's identity: sha256 over the sha256 of its config, its tokenizer and each
-    weights file."""
+    """The base's identity: sha256 over the sha256 of its config, its tokenizer (and its
+    tokenizer_config.json, where there is one) and each weights file."""
     d = Path(directory)
     files = sorted(d.glob("*.safetensors"))
     if not files:
@@ -91,6 +95,9 @@ def base_sha256(directory: Path | str) -> str:
         if not f.is_file():
             raise HFModelError(f"{f} is missing")
         h.update(f"{f.name}:{_file_sha256(f)}\n".encode())
+    extra = d / "tokenizer_config.json"  # where it is: it names the end-of-text token
+    if extra.is_file():
+        h.update(f"{extra.name}:{_file_sha256(extra)}\n".encode())
     return h.hexdigest()
 
 
@@ -197,6 +204,8 @@ class HFPolicy(GPT):
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         layers = [m for m in self.lm.modules() if isinstance(m, BaseTunerLayer)]
+        # peft's enable_adapters(True) makes the adapter trainable: what is frozen stays so
+        flags = [(p, p.requires_grad) for p in self.parameters()]
         for m in layers:
             m.enable_adapters(False)
         try:
@@ -204,6 +213,8 @@ class HFPolicy(GPT):
         finally:
             for m in layers:
                 m.enable_adapters(True)
+            for p, flag in flags:
+                p.requires_grad_(flag)
 
     # --- the model surface (module docstring) --------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> HFPolicy:
@@ -252,7 +263,8 @@ class HFPolicy(GPT):
         """Next-token logits over the tokenizer's tokens (a model's embedding rows past them
         are padding, never sampled)."""
         head = self.lm.get_output_embeddings()
-        return F.linear(h, head.weight[: self.config.vocab_size])
+        v = self.config.vocab_size
+        return F.linear(h, head.weight[:v], None if head.bias is None else head.bias[:v])
 
 
 def load_base(directory: Path | str, dtype: torch.dtype = torch.float32) -> Any:
@@ -272,6 +284,11 @@ def load_base(directory: Path | str, dtype: torch.dtype = torch.float32) -> Any:
         )
     except (OSError, ValueError, KeyError) as e:
         raise HFModelError(f"cannot load the model in {d}: {e}") from e
+    for name in UNSUPPORTED_LOGITS:  # what the model's own forward does to its logits
+        if getattr(lm.config, name, None) not in (None, 1, 1.0):
+            raise HFModelError(
+                f"{lm.config.model_type} transforms its logits ({name}): not supported yet"
+            )
     return lm.eval()
 
 
@@ -296,7 +313,7 @@ def new_policy(
     lm = add_adapter(_base_for(d, sha, r), r, alpha)
     tokenizer = HFTokenizer.from_dir(d)
     cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
-    limit = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or MAX_BLOCK_SIZE)
+    limit = _position_limit(lm.config)
     config = HFConfig(
         n_layer=int(lm.config.num_hidden_layers),
         n_head=int(lm.config.num_attention_heads),
@@ -327,16 +344,33 @@ def policy_from_config(config: HFConfig) -> tuple[HFPolicy, CodeTokenizer]:
         raise HFModelError(
             f"{d}'s tokenizer has {tokenizer.vocab_size} tokens, the policy {config.vocab_size}"
         )
+    if config.lora_r < 0 or (config.lora_r > 0 and config.lora_alpha <= 0):
+        raise HFModelError(
+            f"lora_r {config.lora_r}, lora_alpha {config.lora_alpha}: not an adapter"
+        )
     lm = add_adapter(
         _base_for(d, config.base_sha256, config.lora_r), config.lora_r, config.lora_alpha
     )
+    limit = min(_position_limit(lm.config), MAX_BLOCK_SIZE)
+    if config.n_embd != lm.config.hidden_size or not 0 < config.block_size <= limit:
+        raise HFModelError(
+            f"the manifest's n_embd {config.n_embd} and block_size {config.block_size} do not "
+            f"fit the base (hidden size {lm.config.hidden_size}, at most {limit} positions)"
+        )
     return HFPolicy(lm, config).eval(), tokenizer
+
+
+def _position_limit(cfg: Any) -> int:
+    """The most positions the base reads (its own limit, else MAX_BLOCK_SIZE)."""
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    return int(limit or MAX_BLOCK_SIZE)
 
 
 # the loaded bases of this process, by (directory, sha256): every adapted policy on one base
 # shares its frozen weights (live, canary, the trainer's versions and candidates), so a second
 # version costs its adapter, not another copy of the model
 _BASES: dict[tuple[str, str], Any] = {}
+_BASES_LOCK = threading.Lock()
 
 
 def _base_for(d: Path, sha256: str, r: int) -> Any:
@@ -346,9 +380,11 @@ def _base_for(d: Path, sha256: str, r: int) -> Any:
     if r == 0:
         return load_base(d)
     key = (str(d), sha256)
-    if key not in _BASES:
-        _BASES[key] = load_base(d).requires_grad_(False)
-    return _sharing(_BASES[key])
+    with _BASES_LOCK:  # the policy refresh, the trainer and an upload's check may all load it
+        if key not in _BASES:
+            _BASES[key] = load_base(d).requires_grad_(False)
+        base = _BASES[key]
+    return _sharing(base)
 
 
 def _sharing(base: Any) -> Any:

@@ -62,18 +62,19 @@ class CodeTokenizer:
         self,
         tk: Tokenizer,
         eof: str = EOF_TOKEN,
-        fim_tokens: tuple[str, str, str] = FIM_TOKENS,
+        fim_tokens: tuple[str, str, str] | None = FIM_TOKENS,
         control: Iterable[int] = (),
     ):
         """`eof`: the token that ends a generation; `fim_tokens`: the (prefix, suffix, middle)
-        sentinels, if the vocabulary has them; `control`: more control tokens (ids)."""
+        sentinels, if the vocabulary has them (None: it has none); `control`: more control
+        tokens (ids)."""
         self.tk = tk
         # user code containing "<|eof|>" (or a sentinel) must not turn into the control token
         self.tk.encode_special_tokens = True
         eof_id = tk.token_to_id(eof)
         assert eof_id is not None, f"tokenizer has no {eof} token"
         self.eof_id: int = eof_id
-        fim = [i for i in (tk.token_to_id(t) for t in fim_tokens) if i is not None]
+        fim = [i for i in (tk.token_to_id(t) for t in fim_tokens or ()) if i is not None]
         assert len(fim) in (0, 3), "a tokenizer has all three FIM sentinels or none"
         # (prefix, suffix, middle) sentinel ids; None: a left-to-right tokenizer
         self.fim_ids: tuple[int, int, int] | None = (fim[0], fim[1], fim[2]) if fim else None
@@ -228,10 +229,14 @@ FIM_FAMILIES: dict[str, tuple[str, str, str]] = {
         "<\uff5cfim\u2581hole\uff5c>",
         "<\uff5cfim\u2581end\uff5c>",
     ),  # DeepSeek-Coder
-    "codellama": ("<PRE>", "<SUF>", "<MID>"),  # CodeLlama
+    # CodeLlama: its pieces carry SentencePiece's space mark; plain ones in other conversions
+    "codellama": ("\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>"),
+    "codellama-plain": ("<PRE>", "<SUF>", "<MID>"),
 }
 # the tokens that end a generation, the first the vocabulary has
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>", "<eos>")
+# more tokens that end one: CodeLlama's end of an infilling
+END_TOKENS = ("\u2581<EOT>", "<EOT>")
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -239,8 +244,8 @@ class HFTokenizer(CodeTokenizer):
     """A model directory's own `tokenizer.json` (a Hugging Face fast tokenizer), with its own
     end-of-text token and fill-in-the-middle sentinels. Byte-level BPE (Qwen2.5-Coder,
     StarCoder2, DeepSeek-Coder, Llama 3) maps tokens to bytes as our own tokenizer does;
-    SentencePiece-style vocabularies (CodeLlama: `\u2581` for a space, `<0xNN>` byte tokens)
-    are mapped the same way."""
+    a SentencePiece-style vocabulary (CodeLlama) maps `\u2581` to a space and `<0xNN>` to its
+    byte, and other pieces to their UTF-8."""
 
     def __init__(self, tk: Tokenizer, eos: str | None = None):
         vocab = tk.get_vocab()
@@ -251,7 +256,10 @@ class HFTokenizer(CodeTokenizer):
             (k for k, f in FIM_FAMILIES.items() if all(t in vocab for t in f)), ""
         )
         added = [i for i, t in tk.get_added_tokens_decoder().items() if t.special]
-        super().__init__(tk, eof, FIM_FAMILIES.get(self.fim_family, FIM_TOKENS), added)
+        added += [vocab[t] for t in END_TOKENS if t in vocab]
+        super().__init__(tk, eof, FIM_FAMILIES.get(self.fim_family), added)
+        # byte-level BPE (its decoder maps the GPT-2 alphabet back to bytes), or SentencePiece
+        self.byte_level = isinstance(tk.decoder, decoders.ByteLevel)
 
     @classmethod
     def from_dir(cls, directory: Path | str) -> HFTokenizer:
@@ -276,10 +284,10 @@ class HFTokenizer(CodeTokenizer):
                 continue
             if i in added:  # added text tokens are plain text, not byte-level
                 out[i] = tok.encode("utf-8")
-            elif (m := _BYTE_TOKEN.fullmatch(tok)) is not None:
-                out[i] = bytes([int(m.group(1), 16)])
-            elif all(c in dec for c in tok):
+            elif self.byte_level and all(c in dec for c in tok):
                 out[i] = bytes(dec[c] for c in tok)
+            elif (m := _BYTE_TOKEN.fullmatch(tok)) is not None:  # SentencePiece's byte fallback
+                out[i] = bytes([int(m.group(1), 16)])
             else:
                 out[i] = tok.replace("\u2581", " ").encode("utf-8")
         return out

@@ -8,6 +8,7 @@ text, and the checkpoint's size."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import sysconfig
 from pathlib import Path
@@ -22,10 +23,10 @@ from tabloop.core.policy.checkpoint import (
     save_checkpoint,
 )
 from tabloop.core.policy.context import prepare_context
-from tabloop.core.policy.hf import HFPolicy, load_base, new_policy
+from tabloop.core.policy.hf import HFModelError, HFPolicy, load_base, new_policy
 from tabloop.core.policy.sampling import Prompt, complete_batch
 from tabloop.core.policy.scoring import score_actions
-from tabloop.core.policy.tokenizer import FIM_FAMILIES, CodeTokenizer
+from tabloop.core.policy.tokenizer import FIM_FAMILIES, CodeTokenizer, HFTokenizer
 from tabloop.testing.hf_models import ARCHITECTURES, make_model_dir
 
 SETTINGS = [(0.3, None), (0.7, 0.9), (1.0, 0.5), (1.6, 1.0)]
@@ -295,3 +296,70 @@ def test_versions_on_one_base_share_its_weights(model_dir: Path, code: list[str]
     with torch.no_grad():
         assert torch.equal(score_actions(a, tok, comps).total, before)
         assert not torch.equal(score_actions(copy_, tok, comps).total, before)
+
+
+def test_a_tampered_or_broken_checkpoint_is_a_checkpoint_error(
+    tmp_path: Path, code: list[str]
+) -> None:
+    """What a manifest says must fit its base, and unreadable weights are refused as such
+    (an upload gets a 422, never a policy that fails every request)."""
+    base = make_model_dir(tmp_path / "base", "qwen2", code[:2])
+    model, tok = new_policy(base)
+    ckpt = save_checkpoint(tmp_path / "v1", model, tok, version=1, parent=None)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for change in ({"n_embd": 16}, {"block_size": 0}, {"block_size": 10**6}, {"lora_r": -1}):
+        bad = json.loads(json.dumps(manifest))
+        bad["config"].update(change)
+        (ckpt / "manifest.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError):
+            load_checkpoint(ckpt)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (ckpt / WEIGHTS_FILE).write_bytes(b"not safetensors")
+    manifest["weights"]["sha256"] = hashlib.sha256(b"not safetensors").hexdigest()
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="cannot load"):
+        load_checkpoint(ckpt)
+
+
+def test_a_model_that_transforms_its_logits_is_refused(tmp_path: Path, code: list[str]) -> None:
+    base = make_model_dir(tmp_path / "base", "llama", code[:2])
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "logits_scaling": 4.0}))
+    with pytest.raises(HFModelError, match="logits_scaling"):
+        new_policy(base)
+
+
+def test_the_reference_leaves_what_is_frozen_frozen(model_dir: Path) -> None:
+    model, _ = new_policy(model_dir)
+    assert not any(p.requires_grad for p in model.parameters())
+    with model.reference():
+        pass
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_a_sentencepiece_vocabulary_maps_to_utf8_and_codellama_sentinels(tmp_path: Path) -> None:
+    """CodeLlama-style: SentencePiece pieces with byte fallback, and FIM pieces that carry the
+    space mark; the bytes of every token are its UTF-8 (not GPT-2's byte alphabet)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    text = ["caf\u00e9 na\u00e7\u00e3o \u0120x = 1\n" * 20, "def f(x):\n    return x\n" * 20]
+    tk = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tk.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    pieces = ["<unk>", "</s>", "\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>", "\u2581<EOT>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=pieces + [f"<0x{b:02X}>" for b in range(256)],
+        show_progress=False,
+    )
+    tk.train_from_iterator(text, trainer)
+    (tmp_path / "tokenizer.json").write_text(tk.to_str())
+    tok = HFTokenizer.from_dir(tmp_path)
+    assert tok.fim_family == "codellama" and not tok.byte_level
+    assert tk.token_to_id("\u2581<EOT>") in tok.special_ids
+    for s in ("caf\u00e9 na\u00e7\u00e3o", "\u0120x = 1"):
+        assert tok.decode_bytes(tok.encode(s)).lstrip(b" ") == s.encode("utf-8")
