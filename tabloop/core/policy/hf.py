@@ -60,8 +60,8 @@ UNSUPPORTED_LOGITS = ("final_logit_softcapping", "logits_scaling", "logit_scale"
 
 
 class HFModelError(ValueError):
-    """A model directory that cannot be the policy (missing files, pickled weights, a
-    tokenizer whose tokens are not bytes)."""
+    """A model directory that cannot be the policy (missing files, pickled weights, logits its
+    forward transforms), or a manifest that does not fit its base."""
 
 
 @dataclass
