@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from trainer.ranks import DataParallel
 
 
-EMBEDDINGS = ("wte.weight", "wpe.weight")  # token (tied to the output layer), position
 # the heads' weights on the hidden state: the gate's, the copy head's and the extend head's
 HIDDEN_PROJECTIONS = ("gate.hidden.weight", "gate.copy.hidden", "gate.extend.hidden")
 
@@ -75,7 +74,8 @@ def _updating(
     frozen = [
         p
         for n, p in model.named_parameters()
-        if (gate_only and not n.startswith("gate.")) or (freeze_embeddings and n in EMBEDDINGS)
+        if (gate_only and not n.startswith("gate."))
+        or (freeze_embeddings and n in model.embedding_names)
     ]
     frozen = [p for p in frozen if p.requires_grad]
     model.eval()

@@ -138,6 +138,13 @@ class HFPolicy(GPT):
     distributable = False  # one process updates it
 
     @property
+    def embedding_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The base's token embedding (and its output layer where tied): frozen with the base
+        under an adapter, left as pretrained in full fine-tuning unless train_embeddings."""
+        emb = self.lm.get_input_embeddings().weight
+        return tuple(n for n, p in self.named_parameters() if p is emb)
+
+    @property
     def holds_reference(self) -> bool:  # type: ignore[override]
         """With an adapter, its KL reference is its own base (`reference()`)."""
         return self.adapted

@@ -318,6 +318,9 @@ class GPT(nn.Module):
     ragged = True
     # data-parallel ranks rebuild it from its config and weights (trainer/distributed.py)
     distributable = True
+    # the token embedding (tied to the output layer) and the positions: what an update leaves
+    # as pretrained unless UpdateConfig.train_embeddings
+    embedding_names: tuple[str, ...] = ("wte.weight", "wpe.weight")
     # the KL reference of its updates is a separate model, the lineage's pretrained root; a
     # policy that holds its own (a LoRA adapter's base) says so and enters `reference()`
     holds_reference = False

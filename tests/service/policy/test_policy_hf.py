@@ -363,3 +363,29 @@ def test_a_sentencepiece_vocabulary_maps_to_utf8_and_codellama_sentinels(tmp_pat
     assert tk.token_to_id("\u2581<EOT>") in tok.special_ids
     for s in ("caf\u00e9 na\u00e7\u00e3o", "\u0120x = 1"):
         assert tok.decode_bytes(tok.encode(s)).lstrip(b" ") == s.encode("utf-8")
+
+
+@pytest.mark.parametrize("rank", [8, 0], ids=["adapter", "full"])
+def test_an_update_leaves_the_embeddings_as_pretrained(
+    model_dir: Path, code: list[str], rank: int
+) -> None:
+    """The trainer's update (train_embeddings off, the default) moves the policy's own weights
+    but not the token embedding, with an adapter and in full fine-tuning alike."""
+    from trainer.update import UpdateConfig, UpdateInputs, make_optimizer, update
+    from trainer.update.batch import Batch
+
+    model, tok = new_policy(model_dir, r=rank)
+    ref, _ = new_policy(model_dir, r=rank)
+    _mixed_gate(model)
+    comps = _sample(model, tok, code)
+    emb = model.embedding_names
+    assert emb and all("embed" in n for n in emb)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.requires_grad_(True)
+    cfg = UpdateConfig(settled_epochs=0, learning_rate=1e-2)
+    batch = Batch.of(comps, [float(i % 3 == 0) for i in range(len(comps))])
+    update(UpdateInputs(model, ref, tok, batch, make_optimizer(model, cfg), cfg))
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in emb)
+    moved = [n for n in model.trainable_names() if not torch.equal(before[n], after[n])]
+    assert moved and all(n not in emb for n in moved)
