@@ -32,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
-import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,8 +44,6 @@ from torch.nn import functional as F
 
 from tabloop.core.policy.model import GPT, Gate, ModelConfig, init_gate
 from tabloop.core.policy.tokenizer import CodeTokenizer, HFTokenizer
-
-log = logging.getLogger(__name__)
 
 # the largest context the policy uses, whatever the model's own limit: prefill time and the
 # cache grow with it, and a completion needs the nearby code, not the whole file
@@ -76,11 +72,6 @@ class HFConfig(ModelConfig):
     lora_r: int = 8  # the adapter's rank; 0: no adapter, every weight trains (small models)
     lora_alpha: int = 16  # its scale is lora_alpha / lora_r
     backend: str = "hf"  # what load_checkpoint dispatches on
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> HFConfig:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def base_sha256(directory: Path | str) -> str:
@@ -319,16 +310,14 @@ def new_policy(
     sha = base_sha256(d) if (d / "config.json").is_file() else ""
     lm = add_adapter(_base_for(d, sha, r), r, alpha)
     tokenizer = HFTokenizer.from_dir(d)
-    cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
-    limit = _position_limit(lm.config)
     config = HFConfig(
         n_layer=int(lm.config.num_hidden_layers),
         n_head=int(lm.config.num_attention_heads),
         base_dir=str(d),
         base_sha256=sha,
-        model_type=str(cfg.get("model_type", "")),
+        model_type=str(lm.config.model_type),
         n_embd=int(lm.config.hidden_size),
-        block_size=min(limit, MAX_BLOCK_SIZE),
+        block_size=_position_limit(lm.config),
         vocab_size=tokenizer.vocab_size,
         lora_r=r,
         lora_alpha=alpha,
@@ -358,7 +347,7 @@ def policy_from_config(config: HFConfig) -> tuple[HFPolicy, CodeTokenizer]:
     lm = add_adapter(
         _base_for(d, config.base_sha256, config.lora_r), config.lora_r, config.lora_alpha
     )
-    limit = min(_position_limit(lm.config), MAX_BLOCK_SIZE)
+    limit = _position_limit(lm.config)
     if config.n_embd != lm.config.hidden_size or not 0 < config.block_size <= limit:
         raise HFModelError(
             f"the manifest's n_embd {config.n_embd} and block_size {config.block_size} do not "
@@ -368,9 +357,9 @@ def policy_from_config(config: HFConfig) -> tuple[HFPolicy, CodeTokenizer]:
 
 
 def _position_limit(cfg: Any) -> int:
-    """The most positions the base reads (its own limit, else MAX_BLOCK_SIZE)."""
+    """The most positions the policy reads: the base's own limit, at most MAX_BLOCK_SIZE."""
     limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    return int(limit or MAX_BLOCK_SIZE)
+    return min(int(limit or MAX_BLOCK_SIZE), MAX_BLOCK_SIZE)
 
 
 # the loaded bases of this process, by (directory, sha256): every adapted policy on one base

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any, Self
 
 import torch
 import torch.nn as nn
@@ -44,9 +46,9 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, int | float]) -> ModelConfig:
+    def from_dict(cls, d: Mapping[str, Any]) -> Self:
         known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 class KVCache:

@@ -204,7 +204,6 @@ def _complete_batch(
     device = model_device(model)
     # the positions a row can fill: its context and its budget (less cache to zero and read)
     positions = min(cfg.block_size, max(len(r.context_ids) + r.max_new_tokens for r in rows))
-    # one row: the plain cache (its decode step skips the ragged bookkeeping, ~7% of a request)
     cache = model.new_cache(B, device, positions)
     longest = max(len(r.context_ids) for r in rows)
     padded = [r.context_ids + [0] * (longest - len(r.context_ids)) for r in rows]  # right

@@ -17,6 +17,7 @@ their presence is what makes a checkpoint read the suffix.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import re
 from collections.abc import Iterable
@@ -33,6 +34,7 @@ FIM_TOKENS = (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)  # fill-in-the-middle sentinel
 SPECIAL_TOKENS = (EOF_TOKEN, *FIM_TOKENS)  # every control token a tokenizer may have
 
 
+@functools.cache
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: the byte-level alphabet back to raw bytes."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -116,12 +118,16 @@ class CodeTokenizer:
     @cached_property
     def token_bytes(self) -> list[bytes]:
         """Raw bytes of every token id (special tokens: empty, they never match text)."""
-        dec = _byte_decoder()
         out = [b""] * self.vocab_size
         for tok, i in self.tk.get_vocab().items():
             if i not in self.special_ids:
-                out[i] = bytes(dec[c] for c in tok)
+                out[i] = self._piece_bytes(tok, i)
         return out
+
+    def _piece_bytes(self, piece: str, token_id: int) -> bytes:
+        """A vocabulary piece's raw bytes: byte-level BPE's alphabet mapped back to bytes."""
+        dec = _byte_decoder()
+        return bytes(dec[c] for c in piece)
 
     @cached_property
     def _newline_ids(self) -> frozenset[int]:
@@ -260,6 +266,7 @@ class HFTokenizer(CodeTokenizer):
         super().__init__(tk, eof, FIM_FAMILIES.get(self.fim_family), added)
         # byte-level BPE (its decoder maps the GPT-2 alphabet back to bytes), or SentencePiece
         self.byte_level = isinstance(tk.decoder, decoders.ByteLevel)
+        self._added = frozenset(tk.get_added_tokens_decoder())
 
     @classmethod
     def from_dir(cls, directory: Path | str) -> HFTokenizer:
@@ -274,20 +281,11 @@ class HFTokenizer(CodeTokenizer):
             eos = tok.get("content") if isinstance(tok, dict) else tok
         return cls(Tokenizer.from_file(str(d / "tokenizer.json")), eos)
 
-    @cached_property
-    def token_bytes(self) -> list[bytes]:
-        dec = _byte_decoder()
-        out = [b""] * self.vocab_size
-        added = self.tk.get_added_tokens_decoder()
-        for tok, i in self.tk.get_vocab().items():
-            if i in self.special_ids or i >= self.vocab_size:
-                continue
-            if i in added:  # added text tokens are plain text, not byte-level
-                out[i] = tok.encode("utf-8")
-            elif self.byte_level and all(c in dec for c in tok):
-                out[i] = bytes(dec[c] for c in tok)
-            elif (m := _BYTE_TOKEN.fullmatch(tok)) is not None:  # SentencePiece's byte fallback
-                out[i] = bytes([int(m.group(1), 16)])
-            else:
-                out[i] = tok.replace("\u2581", " ").encode("utf-8")
-        return out
+    def _piece_bytes(self, piece: str, token_id: int) -> bytes:
+        if token_id in self._added:  # added text tokens are plain text, not byte-level
+            return piece.encode("utf-8")
+        if self.byte_level and all(c in _byte_decoder() for c in piece):
+            return super()._piece_bytes(piece, token_id)
+        if (m := _BYTE_TOKEN.fullmatch(piece)) is not None:  # SentencePiece's byte fallback
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
