@@ -19,6 +19,10 @@ Policies, each on the same cursors:
 - `request`: `served` with proposals from the request alone (no memory);
 - `copies`: `served` showing only what its copy head copies, never the model's own text (a
   point of the trade between characters and exact of shown; not served);
+- `copy-lines`: `copy` with the lines after the first where the occurrences agree on them
+  (tabloop.core.recall.Proposal.longer);
+- `lines`: `served` always showing a copy's lines after the first (its lines head always on; as
+  shipped, the head shows them half the time, and the loop learns where they pay);
 - `either`: the copy anchor's proposal where it has one, else `model`;
 - `ceiling`: not a policy but a bound. The true rest of the line wherever the text sent before
   (the file above, the team's earlier files) holds it as the ending of a line, whatever
@@ -35,8 +39,10 @@ workspace memory holds only what was sent. The latency is the client's, per requ
 trees take turns per seed (REF first on the first seed, the working tree first on the next), so
 neither always runs on a machine the other has just warmed or loaded.
 
-Figures per policy: useful chars per 100 requests (the characters of shown suggestions that are
-a prefix of the true rest of the line), whole rest of line (shown and exact, per request), exact
+Figures per policy: kept chars per 100 requests (what telemetry people are expected to keep:
+`expected_kept`), useful chars per 100 requests (the characters of shown suggestions that are
+a prefix of the true rest of the line, or of the true lines for one of several lines), whole
+rest of line (shown and exact, per request), exact
 of shown, shown per request, wrong shown per request, and p50 latency per request (one thread).
 Every seed is printed, then the mean and the spread.
 """
@@ -45,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import math
+import random
 import statistics
 import sys
 import time
@@ -57,6 +65,21 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from simulator.population import (
+    PersonParams,
+    PopulationConfig,
+    draw_person,
+    in_reject_family,
+    judge,
+    matched_fraction,
+)
+from simulator.telemetry import (
+    TelemetryConfig,
+    TelemetryParams,
+    accept_probability,
+    draw_telemetry,
+    in_comment,
+)
 from tabloop.core.corpus import Cursor, usefulness, writing_cursors, writing_files
 from tabloop.core.policy.checkpoint import load_checkpoint
 from tabloop.core.policy.sampling import complete
@@ -86,20 +109,25 @@ class Tally:
     wrong: int = 0
     latencies: list[float] = field(default_factory=list)
 
-    def add(self, shown_text: str, rest: str, seconds: float) -> None:
+    kept: float = 0.0  # telemetry people's expected kept characters (expected_kept)
+
+    def add(self, shown_text: str, cur: Cursor, seconds: float) -> None:
         self.requests += 1
         self.latencies.append(seconds)
         if not shown_text:
             return
         self.shown += 1
-        useful, whole = usefulness(shown_text, rest)  # as the simulator's report counts it
+        truth = cur.truth_after(shown_text.count("\n"))
+        useful, whole = usefulness(shown_text, truth)  # as the simulator's report counts it
         self.useful_chars += useful
         self.whole += whole
         self.wrong += useful == 0
+        self.kept += expected_kept(shown_text, truth, cur.prefix)
 
     def figures(self) -> dict[str, float]:
         n = max(1, self.requests)
         return {
+            "kept/100": 100 * self.kept / n,
             "useful/100": 100 * self.useful_chars / n,
             "whole": self.whole / n,
             "exact_of_shown": self.whole / max(1, self.shown),
@@ -107,6 +135,40 @@ class Tally:
             "wrong/req": self.wrong / n,
             "p50_ms": 1000 * statistics.median(self.latencies or [0.0]),
         }
+
+
+def _panel(n: int = 64, seed: int = 0) -> list[tuple[PersonParams, TelemetryParams]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        person = draw_person(PopulationConfig(), rng)
+        out.append((person, draw_telemetry(TelemetryConfig(), rng)))
+    return out
+
+
+PANEL = _panel()  # the telemetry people expected_kept averages over
+
+
+def expected_kept(text: str, truth: str, prefix: str) -> float:
+    """The characters a telemetry person (simulator.telemetry, default ranges) is expected to
+    keep of a shown suggestion, averaged over PANEL: P(accept) times what matches the truth
+    times what survives later edits. Their momentum (+1 after an accept) and patience are left
+    out: the figure compares policies on the same cursors, not a run's absolute level."""
+    if in_reject_family(prefix):
+        return 0.0
+    total = 0.0
+    for person, habits in PANEL:
+        p = accept_probability(
+            person,
+            habits,
+            judge(text, truth, person.close_similarity),
+            len(text),
+            text.count("\n") + 1,
+            comment=in_comment(prefix),
+        )
+        survives = 1 - habits.edit_later * (1 - habits.kept_when_edited)
+        total += p * len(text) * matched_fraction(text, truth) * survives
+    return total / len(PANEL)
 
 
 COPY_SHARPNESS = 2.0  # the fitted logit times this in COPY_INIT
@@ -125,8 +187,8 @@ def run(
             t0 = time.perf_counter()
             text = policy(cur, memory[cur.path], seed * 1_000_003 + i)
             seconds = time.perf_counter() - t0
-            tallies[name, "all"].add(text, cur.rest_of_line, seconds)
-            tallies[name, "repeated" if repeated else "unseen"].add(text, cur.rest_of_line, seconds)
+            tallies[name, "all"].add(text, cur, seconds)
+            tallies[name, "repeated" if repeated else "unseen"].add(text, cur, seconds)
         if (i + 1) % 200 == 0:
             print(f"  seed {seed}: {i + 1}/{len(cursors)} cursors", file=sys.stderr)
     return tallies
@@ -208,10 +270,8 @@ def over_http(
                 cursors = writing_cursors(paths, n, seed)
                 for i, (cur, repeated) in enumerate(cursors):
                     text, seconds = ask(cur.path, cur.prefix)
-                    tallies["all"].add(text, cur.rest_of_line, seconds)
-                    tallies["repeated" if repeated else "unseen"].add(
-                        text, cur.rest_of_line, seconds
-                    )
+                    tallies["all"].add(text, cur, seconds)
+                    tallies["repeated" if repeated else "unseen"].add(text, cur, seconds)
                     if i + 1 == len(cursors) or cursors[i + 1][0].path != cur.path:
                         ask(cur.path, cur.path.read_text(errors="replace").replace("\x00", ""))
                     if (i + 1) % 200 == 0:
@@ -322,6 +382,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         p = propose(cur.prefix, (), memory, args.min_request)
         return complete(model, tok, cur.prefix, "", 32, generator=g, proposal=p).shown_text
 
+    eager = copy.deepcopy(model)  # the lines head always on
+    with torch.no_grad():
+        eager.gate.lines.bias.fill_(30.0)
+
+    def lines_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
+        g = torch.Generator().manual_seed(seed)
+        p = propose(cur.prefix, (), memory, args.min_request)
+        return complete(eager, tok, cur.prefix, "", 32, generator=g, proposal=p).shown_text
+
+    def copy_lines_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
+        p = propose(cur.prefix, (), memory, MIN_MATCH)
+        return "" if p is None else p.longer
+
     def request_policy(cur: Cursor, memory: Text | None, seed: int) -> str:
         return served_policy(cur, None, seed)
 
@@ -341,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table: dict[str, Policy] = {
         "model": model_policy,
         "copy": copy_policy,
+        "copy-lines": copy_lines_policy,
+        "lines": lines_policy,
         "either": either_policy,
         "served": served_policy,
         "request": request_policy,

@@ -40,6 +40,8 @@ COLUMNS = (
     ("exact_of_shown", "exact of shown", "{:.3f}"),
     ("shown_per_request", "shown / req", "{:.3f}"),
     ("wrong_shown_per_request", "wrong shown / req", "{:.3f}"),
+    ("multi_line_of_shown", "several lines, of shown", "{:.3f}"),
+    ("multi_line_of_kept", "several lines, of kept chars", "{:.3f}"),
 )
 CHANGES = (
     *(key for key, _, _ in LOOP),
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|" + "---|" * len(header))
     for arm, seed, report in runs:
         last = last_third(report)
-        cells = [cell(last[key], form) for key, _, form in COLUMNS]
+        cells = [cell(last.get(key), form) for key, _, form in COLUMNS]
         print(f"| {seed} | {arm} | " + " | ".join(cells) + f" | {deploys(report)} |")
 
     for arm, rows in against_paused(runs).items():

@@ -98,6 +98,7 @@ class RequestRecord:
     path: str = ""  # the source file of the cursor's line
     line_no: int = -1  # the cursor's line in it, 0-based
     adversary: str | None = None  # the adversary's kind (simulator.population); None: honest
+    shown_lines: int = 0  # lines of the shown suggestion (0 when abstained)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -129,6 +130,10 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "accepted_chars_per_100": _ratio(100 * sum(r.accepted_chars for r in accepted), n),
         "reward_per_request": _ratio(sum(r.reward for r in records), n),
         "mean_shown_chars": _ratio(sum(r.shown_chars for r in shown), len(shown)),
+        "multi_line_of_shown": _ratio(sum(r.shown_lines > 1 for r in shown), len(shown)),
+        "multi_line_of_kept": _ratio(
+            kept_chars([r for r in accepted if r.shown_lines > 1]), kept_chars(accepted)
+        ),
         "family_requests": len(family),
         "family_shown": sum(r.shown for r in family),
         "family_shown_rate": _ratio(sum(r.shown for r in family), len(family)),

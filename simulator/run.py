@@ -279,14 +279,19 @@ class Simulation:
                 draws = cursor_rng(self.cfg.seed, cursor)
                 if habits is None:  # a proxy person
                     decision = decide(
-                        person, text, cursor.rest_of_line, family, self.max_delay_s, draws
+                        person,
+                        text,
+                        cursor.truth_after(text.count("\n")),
+                        family,
+                        self.max_delay_s,
+                        draws,
                     )
                 else:  # a telemetry person
                     decision = decide_telemetry(
                         person,
                         habits,
                         text,
-                        cursor.rest_of_line,
+                        cursor.truth_after(text.count("\n")),
                         prefix=prefix,
                         latency_ms=latency_ms,
                         after_accept=took_last,
@@ -355,7 +360,7 @@ class Simulation:
             decision = None
             if resp["shown"] and text:
                 decision = Decision(
-                    judge(text, cursor.rest_of_line, pace.close_similarity),
+                    judge(text, cursor.truth_after(text.count("\n")), pace.close_similarity),
                     "accept" if accepted else "reject",
                     0.0,
                     len(text) if accepted else 0,
@@ -402,7 +407,7 @@ class Simulation:
     ) -> None:
         accepted = decision is not None and decision.action == "accept"
         chars = decision.accepted_chars if decision is not None and accepted else 0
-        useful, whole = usefulness(text, cursor.rest_of_line)
+        useful, whole = usefulness(text, cursor.truth_after(text.count("\n")))
         self.records.append(
             rpt.RequestRecord(
                 t=round(t, 3),
@@ -424,6 +429,7 @@ class Simulation:
                 adversary=adversary,
                 useful_chars=useful,
                 whole_line=whole,
+                shown_lines=text.count("\n") + 1 if decision is not None else 0,
             )
         )
 

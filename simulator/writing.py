@@ -55,5 +55,5 @@ class WritingSource:
                 cur = cursor_in_line(CorpusLine(w.path, i, w.lines), at)
                 if cur is None:
                     continue
-                return Cursor(cur.path, i, cur.prefix, "", cur.rest_of_line)
+                return Cursor(cur.path, i, cur.prefix, "", cur.rest_of_line, cur.suffix)
         raise AssertionError("no file has a line to complete")

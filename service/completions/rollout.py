@@ -55,6 +55,7 @@ def prompt_of(
             req.prefix[-settings.max_recall_chars :],
             request_context(req, settings.max_recall_chars),
             memory,
+            more_lines=not req.suffix.split("\n", 1)[0].strip(),  # nothing right of the cursor
         ),
         person=None
         if history is None
@@ -119,6 +120,13 @@ def _storable(text: str) -> str:
     return text.replace("\x00", "\ufffd")
 
 
+def _storable_recall(recall: dict[str, Any]) -> dict[str, Any]:
+    out = {**recall, "text": _storable(recall["text"])}
+    if "more" in recall:
+        out["more"] = _storable(recall["more"])
+    return out
+
+
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     """`text` up to (not including) the earliest of the `stop` strings; True if one was found.
 
@@ -157,7 +165,7 @@ def rollout_record(
         "text": stored,
         "text_chars": len(stored),
         "shown": c.shown,
-        "recall": None if c.recall is None else {**c.recall, "text": _storable(c.recall["text"])},
+        "recall": None if c.recall is None else _storable_recall(c.recall),
         "person": c.person,
         "extend": c.extend,
         "gate_prob_show": c.gate_prob_show,

@@ -227,6 +227,15 @@ class Cursor:
     prefix: str  # file text before the cursor
     suffix: str  # file text after the cursor (starting with the rest of the line)
     rest_of_line: str  # the true completion: suffix up to (not including) the newline
+    # the true text after the cursor where `suffix` (what is sent) holds none of it: writing
+    # new code; "" where the suffix is that text (`truth_after`)
+    ahead: str = ""
+
+    def truth_after(self, lines: int = 0) -> str:
+        """What really follows the cursor: the rest of its line and the next `lines` lines."""
+        if not lines:
+            return self.rest_of_line
+        return "\n".join((self.ahead or self.suffix).split("\n")[: lines + 1])
 
 
 def exact_match(completion: str, rest_of_line: str) -> bool:
@@ -330,6 +339,9 @@ def writing_cursors(paths: Sequence[Path], n: int, seed: int) -> list[tuple[Curs
             cur = cursor_in_line(cl, rng)
             if cur is not None:
                 out.append(
-                    (Cursor(cur.path, cur.line_no, cur.prefix, "", cur.rest_of_line), repeated)
+                    (
+                        Cursor(cur.path, cur.line_no, cur.prefix, "", cur.rest_of_line, cur.suffix),
+                        repeated,
+                    )
                 )
     return out

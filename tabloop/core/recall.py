@@ -7,7 +7,9 @@ below, the editor's snippets: at least MIN_MATCH_REQUEST bytes) or in the worksp
 propose what followed the earlier occurrences, up to the end of their line. When the occurrences
 go on differently, the proposal is the part they agree on (their common prefix): a
 `self.assertEqual(x, ` seen with `1)` and `2)` proposes nothing, seen twice with `1)` proposes
-`1)`.
+`1)`. Where the proposal is the whole rest of their line, the lines that followed it (up to
+MORE_LINES, up to a blank line) are offered too, as far as the occurrences agree on whole lines
+(`Proposal.more`): the policy draws whether to show them (tabloop.core.policy.sampling).
 
 A Text is searched by a suffix array of its reversed UTF-8 bytes (pydivsufsort, libdivsufsort):
 the longest tail of the query that occurs in the text is the longest common prefix of the
@@ -36,7 +38,11 @@ MIN_MATCH_REQUEST = 10
 MAX_MATCH = 256  # bytes of the tail compared at most (a longer match counts as this long)
 MAX_OCCURRENCES = 64  # occurrences of the longest match read at most
 SEPARATOR = b"\x00"  # between documents: never in a request (NUL is refused) so never matched
-END = b"\n\x00"  # a continuation stops at the end of its line or of its document
+END = b"\n\x00"  # a continuation's first line stops at the end of its line or of its document
+# lines after the first a continuation goes on with at most (up to a blank line or the end of its
+# document), and the bytes looked at for them
+MORE_LINES = 4
+MORE_BYTES = 1024
 
 # the sources of a proposal, in the order a tie in match length is broken
 SOURCES = ("prefix", "context", "memory")
@@ -47,7 +53,9 @@ class Match:
     """The longest earlier match of a query's tail in one text."""
 
     length: int  # bytes of the tail matched (MIN_MATCH..MAX_MATCH)
-    continuations: tuple[bytes, ...]  # what followed each occurrence, to the end of its line
+    # what followed each occurrence: to the end of its line, then (after b"\n") up to MORE_LINES
+    # more lines, up to a blank line or the end of its document
+    continuations: tuple[bytes, ...]
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,12 @@ class Proposal:
     match_bytes: int  # length of the matched tail
     occurrences: int  # earlier occurrences of that tail
     agreeing: int  # of them, how many go on with `text` (or longer)
+    more: str = ""  # the lines after `text` the occurrences agree on ("" none), without its b"\n"
+
+    @property
+    def longer(self) -> str:
+        """The proposal with its following lines."""
+        return f"{self.text}\n{self.more}" if self.more else self.text
 
     def features(self) -> list[float]:
         """The numbers the policy reads (tabloop.core.recall.FEATURES names them)."""
@@ -113,12 +127,20 @@ def _common_prefix(a: bytes, b: bytes) -> int:
 
 
 def _continuation(text: bytes, start: int) -> bytes:
-    """The bytes from `start` to the end of their line (or document)."""
-    end = len(text)
-    for stop in END:
-        j = text.find(bytes([stop]), start, end)
-        if j >= 0:
-            end = j
+    """The bytes from `start` to the end of their line (or document), then up to MORE_LINES
+    whole lines after it, each after its b"\n", up to a blank line: a line the document, or the
+    bytes looked at, end in is not whole (a person's own file as sent ends at their cursor)."""
+    window = min(len(text), start + MORE_BYTES)
+    doc = text.find(SEPARATOR, start, window)
+    doc_end = window if doc < 0 else doc
+    end = text.find(b"\n", start, doc_end)
+    if end < 0:
+        return text[start:doc_end]
+    for _ in range(MORE_LINES):
+        nxt = text.find(b"\n", end + 1, doc_end)
+        if nxt < 0 or not text[end + 1 : nxt].strip():
+            break
+        end = nxt
     return text[start:end]
 
 
@@ -225,9 +247,9 @@ def match_in(haystack: str, tail: str, min_length: int = MIN_MATCH) -> Match | N
 def agreed(continuations: Sequence[bytes]) -> tuple[bytes, int]:
     """The proposal from a match's continuations and how many agree with it.
 
-    The most common non-empty continuation when it is the majority, otherwise the longest
+    The most common non-empty first line when it is the majority, otherwise the longest
     common prefix of them all, cut back to whole UTF-8 characters."""
-    nonempty = [c for c in continuations if c.strip()]
+    nonempty = [c for c in (c.split(b"\n", 1)[0] for c in continuations) if c.strip()]
     if not nonempty:
         return b"", 0
     text, count = Counter(nonempty).most_common(1)[0]
@@ -236,6 +258,20 @@ def agreed(continuations: Sequence[bytes]) -> tuple[bytes, int]:
         count = len(nonempty)
     text = text.decode("utf-8", errors="ignore").encode("utf-8")
     return (text, count) if text.strip() else (b"", 0)
+
+
+def agreed_more(continuations: Sequence[bytes], first: bytes) -> bytes:
+    """The lines after the proposal `first` that the continuations going on from all of it
+    agree on: the most common when the majority, otherwise their common whole lines."""
+    mores = [c[len(first) + 1 :] for c in continuations if c.startswith(first + b"\n")]
+    if not mores:
+        return b""
+    text, count = Counter(mores).most_common(1)[0]
+    if 2 * count <= len(mores):
+        common = mores[0][: min(_common_prefix(mores[0], m) for m in mores)]
+        whole = all(m == common or m.startswith(common + b"\n") for m in mores)
+        text = common if whole else common[: max(0, common.rfind(b"\n"))]
+    return text.decode("utf-8", errors="ignore").encode("utf-8")
 
 
 def team_memories(paths: Sequence[Path]) -> dict[Path, Text]:
@@ -253,10 +289,12 @@ def propose(
     context: Iterable[str] = (),
     memory: Text | None = None,
     min_request: int = MIN_MATCH_REQUEST,
+    more_lines: bool = True,
 ) -> Proposal | None:
     """The copy proposal at the end of `prefix`: the longest match of its tail in the prefix
     itself, in the request's other text (`context`: the lines after the cursor, snippets) and
-    in the workspace `memory`; the longest wins, earlier in SOURCES on a tie."""
+    in the workspace `memory`; the longest wins, earlier in SOURCES on a tie. `more_lines`:
+    offer the lines after it too (not where text follows the cursor on its line)."""
     tail = prefix[-MAX_MATCH:]
     candidates: list[tuple[str, Match]] = []
     m = match_in(prefix, tail, min_request)
@@ -274,7 +312,15 @@ def propose(
     for source, m in sorted(candidates, key=lambda c: -c[1].length):
         proposed, count = agreed(m.continuations)
         if proposed:
-            p = Proposal(proposed.decode("utf-8"), source, m.length, len(m.continuations), count)
+            more = agreed_more(m.continuations, proposed) if more_lines else b""
+            p = Proposal(
+                proposed.decode("utf-8"),
+                source,
+                m.length,
+                len(m.continuations),
+                count,
+                more.decode("utf-8"),
+            )
             if best is None or p.match_bytes > best.match_bytes:
                 best = p
     return best

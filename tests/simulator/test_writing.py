@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 from simulator import report as rpt
@@ -26,6 +27,11 @@ def test_people_write_their_own_files_top_to_bottom(tmp_path: Path) -> None:
         above = "\n".join(lines[: cursor.line_no])
         assert cursor.suffix == "" and cursor.prefix.startswith(above)
         assert lines[cursor.line_no] == cursor.prefix.split("\n")[-1] + cursor.rest_of_line
+        # the truth a suggestion of several lines is judged against: the lines as written
+        assert cursor.truth_after() == cursor.rest_of_line
+        assert cursor.truth_after(1) == "\n".join(
+            [cursor.rest_of_line, *lines[cursor.line_no + 1 : cursor.line_no + 2]]
+        )
     # when every file has been started, the next person starts the first again
     carol = source.draw("carol", rng)
     assert carol.path == a and carol.line_no == 0
@@ -77,6 +83,23 @@ def test_usefulness_counts_the_characters_a_person_can_keep() -> None:
     assert usefulness("ab", "abc)") == (2, False)
     assert usefulness("xb", "abc)") == (0, False)
     assert usefulness("   ", "   x") == (0, False)
+
+
+def test_a_suggestion_of_several_lines_is_judged_against_the_lines_as_written(
+    tmp_path: Path,
+) -> None:
+    a = tmp_path / "a.py"
+    a.write_text("def f(x):\n    y = x + 1\n    return y\n")
+    cursor = WritingSource([a], 0).draw("u", random.Random(0))
+    assert cursor.line_no == 0 and cursor.suffix == ""
+    right = cursor.rest_of_line + "\n    y = x + 1"
+    assert usefulness(right, cursor.truth_after(1)) == (len(right), True)
+    assert usefulness(right + "\n    return x", cursor.truth_after(2))[0] == 0
+    # the report says how much of what was shown, and of what was kept, had several lines
+    one = replace(record("ab", "abc"), shown_lines=1, retained_chars=2.0)
+    two = replace(record(right, cursor.truth_after(1)), shown_lines=2, retained_chars=6.0)
+    m = rpt.metrics([one, two, record("", "x")])
+    assert (m["multi_line_of_shown"], m["multi_line_of_kept"]) == (0.5, 0.75)
 
 
 def test_useful_characters_and_whole_lines_per_request() -> None:

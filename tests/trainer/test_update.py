@@ -519,12 +519,13 @@ def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) ->
     lm, hidden, threshold = make_optimizer(tiny_model, cfg).param_groups
     assert [g["lr"] for g in (lm, hidden, threshold)] == pytest.approx([1e-4, 1e-3, 1e-2])
     g = tiny_model.gate
-    # the projections of the hidden state (192 inputs each): the gate's, the copy head's and the
-    # extend head's
+    # the projections of the hidden state (192 inputs each): the gate's, the copy head's, the
+    # extend and lines heads'
     assert [id(p) for p in hidden["params"]] == [
         id(g.hidden.weight),
         id(g.copy.hidden),
         id(g.extend.hidden),
+        id(g.lines.hidden),
     ]
     # the confidence weights, the copy head and both heads' person weights: logistic heads whose
     # thresholds move by whole units
@@ -537,12 +538,14 @@ def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) ->
         g.copy.person,
         g.extend.bias,
         g.extend.person,
+        g.lines.bias,
+        g.lines.person,
     )
     assert {id(p) for p in threshold["params"]} == {id(p) for p in heads}
     gate_ids = {id(p) for p in g.parameters()}
     assert not gate_ids & {id(p) for p in lm["params"]}
     n = sum(1 for _ in tiny_model.parameters())
-    assert len(lm["params"]) + 11 == n
+    assert len(lm["params"]) + 14 == n
     gate_cfg = dataclasses.replace(cfg, train_gate_only=True)
     groups = make_optimizer(tiny_model, gate_cfg).param_groups
     assert len(groups) == 2 and {id(p) for gr in groups for p in gr["params"]} == gate_ids
@@ -688,6 +691,62 @@ def test_synthetic_learning_copy_follows_the_context(
     assert final_b > 0.8, f"p(copy) on B {final_b:.3f} after {len(history)} updates: {history}"
     # the evidence's weights cannot have done it: both families' evidence is the same
     assert float(tiny_model.gate.copy.hidden.detach().abs().sum()) > 0
+
+
+def test_synthetic_learning_more_lines_follow_the_context(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer
+) -> None:
+    """How far to copy is learned where it pays: every request copies a proposal with lines
+    after its first, people keep the longer copy on B and reject it on A (the first line alone
+    is kept a little on both). Only the lines head's weights on the hidden state tell the
+    families apart: p(more) on A must fall below 0.2 and on B rise above 0.8 (both start at
+    0.5) within 60 on-policy updates."""
+    _set_gate(tiny_model, -30.0)
+    with torch.no_grad():
+        tiny_model.gate.copy.weight.zero_()
+        tiny_model.gate.copy.bias.fill_(30.0)  # always copied
+        tiny_model.gate.lines.bias.zero_()
+    ref = copy.deepcopy(tiny_model)
+    cfg = UpdateConfig(learning_rate=3e-3, gate_lr_mult=1.0, gate_hidden_lr_mult=1.0)
+    optimizer = make_optimizer(tiny_model, cfg)
+    gen = torch.Generator().manual_seed(0)
+    proposal = Proposal("value + offset", "memory", 24, 3, 3, "    return value\n    pass")
+
+    def rollouts(prompts: list[str], n: int) -> list[Completion]:
+        return [
+            complete(tiny_model, tiny_tokenizer, p, "", 6, 1.0, None, gen, None, proposal=proposal)
+            for p in prompts
+            for _ in range(n)
+        ]
+
+    def more(c: Completion) -> bool:
+        assert c.recall is not None and "lines" in c.recall
+        return bool(c.recall["lines"]["more"])
+
+    def p_more(comps: list[Completion]) -> float:
+        p = [math.exp(c.recall["lines"]["logprob"]) for c in comps]  # type: ignore[index]
+        return sum(q if more(c) else 1.0 - q for q, c in zip(p, comps, strict=True)) / len(p)
+
+    def reward(c: Completion, family: str) -> float:
+        if not more(c):
+            return 0.2
+        return -1.0 if family == "A" else 1.0
+
+    history = []
+    for _ in range(60):
+        a, b = rollouts(FAMILY_A, 4), rollouts(FAMILY_B, 4)
+        history.append((p_more(a), p_more(b)))
+        if history[-1][0] < 0.1 and history[-1][1] > 0.9:
+            break
+        rewards = [reward(c, "A") for c in a] + [reward(c, "B") for c in b]
+        update(
+            UpdateInputs(tiny_model, ref, tiny_tokenizer, _batch(a + b, rewards), optimizer, cfg)
+        )
+    assert history[0] == pytest.approx((0.5, 0.5), abs=1e-6)
+    final_a, final_b = p_more(rollouts(FAMILY_A, 8)), p_more(rollouts(FAMILY_B, 8))
+    assert final_a < 0.2, f"p(more) on A {final_a:.3f} after {len(history)} updates: {history}"
+    assert final_b > 0.8, f"p(more) on B {final_b:.3f} after {len(history)} updates: {history}"
+    assert all(c.text == proposal.longer for c in rollouts(FAMILY_B, 2) if more(c))
 
 
 def test_gate_passes_move_the_gate_further_and_leave_the_language_model_alone(

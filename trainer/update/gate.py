@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from tabloop.core.person import PERSON_INPUTS
-from tabloop.core.policy.actions import Action, extend_drawn, was_copied
+from tabloop.core.policy.actions import Action, extend_drawn, lines_drawn, was_copied
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.scoring import score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -75,11 +75,12 @@ def gate_passes(
     """
     if batch.behaviour_decision_logp is None:
         return {}
-    # the gate's part of the logged decision: without the copy and extend draws'
+    # the gate's part of the logged decision: without the copy, lines and extend draws'
     # (tabloop.core.policy.sampling)
     old = batch.behaviour_decision_logp - torch.tensor(
         [
             (float(a.recall["logprob"]) if a.recall else 0.0)
+            + float((lines_drawn(a) or {}).get("logprob", 0.0))
             + float((extend_drawn(a) or {}).get("logprob", 0.0))
             for a in batch.actions
         ]

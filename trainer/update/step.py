@@ -23,8 +23,13 @@ if TYPE_CHECKING:
     from trainer.ranks import DataParallel
 
 
-# the heads' weights on the hidden state: the gate's, the copy head's and the extend head's
-HIDDEN_PROJECTIONS = ("gate.hidden.weight", "gate.copy.hidden", "gate.extend.hidden")
+# the heads' weights on the hidden state: the gate's, the copy head's, the extend and lines heads'
+HIDDEN_PROJECTIONS = (
+    "gate.hidden.weight",
+    "gate.copy.hidden",
+    "gate.extend.hidden",
+    "gate.lines.hidden",
+)
 
 
 def make_optimizer(model: GPT, cfg: UpdateConfig) -> torch.optim.AdamW:

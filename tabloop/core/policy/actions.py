@@ -77,8 +77,8 @@ class Action(Protocol):
 
 
 def person_inputs(action: Action, head: str) -> list[float] | None:
-    """The logged person inputs of one head ("gate", "copy" or "extend"); None where none were
-    read (an action logged without them: the heads read 0 there, as when serving it)."""
+    """The logged person inputs of one head ("gate", "copy", "extend" or "lines"); None where
+    none were read (an action logged without them: the heads read 0 there, as when serving it)."""
     person = getattr(action, "person", None)
     return None if not person else person.get(head)
 
@@ -98,6 +98,12 @@ def extend_drawn(action: Action) -> dict[str, Any] | None:
     return extend
 
 
+def lines_drawn(action: Action) -> dict[str, Any] | None:
+    """The action's lines draw ({"more", "logprob"}: after a copy with lines after its first),
+    None where none was drawn."""
+    return None if not action.recall else action.recall.get("lines")
+
+
 def was_copied(action: Action) -> bool:
     """The action showed its copy proposal (the gate was not drawn)."""
     return bool(action.recall and action.recall["copied"])
@@ -109,7 +115,8 @@ class ActionScores:
 
     total: torch.Tensor  # (B,) log pi(action) = tokens + decision
     tokens: torch.Tensor  # (B,) sum of token log-probs under the sampling distribution
-    # (B,) log p(extend or not) + log p(copy or not) + log p(gate's decision) (0: deterministic)
+    # (B,) log p(extend or not) + log p(copy or not) + log p(more lines or not)
+    # + log p(gate's decision) (0: deterministic)
     decision: torch.Tensor
     gate_decision: torch.Tensor  # (B,) the gate's part (0 where it was not drawn)
     gate_logit: torch.Tensor  # (B,) logit p(show)

@@ -56,6 +56,7 @@ COPY_HIDDEN = "gate.copy.hidden"  # the copy head's hidden-state weights (0 wher
 # the heads' weights on the person and the moment (tabloop.core.person; 0 where absent)
 PERSON_WEIGHTS = ("gate.person", "gate.copy.person")
 EXTEND_HEAD = frozenset({"gate.extend.bias", "gate.extend.hidden", "gate.extend.person"})
+LINES_HEAD = frozenset({"gate.lines.bias", "gate.lines.hidden", "gate.lines.person"})
 ALL_LANGUAGES = tuple(sorted(set(EXTENSION_LANGUAGES.values())))
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -281,6 +282,9 @@ def load_checkpoint(ckpt_dir: Path | str) -> tuple[GPT, CodeTokenizer, Manifest]
     if not EXTEND_HEAD & weights.keys():
         # made before the extend head: it starts as init_extend sets it (GPT() did)
         weights.update({k: v for k, v in model.state_dict().items() if k in EXTEND_HEAD})
+    if not LINES_HEAD & weights.keys():
+        # made before the lines head: likewise
+        weights.update({k: v for k, v in model.state_dict().items() if k in LINES_HEAD})
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:

@@ -179,7 +179,9 @@ class HFPolicy(GPT):
 
     def load_policy_state(self, state: dict[str, torch.Tensor]) -> None:
         own = self.trainable_names()
-        missing, extra = set(own) - state.keys(), state.keys() - set(own)
+        # made before the lines head: it keeps its initial weights (tabloop.core.policy.model)
+        missing = set(own) - state.keys() - {n for n in own if n.startswith("gate.lines.")}
+        extra = state.keys() - set(own)
         if missing or extra:
             raise HFModelError(
                 f"adapter does not fit the base: missing {sorted(missing)[:3]}, "
@@ -188,6 +190,8 @@ class HFPolicy(GPT):
         params = dict(self.named_parameters())
         with torch.no_grad():
             for n in own:
+                if n not in state:
+                    continue
                 if params[n].shape != state[n].shape:
                     raise HFModelError(
                         f"{n}: {tuple(state[n].shape)}, base wants {tuple(params[n].shape)}"

@@ -240,17 +240,22 @@ class CopyHead(nn.Module):
 # sampled to the end of its line rather than cut at the confidence stop, so the loop sees what
 # longer suggestions earn where the people are (tabloop.core.policy.sampling)
 EXTEND_INIT = -2.0
+# logit p(more lines) of a checkpoint made before the lines head: no leaning either way, half the
+# copies with lines after their first show them, and the loop learns where they pay
+LINES_INIT = 0.0
 
 
 class ExtendHead(nn.Module):
-    """logit p(extend) = b + w_h . h + w_p . person, drawn before the tokens: extend samples to
-    the end of the line, past the confidence stop. `h` is the hidden state at the context's last
-    position; `person` the person and the moment (tabloop.core.person) with no suggestion yet.
-    Made without drawing from the random generator (set by init_extend)."""
+    """How far to suggest: logit p(longer) = b + w_h . h + w_p . person. As `extend`, drawn at
+    the first token the confidence stop would cut: go on to the end of the line (`h` the hidden
+    state at the last token kept). As `lines`, drawn after a copy whose proposal has lines after
+    its first: show them too (`h` the hidden state at the end of the sampled completion).
+    `person`: the person and the moment (tabloop.core.person) on the longer text. Made without
+    drawing from the random generator (set by init_extend)."""
 
-    def __init__(self, n_embd: int):
+    def __init__(self, n_embd: int, bias: float = EXTEND_INIT):
         super().__init__()
-        self.bias = nn.Parameter(torch.full((1,), EXTEND_INIT))
+        self.bias = nn.Parameter(torch.full((1,), bias))
         self.hidden = nn.Parameter(torch.zeros(1, n_embd))
         self.person = nn.Parameter(torch.zeros(1, len(PERSON_INPUTS)))
 
@@ -275,8 +280,9 @@ class Gate(nn.Module):
         # logit p(copy) from tabloop.core.recall.recall_inputs (a proposal's evidence)
         self.copy = CopyHead(len(RECALL_INPUTS), config.n_embd)
         self.person = nn.Parameter(torch.zeros(1, len(PERSON_INPUTS)))
-        # logit p(extend): how far to suggest (ExtendHead)
+        # how far to suggest (ExtendHead): past the confidence stop, and a copy's next lines
         self.extend = ExtendHead(config.n_embd)
+        self.lines = ExtendHead(config.n_embd, LINES_INIT)
 
     def forward(
         self, h: torch.Tensor, features: torch.Tensor, person: torch.Tensor | None = None
@@ -410,11 +416,13 @@ def init_gate(gate: Gate, scale: float, threshold: float) -> None:
 
 
 def init_extend(gate: Gate) -> None:
-    """The extend head as a checkpoint made before it starts: its bias alone (EXTEND_INIT)."""
+    """The extend and lines heads as a checkpoint made before them starts: their biases alone
+    (EXTEND_INIT, LINES_INIT)."""
     with torch.no_grad():
-        gate.extend.bias.fill_(EXTEND_INIT)
-        gate.extend.hidden.zero_()
-        gate.extend.person.zero_()
+        for head, bias in ((gate.extend, EXTEND_INIT), (gate.lines, LINES_INIT)):
+            head.bias.fill_(bias)
+            head.hidden.zero_()
+            head.person.zero_()
 
 
 def init_copy(gate: Gate) -> None:

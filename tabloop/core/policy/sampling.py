@@ -317,12 +317,36 @@ def _complete_batch(
         if rows_with
         else []
     )
+    # how far to copy: the lines head on each proposal with lines after its first (drawn only
+    # where it is copied), on the person with the longer text
+    longer = [i for i, r in enumerate(rows) if r.prompt.proposal and r.prompt.proposal.more]
+    lines: dict[int, tuple[float, list[float] | None]] = {}
+    if longer:
+        more_inputs = [_lines_inputs(rows[i].prompt) for i in longer]
+        z = model.gate.lines(h[longer], person_tensor(more_inputs, device)).float().to(cpu)
+        lines = dict(zip(longer, zip(z.tolist(), more_inputs, strict=True), strict=True))
     return [
         _decide(
-            r, out, float(g), temperature, top_p, x, None if x is None else next(copy_logits), p
+            r,
+            out,
+            float(g),
+            temperature,
+            top_p,
+            x,
+            None if x is None else next(copy_logits),
+            p,
+            lines.get(i),
         )
-        for r, out, g, x, p in zip(rows, outs, gate_logits, inputs, people, strict=True)
+        for i, (r, out, g, x, p) in enumerate(
+            zip(rows, outs, gate_logits, inputs, people, strict=True)
+        )
     ]
+
+
+def _lines_inputs(prompt: Prompt) -> list[float] | None:
+    """The lines head's person inputs: on the proposal with its lines (None: no person)."""
+    assert prompt.proposal is not None
+    return None if prompt.person is None else prompt.person.inputs(prompt.proposal.longer)
 
 
 def _person_inputs(prompt: Prompt, text: str) -> tuple[list[float] | None, list[float] | None]:
@@ -379,9 +403,12 @@ def _decide(
     recall: list[float] | None = None,
     copy_logit: float | None = None,
     person: tuple[list[float] | None, list[float] | None] = (None, None),
+    lines: tuple[float, list[float] | None] | None = None,
 ) -> Completion:
-    """The row's copy draw (when it has a proposal) and show/abstain draw (after its tokens,
-    from its generator, in that order), and its Completion."""
+    """The row's copy draw (when it has a proposal), its lines draw (when it copies a proposal
+    with lines after its first: `lines`, the lines head's logit and person inputs) and its
+    show/abstain draw (when it does not copy), after its tokens, from its generator, in that
+    order; and its Completion."""
     text = bytes_to_text(out)
     p_show = _sigmoid(gate_logit)
     logged = None
@@ -393,6 +420,12 @@ def _decide(
         logged = {"text": proposal.text, "inputs": recall, "copied": copied, "logprob": copy_lp}
         if copied:
             text = proposal.text
+        if copied and lines is not None:
+            more, lines_lp = _draw(lines[0], temperature, r.prompt.generator)
+            dec_lp += lines_lp
+            logged["more"] = proposal.more
+            logged["lines"] = {"more": more, "logprob": lines_lp}
+            text = proposal.longer if more else text
     if copied:
         shown = True  # a copy is shown as proposed: the gate is not drawn
     elif not text:
@@ -421,6 +454,7 @@ def _decide(
             "gate": person[0],
             "copy": person[1],
             "extend": r.extend_inputs,
+            "lines": lines[1] if logged and "lines" in logged and lines else None,
             "history": r.prompt.person.history.to_dict(),
         },
         extend=r.extend,

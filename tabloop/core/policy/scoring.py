@@ -1,7 +1,7 @@
 """Recomputing a logged action's log-probability under the current parameters: every part of
-it (the tokens, the copy, the decision) exactly as sampled (tabloop/core/policy/sampling.py),
-in one forward pass per batch of actions. The trainer's update, the deploy check and the tests
-of served rollouts use it."""
+it (the tokens, the extend, copy and lines draws, the decision) exactly as sampled
+(tabloop/core/policy/sampling.py), in one forward pass per batch of actions. The trainer's
+update, the deploy check and the tests of served rollouts use it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tabloop.core.policy.actions import (
     completion_bytes,
     constraint_steps,
     extend_drawn,
+    lines_drawn,
     person_inputs,
     person_tensor,
     sampling_logprobs,
@@ -127,6 +128,20 @@ def _score_actions(model: GPT, tokenizer: CodeTokenizer, actions: Sequence[Actio
         )
         z = z.float().cpu()
         yes = torch.tensor([bool(e["extended"]) for _, e in drawn])
+        source = source.index_add(0, rows, torch.where(yes, F.logsigmoid(z), F.logsigmoid(-z)))
+    more = [
+        (i, d)
+        for i, (a, d) in enumerate(zip(actions, map(lines_drawn, actions), strict=True))
+        if d is not None and a.temperature != 0.0
+    ]
+    if more:  # how far to copy: drawn after the copy, on the last hidden state
+        rows = torch.tensor([i for i, _ in more])
+        z = model.gate.lines(
+            h_last[rows],
+            person_tensor([person_inputs(actions[i], "lines") for i, _ in more], h.device),
+        )
+        z = z.float().cpu()
+        yes = torch.tensor([bool(d["more"]) for _, d in more])
         source = source.index_add(0, rows, torch.where(yes, F.logsigmoid(z), F.logsigmoid(-z)))
     dec = gate_dec + source
     return ActionScores(

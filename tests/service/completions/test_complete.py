@@ -170,7 +170,9 @@ def test_the_policy_copies_from_the_whole_request_and_the_rollout_says_so(
         assert row.recall is not None and row.recall["text"].startswith(start), row.recall
         if row.recall["copied"]:
             copied += 1
-            assert row.shown and row.text == row.recall["text"]
+            more = (row.recall.get("lines") or {}).get("more")  # the lines after, when drawn
+            want = row.recall["text"] + ("\n" + row.recall["more"] if more else "")
+            assert row.shown and row.text == want
     assert copied, "a long exact match is copied more often than not"
     model, tokenizer, _ = load_checkpoint(served.settings.base_checkpoint)
     with torch.no_grad():

@@ -565,3 +565,55 @@ def test_going_on_past_the_stop_is_a_drawn_decision_and_recomputes_exactly(
         person=prompts[i].person,
     )
     assert (alone.token_ids, alone.extend) == (went_on[0].token_ids, went_on[0].extend)
+
+
+def test_a_copys_next_lines_are_a_drawn_decision_and_recompute_exactly(
+    tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
+) -> None:
+    """A copied proposal with lines after its first: the lines head draws whether to show them
+    too. With random weights on its hidden-state and person inputs, the rollouts that copy show
+    either the first line or all of them, log the draw, and every log-prob is recomputed
+    exactly; a proposal of one line, or one not copied, draws nothing."""
+    _set_gate(tiny_model, 0.0)
+    with torch.no_grad():
+        tiny_model.gate.copy.bias.fill_(0.0)
+        tiny_model.gate.lines.bias.fill_(0.0)
+        tiny_model.gate.lines.hidden.normal_(0.0, 0.5)
+        tiny_model.gate.lines.person.normal_(0.0, 1.0)
+    histories = _histories()
+    prompts = [
+        Prompt(
+            prefix,
+            "",
+            16,
+            torch.Generator().manual_seed(i),
+            Proposal("x = 1", "prefix", 20, 2, 2, "y = 2\nz = 3" if i % 2 else ""),
+            PersonContext(histories[i % 4], moment_of(prefix, "")) if i % 3 else None,
+        )
+        for i, prefix in enumerate(_prompts(small_code, 48, seed=29))
+    ]
+    comps = complete_batch(tiny_model, tiny_tokenizer, prompts, 1.0, 0.95)
+    copied = [(p, c) for p, c in zip(prompts, comps, strict=True) if c.copied]
+    assert copied and len(copied) < len(comps)
+    for p, c in zip(prompts, comps, strict=True):
+        assert c.recall is not None
+        lines = c.recall.get("lines")
+        if not (c.copied and p.proposal and p.proposal.more):
+            assert lines is None and "\n" not in c.text
+            continue
+        assert lines is not None and c.recall["more"] == p.proposal.more
+        assert c.text == ("x = 1\ny = 2\nz = 3" if lines["more"] else "x = 1")
+        assert (c.person is None) == (p.person is None)
+        if c.person is not None:
+            assert c.person["lines"] == p.person.inputs(p.proposal.longer)  # type: ignore[union-attr]
+    drawn = [c.recall["lines"]["more"] for _, c in copied if c.recall and "lines" in c.recall]
+    assert True in drawn and False in drawn, drawn
+    with torch.no_grad():
+        scores = score_actions(tiny_model, tiny_tokenizer, comps)
+    torch.testing.assert_close(scores.total, torch.tensor([c.logprob_total for c in comps]))
+    torch.testing.assert_close(scores.decision, torch.tensor([c.decision_logprob for c in comps]))
+    # the draw moves with the head: pushed off, no copy shows more than its first line
+    with torch.no_grad():
+        tiny_model.gate.lines.bias.fill_(-30.0)
+    again = complete_batch(tiny_model, tiny_tokenizer, prompts, 1.0, 0.95)
+    assert not any("\n" in c.text for c in again)

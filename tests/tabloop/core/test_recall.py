@@ -13,6 +13,7 @@ from tabloop.core.recall import (
     Proposal,
     Text,
     agreed,
+    agreed_more,
     match_in,
     propose,
     recall_inputs,
@@ -116,3 +117,21 @@ def test_recall_inputs_name_every_input_and_read_the_models_agreement() -> None:
     assert (agree[i], agree[j]) == (1.0, 0.0)
     assert (disagree[i], disagree[j]) == (0.0, 0.0)
     assert (empty[i], empty[j]) == (0.0, 1.0)
+
+
+def test_a_whole_line_copy_offers_the_lines_after_it_as_far_as_they_agree() -> None:
+    block = "def area(w, h):\n    s = w * h\n    return s\n    # unreachable\n\nx = 1\n"
+    p = propose(block + "def area(w, h):\n    s =")
+    assert p is not None and (p.text, p.more) == (" w * h", "    return s\n    # unreachable")
+    assert p.longer == " w * h\n    return s\n    # unreachable"  # up to the blank line
+    assert propose(block + "def area(w, h):\n    s =", more_lines=False).more == ""  # type: ignore[union-attr]
+    # occurrences that go on differently offer the whole lines they share, the majority's
+    # lines when there is one, nothing past a partial first line
+    assert agreed_more([b"a\nb\nc", b"a\nb\nd"], b"a") == b"b"
+    assert agreed_more([b"a\nb\nc", b"a\nb\nc", b"a\nbx"], b"a") == b"b\nc"
+    assert agreed_more([b"a\nb", b"a\nc"], b"a") == b""
+    assert agreed_more([b"ab\nc", b"ax\nc"], b"a") == b""
+    # a document's last line, not ended by a newline, is not whole (a person's file as sent
+    # ends at their cursor); nor is a line the memory's document ends in
+    m = Text(b"for i in range(10):\n    total += i\n    print(to\x00").match(b"for i in range(10")
+    assert m is not None and m.continuations == (b"):\n    total += i",)
