@@ -95,8 +95,6 @@ PROFILES: dict[str, TrainerConfig] = {
         # came after about 9 minutes, so the gate learned only by its clipped passes
         update=UpdateConfig(
             minibatch_size=64,
-            # how far to suggest moves a logit in a few updates (a few hundred drawn decisions)
-            reach_lr_mult=10.0,
             gate_epochs=4,
             gate_fit=True,
             gate_fit_sharpness=3.0,

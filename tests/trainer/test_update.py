@@ -516,11 +516,8 @@ def test_train_gate_only_leaves_the_language_model_alone(
 
 def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) -> None:
     cfg = UpdateConfig(learning_rate=1e-4, gate_lr_mult=100.0, gate_hidden_lr_mult=10.0)
-    cfg.reach_lr_mult = 10.0
-    lm, hidden, threshold, reach = make_optimizer(tiny_model, cfg).param_groups
-    assert [g["lr"] for g in (lm, hidden, threshold, reach)] == pytest.approx(
-        [1e-4, 1e-3, 1e-2, 1e-1]
-    )
+    lm, hidden, threshold = make_optimizer(tiny_model, cfg).param_groups
+    assert [g["lr"] for g in (lm, hidden, threshold)] == pytest.approx([1e-4, 1e-3, 1e-2])
     g = tiny_model.gate
     # the projections of the hidden state (192 inputs each): the gate's, the copy head's, the
     # extend and lines heads'
@@ -539,18 +536,19 @@ def test_make_optimizer_gives_the_gate_its_own_learning_rate(tiny_model: GPT) ->
         g.copy.bias,
         g.person,
         g.copy.person,
+        g.extend.bias,
+        g.extend.person,
+        g.lines.bias,
+        g.lines.person,
     )
     assert {id(p) for p in threshold["params"]} == {id(p) for p in heads}
-    # how far to suggest: the extend and lines heads' bias and person weights
-    reach_heads = (g.extend.bias, g.extend.person, g.lines.bias, g.lines.person)
-    assert {id(p) for p in reach["params"]} == {id(p) for p in reach_heads}
     gate_ids = {id(p) for p in g.parameters()}
     assert not gate_ids & {id(p) for p in lm["params"]}
     n = sum(1 for _ in tiny_model.parameters())
     assert len(lm["params"]) + 14 == n
     gate_cfg = dataclasses.replace(cfg, train_gate_only=True)
     groups = make_optimizer(tiny_model, gate_cfg).param_groups
-    assert len(groups) == 3 and {id(p) for gr in groups for p in gr["params"]} == gate_ids
+    assert len(groups) == 2 and {id(p) for gr in groups for p in gr["params"]} == gate_ids
 
 
 def test_carry_state_continues_adam_on_a_copy(
@@ -570,7 +568,7 @@ def test_carry_state_continues_adam_on_a_copy(
     slower = dataclasses.replace(cfg, learning_rate=1e-5)
     second = make_optimizer(nxt, slower)
     carry_state(second, state)
-    assert [g["lr"] for g in second.param_groups] == pytest.approx([1e-5, 1e-4, 1e-3, 1e-3])
+    assert [g["lr"] for g in second.param_groups] == pytest.approx([1e-5, 1e-4, 1e-3])
     p = dict(nxt.named_parameters())["h.0.ln_1.weight"]  # the embeddings stay as they are
     moved = second.state[p]
     assert float(moved["step"]) == 1.0
@@ -583,7 +581,7 @@ def test_carry_state_continues_adam_on_a_copy(
     carry_state(fresh, None)
     assert not fresh.state
     gate_only = make_optimizer(nxt, dataclasses.replace(cfg, train_gate_only=True))
-    carry_state(gate_only, state)  # 3 groups against 4: not loaded
+    carry_state(gate_only, state)  # 2 groups against 3: not loaded
     assert not gate_only.state
 
 

@@ -12,9 +12,6 @@ class UpdateConfig:
     learning_rate: float = 1e-4  # AdamW's (make_optimizer); about the end of pretraining's cosine
     gate_lr_mult: float = 100.0  # the gate's bias and confidence weights: lr x this
     gate_hidden_lr_mult: float = 10.0  # the gate's hidden-state projection (192 inputs): lr x this
-    # how far to suggest (the extend and lines heads' bias and person weights): lr x gate_lr_mult
-    # x this; a decision drawn about a tenth as often as the gate's, so that it moves in minutes
-    reach_lr_mult: float = 1.0
     clip_eps: float = 0.2  # PPO clip: ratios outside [1 - eps, 1 + eps] stop pushing
     kl_coef: float = 0.05  # weight of the KL toward the reference (pretrained) policy
     entropy_coef: float = 0.0  # weight of the entropy bonus (0: off; try <= 0.01)

@@ -32,30 +32,22 @@ HIDDEN_PROJECTIONS = (
 )
 
 
-# the heads of how far to suggest (the extend and lines heads): their own learning rate
-REACH_HEADS = ("gate.extend.", "gate.lines.")
-
-
 def make_optimizer(model: GPT, cfg: UpdateConfig) -> torch.optim.AdamW:
-    """AdamW, no weight decay (the KL term is the regulariser), four groups: the language model
-    at cfg.learning_rate; the heads' hidden-state projections at gate_hidden_lr_mult times that;
-    the heads' other weights and biases at gate_lr_mult times that, and those of how far to
-    suggest (REACH_HEADS) at reach_lr_mult times more (with train_gate_only, the heads alone).
-    Why: the gate is a logistic head whose threshold has to move by whole logits (p(show) 0.5 ->
-    0.9 is a bias shift of 2.2: 20,000 Adam steps at 1e-4), while one step on a 192-wide
-    projection moves the logit by up to ~192 x its rate, so that part gets less. The PPO clip
-    still bounds how far one batch moves each decision. Keep the state across batches
-    (`carry_state`): a fresh Adam's first step moves every parameter by the full learning rate
-    whatever its gradient, i.e. sign-SGD."""
+    """AdamW, no weight decay (the KL term is the regulariser), three groups: the language model
+    at cfg.learning_rate; the gate's and the copy head's hidden-state projections at
+    gate_hidden_lr_mult times that; the heads' other weights and biases at gate_lr_mult times
+    that (with train_gate_only, the gate alone). Why: the gate is a logistic head whose
+    threshold has to move by whole logits (p(show) 0.5 -> 0.9 is a bias shift of 2.2: 20,000
+    Adam steps at 1e-4), while one step on a 192-wide projection moves the logit by up to ~192
+    x its rate, so that part gets less. The PPO clip still bounds how far one batch moves each
+    decision. Keep the state across batches (`carry_state`): a fresh Adam's first step moves
+    every parameter by the full learning rate whatever its gradient, i.e. sign-SGD."""
     named = list(model.named_parameters())
     hidden = [p for n, p in named if n in HIDDEN_PROJECTIONS]
-    heads = [(n, p) for n, p in named if n.startswith("gate.") and n not in HIDDEN_PROJECTIONS]
-    threshold = [p for n, p in heads if not n.startswith(REACH_HEADS)]
-    reach = [p for n, p in heads if n.startswith(REACH_HEADS)]
+    threshold = [p for n, p in named if n.startswith("gate.") and n not in HIDDEN_PROJECTIONS]
     groups = [
         {"params": hidden, "lr": cfg.learning_rate * cfg.gate_hidden_lr_mult},
         {"params": threshold, "lr": cfg.learning_rate * cfg.gate_lr_mult},
-        {"params": reach, "lr": cfg.learning_rate * cfg.gate_lr_mult * cfg.reach_lr_mult},
     ]
     if not cfg.train_gate_only:
         lm = [p for n, p in named if not n.startswith("gate.")]
