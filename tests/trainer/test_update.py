@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -645,6 +646,44 @@ def test_synthetic_learning_gate_follows_the_reward(
     assert final_b > 0.8, f"p(show) on B {final_b:.3f} after {len(history)} updates: {history}"
 
 
+def _learn_apart(
+    model: GPT,
+    tokenizer: CodeTokenizer,
+    proposal: Proposal,
+    drawn: Callable[[Completion], tuple[bool, float]],
+    reward: Callable[[Completion, str], float],
+) -> tuple[float, float, list[tuple[float, float]]]:
+    """Up to 60 on-policy updates on FAMILY_A and FAMILY_B with the same `proposal`; `drawn`
+    gives a rollout's decision and its logged log-prob. The mean probability of taking the
+    decision on A and on B (fresh samples), and the history along the way."""
+    ref = copy.deepcopy(model)
+    cfg = UpdateConfig(learning_rate=3e-3, gate_lr_mult=1.0, gate_hidden_lr_mult=1.0)
+    optimizer = make_optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(0)
+
+    def rollouts(prompts: list[str], n: int) -> list[Completion]:
+        return [
+            complete(model, tokenizer, p, "", 6, 1.0, None, gen, None, proposal=proposal)
+            for p in prompts
+            for _ in range(n)
+        ]
+
+    def p_yes(comps: list[Completion]) -> float:
+        p = [(yes, math.exp(lp)) for yes, lp in map(drawn, comps)]
+        return sum(q if yes else 1.0 - q for yes, q in p) / len(p)
+
+    history = []
+    for _ in range(60):
+        a, b = rollouts(FAMILY_A, 4), rollouts(FAMILY_B, 4)
+        history.append((p_yes(a), p_yes(b)))
+        if history[-1][0] < 0.1 and history[-1][1] > 0.9:
+            break
+        rewards = [reward(c, "A") for c in a] + [reward(c, "B") for c in b]
+        update(UpdateInputs(model, ref, tokenizer, _batch(a + b, rewards), optimizer, cfg))
+    assert history[0] == pytest.approx((0.5, 0.5), abs=1e-6)
+    return p_yes(rollouts(FAMILY_A, 8)), p_yes(rollouts(FAMILY_B, 8)), history
+
+
 def test_synthetic_learning_copy_follows_the_context(
     tiny_model: GPT, tiny_tokenizer: CodeTokenizer
 ) -> None:
@@ -657,36 +696,14 @@ def test_synthetic_learning_copy_follows_the_context(
     with torch.no_grad():
         tiny_model.gate.copy.weight.zero_()
         tiny_model.gate.copy.bias.zero_()
-    ref = copy.deepcopy(tiny_model)
-    cfg = UpdateConfig(learning_rate=3e-3, gate_lr_mult=1.0, gate_hidden_lr_mult=1.0)
-    optimizer = make_optimizer(tiny_model, cfg)
-    gen = torch.Generator().manual_seed(0)
-    proposal = Proposal("value + offset", "memory", 24, 3, 3)
 
-    def rollouts(prompts: list[str], n: int) -> list[Completion]:
-        return [
-            complete(tiny_model, tiny_tokenizer, p, "", 6, 1.0, None, gen, None, proposal=proposal)
-            for p in prompts
-            for _ in range(n)
-        ]
+    def copied(c: Completion) -> tuple[bool, float]:
+        assert c.recall is not None
+        return c.copied, float(c.recall["logprob"])
 
-    def p_copy(comps: list[Completion]) -> float:
-        assert all(c.recall for c in comps)
-        p = [math.exp(c.recall["logprob"]) for c in comps]  # type: ignore[index]
-        return sum(q if c.copied else 1.0 - q for q, c in zip(p, comps, strict=True)) / len(p)
-
-    history = []
-    for _ in range(60):
-        a, b = rollouts(FAMILY_A, 4), rollouts(FAMILY_B, 4)
-        history.append((p_copy(a), p_copy(b)))
-        if history[-1][0] < 0.1 and history[-1][1] > 0.9:
-            break
-        rewards = [_reward(c, "A") for c in a] + [_reward(c, "B") for c in b]
-        update(
-            UpdateInputs(tiny_model, ref, tiny_tokenizer, _batch(a + b, rewards), optimizer, cfg)
-        )
-    assert history[0] == pytest.approx((0.5, 0.5), abs=1e-6)
-    final_a, final_b = p_copy(rollouts(FAMILY_A, 8)), p_copy(rollouts(FAMILY_B, 8))
+    final_a, final_b, history = _learn_apart(
+        tiny_model, tiny_tokenizer, Proposal("value + offset", "memory", 24, 3, 3), copied, _reward
+    )
     assert final_a < 0.2, f"p(copy) on A {final_a:.3f} after {len(history)} updates: {history}"
     assert final_b > 0.8, f"p(copy) on B {final_b:.3f} after {len(history)} updates: {history}"
     # the evidence's weights cannot have done it: both families' evidence is the same
@@ -706,47 +723,21 @@ def test_synthetic_learning_more_lines_follow_the_context(
         tiny_model.gate.copy.weight.zero_()
         tiny_model.gate.copy.bias.fill_(30.0)  # always copied
         tiny_model.gate.lines.bias.zero_()
-    ref = copy.deepcopy(tiny_model)
-    cfg = UpdateConfig(learning_rate=3e-3, gate_lr_mult=1.0, gate_hidden_lr_mult=1.0)
-    optimizer = make_optimizer(tiny_model, cfg)
-    gen = torch.Generator().manual_seed(0)
     proposal = Proposal("value + offset", "memory", 24, 3, 3, "    return value\n    pass")
 
-    def rollouts(prompts: list[str], n: int) -> list[Completion]:
-        return [
-            complete(tiny_model, tiny_tokenizer, p, "", 6, 1.0, None, gen, None, proposal=proposal)
-            for p in prompts
-            for _ in range(n)
-        ]
-
-    def more(c: Completion) -> bool:
+    def more(c: Completion) -> tuple[bool, float]:
         assert c.recall is not None and "lines" in c.recall
-        return bool(c.recall["lines"]["more"])
-
-    def p_more(comps: list[Completion]) -> float:
-        p = [math.exp(c.recall["lines"]["logprob"]) for c in comps]  # type: ignore[index]
-        return sum(q if more(c) else 1.0 - q for q, c in zip(p, comps, strict=True)) / len(p)
+        assert c.text == (proposal.longer if c.recall["lines"]["more"] else proposal.text)
+        return bool(c.recall["lines"]["more"]), float(c.recall["lines"]["logprob"])
 
     def reward(c: Completion, family: str) -> float:
-        if not more(c):
+        if not more(c)[0]:
             return 0.2
         return -1.0 if family == "A" else 1.0
 
-    history = []
-    for _ in range(60):
-        a, b = rollouts(FAMILY_A, 4), rollouts(FAMILY_B, 4)
-        history.append((p_more(a), p_more(b)))
-        if history[-1][0] < 0.1 and history[-1][1] > 0.9:
-            break
-        rewards = [reward(c, "A") for c in a] + [reward(c, "B") for c in b]
-        update(
-            UpdateInputs(tiny_model, ref, tiny_tokenizer, _batch(a + b, rewards), optimizer, cfg)
-        )
-    assert history[0] == pytest.approx((0.5, 0.5), abs=1e-6)
-    final_a, final_b = p_more(rollouts(FAMILY_A, 8)), p_more(rollouts(FAMILY_B, 8))
+    final_a, final_b, history = _learn_apart(tiny_model, tiny_tokenizer, proposal, more, reward)
     assert final_a < 0.2, f"p(more) on A {final_a:.3f} after {len(history)} updates: {history}"
     assert final_b > 0.8, f"p(more) on B {final_b:.3f} after {len(history)} updates: {history}"
-    assert all(c.text == proposal.longer for c in rollouts(FAMILY_B, 2) if more(c))
 
 
 def test_gate_passes_move_the_gate_further_and_leave_the_language_model_alone(

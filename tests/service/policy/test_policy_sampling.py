@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from tabloop.core.person import PERSON_INPUTS, History, PersonContext, moment_of
 from tabloop.core.policy.actions import Completion, constraint_steps, sampling_logprobs
-from tabloop.core.policy.model import GPT, KVCache, RaggedKVCache
+from tabloop.core.policy.model import GPT, ExtendHead, KVCache, RaggedKVCache
 from tabloop.core.policy.sampling import Prompt, complete, complete_batch
 from tabloop.core.policy.scoring import action_logprob, batch_action_logprobs, score_actions
 from tabloop.core.policy.tokenizer import CodeTokenizer
@@ -512,6 +513,32 @@ def test_a_person_known_as_nothing_decides_as_without_one(
         assert a.logprob_total == pytest.approx(b.logprob_total, abs=1e-6)
 
 
+def _randomise(head: ExtendHead) -> None:
+    """A how-far head at even odds, with random weights on what it reads."""
+    with torch.no_grad():
+        head.bias.fill_(0.0)
+        head.hidden.normal_(0.0, 0.5)
+        head.person.normal_(0.0, 1.0)
+
+
+def _people_prompts(
+    small_code: list[str], seed: int, proposal: Callable[[int], Proposal | None]
+) -> list[Prompt]:
+    """48 prompts, two in three with a person (_histories), the i-th with proposal(i)."""
+    histories = _histories()
+    return [
+        Prompt(
+            prefix,
+            "",
+            16,
+            torch.Generator().manual_seed(i),
+            proposal(i),
+            PersonContext(histories[i % 4], moment_of(prefix, "")) if i % 3 else None,
+        )
+        for i, prefix in enumerate(_prompts(small_code, 48, seed=seed))
+    ]
+
+
 def test_going_on_past_the_stop_is_a_drawn_decision_and_recomputes_exactly(
     tiny_model: GPT, tiny_tokenizer: CodeTokenizer, small_code: list[str]
 ) -> None:
@@ -520,21 +547,8 @@ def test_going_on_past_the_stop_is_a_drawn_decision_and_recomputes_exactly(
     person inputs, every draw's log-prob is recomputed exactly from the logged rollout, and the
     rows that went on kept a token below the bar at the logged position."""
     _set_gate(tiny_model, 0.0)
-    with torch.no_grad():
-        tiny_model.gate.extend.bias.fill_(0.0)
-        tiny_model.gate.extend.hidden.normal_(0.0, 0.5)
-        tiny_model.gate.extend.person.normal_(0.0, 1.0)
-    histories = _histories()
-    prompts = [
-        Prompt(
-            prefix,
-            "",
-            16,
-            torch.Generator().manual_seed(i),
-            person=PersonContext(histories[i % 4], moment_of(prefix, "")) if i % 3 else None,
-        )
-        for i, prefix in enumerate(_prompts(small_code, 48, seed=23))
-    ]
+    _randomise(tiny_model.gate.extend)
+    prompts = _people_prompts(small_code, 23, lambda i: None)
     bar = -2.0
     comps = complete_batch(tiny_model, tiny_tokenizer, prompts, 1.0, 0.95, stop_logprob=bar)
     drawn = [c for c in comps if c.extend is not None]
@@ -577,21 +591,12 @@ def test_a_copys_next_lines_are_a_drawn_decision_and_recompute_exactly(
     _set_gate(tiny_model, 0.0)
     with torch.no_grad():
         tiny_model.gate.copy.bias.fill_(0.0)
-        tiny_model.gate.lines.bias.fill_(0.0)
-        tiny_model.gate.lines.hidden.normal_(0.0, 0.5)
-        tiny_model.gate.lines.person.normal_(0.0, 1.0)
-    histories = _histories()
-    prompts = [
-        Prompt(
-            prefix,
-            "",
-            16,
-            torch.Generator().manual_seed(i),
-            Proposal("x = 1", "prefix", 20, 2, 2, "y = 2\nz = 3" if i % 2 else ""),
-            PersonContext(histories[i % 4], moment_of(prefix, "")) if i % 3 else None,
-        )
-        for i, prefix in enumerate(_prompts(small_code, 48, seed=29))
-    ]
+    _randomise(tiny_model.gate.lines)
+    prompts = _people_prompts(
+        small_code,
+        29,
+        lambda i: Proposal("x = 1", "prefix", 20, 2, 2, "y = 2\nz = 3" if i % 2 else ""),
+    )
     comps = complete_batch(tiny_model, tiny_tokenizer, prompts, 1.0, 0.95)
     copied = [(p, c) for p, c in zip(prompts, comps, strict=True) if c.copied]
     assert copied and len(copied) < len(comps)
