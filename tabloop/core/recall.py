@@ -128,14 +128,19 @@ def _common_prefix(a: bytes, b: bytes) -> int:
 
 def _continuation(text: bytes, start: int) -> bytes:
     """The bytes from `start` to the end of their line (or document), then up to MORE_LINES
-    whole lines after it, each after its b"\n", up to a blank line: a line the document, or the
-    bytes looked at, end in is not whole (a person's own file as sent ends at their cursor)."""
-    window = min(len(text), start + MORE_BYTES)
-    doc = text.find(SEPARATOR, start, window)
+    whole lines after it (within MORE_BYTES), each after its b"\n", up to a blank line: a line
+    the document, or the bytes looked at, end in is not whole (a person's own file as sent ends
+    at their cursor)."""
+    end = len(text)
+    for stop in END:
+        j = text.find(bytes([stop]), start, end)
+        if j >= 0:
+            end = j
+    if text[end : end + 1] != b"\n":
+        return text[start:end]
+    window = min(len(text), end + MORE_BYTES)
+    doc = text.find(SEPARATOR, end, window)
     doc_end = window if doc < 0 else doc
-    end = text.find(b"\n", start, doc_end)
-    if end < 0:
-        return text[start:doc_end]
     for _ in range(MORE_LINES):
         nxt = text.find(b"\n", end + 1, doc_end)
         if nxt < 0 or not text[end + 1 : nxt].strip():
