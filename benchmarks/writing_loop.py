@@ -33,8 +33,11 @@ LOOP = (
     ("accept_rate_of_shown", "accept rate of shown", "{:.3f}"),
     ("not_taken_per_request", "not taken / req", "{:.3f}"),
 )
+# kept characters in expectation over the people's own coin flips (simulator/report.py)
+EXPECTED = ("expected_kept_per_100", "expected kept / 100 req", "{:.1f}")
 COLUMNS = (
     *LOOP,
+    EXPECTED,
     ("useful_chars_per_100", "useful chars / 100 req", "{:.1f}"),
     ("whole_line_rate", "whole rest of line", "{:.1%}"),
     ("exact_of_shown", "exact of shown", "{:.3f}"),
@@ -45,6 +48,7 @@ COLUMNS = (
 )
 CHANGES = (
     *(key for key, _, _ in LOOP),
+    "expected_kept_per_100",
     "useful_chars_per_100",
     "exact_of_shown",
     "wrong_shown_per_request",
@@ -72,6 +76,7 @@ def last_third(report: dict[str, Any]) -> dict[str, Any]:
     return {
         "kept_chars_per_100": last.get("retained_chars_per_100"),
         "not_taken_per_request": derived["not_taken_per_request"],
+        EXPECTED[0]: None,  # a report written before it was measured
         **last,
     }
 
@@ -120,7 +125,7 @@ def print_loop(arm: str, rows: list[tuple[int, dict[str, Any], dict[str, Any]]])
     print("|" + "---|" * 5)
     ratios: dict[str, list[float]] = defaultdict(list)
     for seed, last, base in rows:
-        for key, title, form in LOOP:
+        for key, title, form in (*LOOP, EXPECTED):
             r = ratio(last[key], base[key])
             if r is not None:
                 ratios[title].append(r)

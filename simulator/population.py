@@ -330,6 +330,9 @@ class Decision:
     accepted_chars: int = 0  # how much of the suggestion was taken (0 unless accepted)
     retained_fraction: float = 0.0  # of the accepted text, what matches the real line
     looked: bool = True  # False: typed through unread (telemetry people, simulator.telemetry)
+    # the characters the person keeps of it in expectation over their own draws (accept, how
+    # much, later edits), the rest as it was: retained_chars without the coin flips' noise
+    expected_kept: float = 0.0
 
 
 def decide(
@@ -356,10 +359,13 @@ def decide(
     )
     accept = rng.random() < p_accept
     explicit = rng.random() < person.explicit_reject
+    expected = p_accept * expected_taken(person, verdict, text, truth)
     if not accept:
-        return Decision(verdict, "reject" if explicit else "ignore", delay)
+        return Decision(verdict, "reject" if explicit else "ignore", delay, expected_kept=expected)
     chars = taken_chars(person, verdict, text, truth, rng)
-    return Decision(verdict, "accept", delay, chars, matched_fraction(text[:chars], truth))
+    return Decision(
+        verdict, "accept", delay, chars, matched_fraction(text[:chars], truth), True, expected
+    )
 
 
 def taken_chars(
@@ -372,6 +378,20 @@ def taken_chars(
         if lead > 0:
             return lead
     return len(text)
+
+
+def expected_taken(person: PersonParams, verdict: Verdict, text: str, truth: str) -> float:
+    """E[taken chars x the share of them that match `truth`] of an accept, over the partial
+    draw of taken_chars: what an accept keeps, before any later edit."""
+
+    def kept(chars: int) -> float:
+        return chars * matched_fraction(text[:chars], truth)
+
+    whole = kept(len(text))
+    lead = common_prefix_len(text, truth)
+    if verdict != "close" or lead == 0:
+        return whole
+    return person.partial_accept * kept(lead) + (1.0 - person.partial_accept) * whole
 
 
 # --- switching and leaving -----------------------------------------------------------------

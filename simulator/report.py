@@ -10,6 +10,9 @@ report.json (written by `tabloop simulate`; keys are stable, new ones are only a
   the fraction still there at the last retention check, per 100 requests (the loop's measure;
   `retained_chars_per_100` is the same figure under its older name), then
   `accept_rate_of_shown` and `not_taken_per_request` (shown but not accepted, per request).
+  `expected_kept_per_100` is kept_chars_per_100 in expectation over each person's own draws
+  (whether they accept, how much they take, later edits) given what was shown where: the same
+  measure without the noise of those coin flips.
 - `totals`: `metrics` of every request, the simulator's counters (people, switches, churns,
   errors = completion requests with no answer, settled = code_settled events sent,
   settled_people = people who opted in), `events` (the sender's queued, sent, accepted,
@@ -99,6 +102,8 @@ class RequestRecord:
     line_no: int = -1  # the cursor's line in it, 0-based
     adversary: str | None = None  # the adversary's kind (simulator.population); None: honest
     shown_lines: int = 0  # lines of the shown suggestion (0 when abstained)
+    # retained_chars in expectation over the person's own draws (Decision.expected_kept)
+    expected_kept: float = 0.0
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -122,6 +127,7 @@ def metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
         **loop_rates(n, len(shown), len(accepted), kept_chars(accepted)),
         "shown_per_request": _ratio(len(shown), n),
         "retained_chars_per_100": _ratio(100 * kept_chars(accepted), n),  # kept_chars_per_100
+        "expected_kept_per_100": _ratio(100 * sum(r.expected_kept for r in shown), n),
         "useful_chars_per_100": _ratio(100 * sum(r.useful_chars for r in records), n),
         "whole_line_rate": _ratio(sum(r.whole_line for r in records), n),
         "exact_of_shown": _ratio(sum(r.whole_line for r in shown), len(shown)),

@@ -430,6 +430,7 @@ class Simulation:
                 useful_chars=useful,
                 whole_line=whole,
                 shown_lines=text.count("\n") + 1 if decision is not None else 0,
+                expected_kept=decision.expected_kept if decision is not None else 0.0,
             )
         )
 

@@ -73,6 +73,7 @@ from simulator.population import (
     PopulationConfig,
     Verdict,
     draw_params,
+    expected_taken,
     in_reject_family,
     judge,
     line_before_cursor,
@@ -296,8 +297,11 @@ def decide_telemetry(
         follows=follows,
         after_accept=after_accept,
     )
+    edited = habits.edit_later * habits.kept_when_edited + 1.0 - habits.edit_later
+    expected = p_accept * edited * expected_taken(person, verdict, text, truth)
     if u_accept >= p_accept:
-        return Decision(verdict, "reject" if explicit else "ignore", delay)
+        return Decision(verdict, "reject" if explicit else "ignore", delay, expected_kept=expected)
     chars = taken_chars(person, verdict, text, truth, rng)
     kept = habits.kept_when_edited if u_edit < habits.edit_later else 1.0
-    return Decision(verdict, "accept", delay, chars, kept * matched_fraction(text[:chars], truth))
+    retained = kept * matched_fraction(text[:chars], truth)
+    return Decision(verdict, "accept", delay, chars, retained, True, expected)
