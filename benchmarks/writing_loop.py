@@ -24,7 +24,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from simulator.report import loop_rates
+from simulator.report import (
+    RequestRecord,
+    loop_rates,
+    metrics,
+    same_cursors,
+    split_by_time,
+)
 
 PAUSED = "paused"
 # the loop's measure, then how it was reached: (report key, column title, format)
@@ -59,12 +65,12 @@ CHANGES = (
 Run = tuple[str, int, dict[str, Any]]  # (arm, seed, its last third: `last_third`)
 
 
-def load(arg: str) -> tuple[str, int, dict[str, Any]]:
+def load(arg: str) -> tuple[str, int, Path, dict[str, Any]]:
     arm, sep, path = arg.partition("=")
     if not sep or not arm or not path:
         raise SystemExit(f"{arg!r}: expected ARM=RUN_DIR")
     report = json.loads((Path(path) / "report.json").read_text())
-    return arm, int(report["config"]["seed"]), report
+    return arm, int(report["config"]["seed"]), Path(path), report
 
 
 def last_third(report: dict[str, Any]) -> dict[str, Any]:
@@ -79,6 +85,50 @@ def last_third(report: dict[str, Any]) -> dict[str, Any]:
         EXPECTED[0]: None,  # a report written before it was measured
         **last,
     }
+
+
+def last_third_records(run: Path, report: dict[str, Any]) -> list[RequestRecord]:
+    """The requests of the run's last third, from its records.jsonl (as report.json `thirds`)."""
+    fields = set(RequestRecord.__dataclass_fields__)
+    with (run / "records.jsonl").open() as f:
+        records = [
+            RequestRecord(**{k: v for k, v in json.loads(line).items() if k in fields})
+            for line in f
+        ]
+    duration = float(report["config"]["duration_s"])
+    return split_by_time(records, duration / 3, duration)[-1][2]
+
+
+def print_same_cursors(runs: list[tuple[str, int, Path, dict[str, Any]]]) -> None:
+    """Every arm but `paused` against its seed's (first) paused run on the cursors both asked at
+    in their last thirds: the same people's same lines, whatever else either reached."""
+    runs = [r for r in runs if (r[2] / "records.jsonl").exists()]  # older runs: report only
+    paused = {seed: (path, report) for arm, seed, path, report in reversed(runs) if arm == PAUSED}
+    rows = []
+    for arm, seed, path, report in runs:
+        if arm == PAUSED or seed not in paused:
+            continue
+        base_records, records = same_cursors(
+            last_third_records(*paused[seed]), last_third_records(path, report)
+        )
+        rows.append((arm, seed, len(records), metrics(base_records), metrics(records)))
+    if not rows:
+        return
+    print("\non the same cursors (those both runs of a seed asked at in their last thirds):\n")
+    print("| seed | arm | cursors | " + " | ".join(t for _, t, _ in (*LOOP, EXPECTED)) + " |")
+    print("|" + "---|" * (4 + len(LOOP)))
+    changes: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for arm, seed, n, base, mine in rows:
+        cells = []
+        for key, title, form in (*LOOP, EXPECTED):
+            r = ratio(mine[key], base[key])
+            cells.append(f"{cell(base[key], form)} → {cell(mine[key], form)}")
+            if r is not None:
+                changes[(arm, title)].append(r - 1)
+        print(f"| {seed} | {arm} | {n} | " + " | ".join(cells) + " |")
+    for (arm, title), values in changes.items():
+        each = ", ".join(f"{v:+.0%}" for v in values)
+        print(f"- {arm}, {title}: {each} (mean {statistics.mean(values):+.0%})")
 
 
 def deploys(report: dict[str, Any]) -> str:
@@ -140,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", metavar="ARM=RUN", help="a run's arm and its directory")
     p.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     args = p.parse_args(argv)
-    runs = sorted((load(a) for a in args.runs), key=lambda r: (r[1], r[0] != PAUSED, r[0]))
+    loaded = sorted((load(a) for a in args.runs), key=lambda r: (r[1], r[0] != PAUSED, r[0]))
+    runs = [(arm, seed, report) for arm, seed, _, report in loaded]
 
     header = [
         "seed",
@@ -164,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             each = ", ".join(f"{v:+.0%}" for v in values)
             mean_change = f"mean {statistics.mean(values):+.0%}" if values else "no ratio"
             print(f"  {key}: {each} ({mean_change})")
+    print_same_cursors(loaded)
     if args.plot:
         draw(runs, args.plot)
         print(f"\nplot: {args.plot}")
@@ -180,9 +232,9 @@ def draw(runs: list[tuple[str, int, dict[str, Any]]], path: Path) -> None:
     arms = sorted({arm for arm, _, _ in runs}, key=lambda a: (a != PAUSED, a))
     panels = (
         ("kept_chars_per_100", "kept chars / 100 requests"),
+        ("expected_kept_per_100", "expected kept / 100 requests"),
         ("useful_chars_per_100", "useful chars / 100 requests"),
-        ("exact_of_shown", "exact of shown"),
-        ("wrong_shown_per_request", "wrong shown / request"),
+        ("not_taken_per_request", "not taken / request"),
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.8))
     colors = {arm: f"C{i}" for i, arm in enumerate(arms)}

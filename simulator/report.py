@@ -330,6 +330,19 @@ def thirds(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any
     return {"first": metrics(windows[0]), "last": metrics(windows[-1])}
 
 
+def same_cursors(
+    a: Sequence[RequestRecord], b: Sequence[RequestRecord]
+) -> tuple[list[RequestRecord], list[RequestRecord]]:
+    """The requests of `a` and of `b` at the cursors (file and line) both asked at: two runs of
+    one seed compared on the same cursors, whatever else either reached in its time."""
+    both = {_cursor(r) for r in a} & {_cursor(r) for r in b}
+    return [r for r in a if _cursor(r) in both], [r for r in b if _cursor(r) in both]
+
+
+def _cursor(r: RequestRecord) -> tuple[str, int]:
+    return r.path, r.line_no
+
+
 def _rates(n: float, shown: float, accepted: float, retained: float) -> dict[str, float | None]:
     """The three rates the targets read, from counts of requests, shown, accepted and the
     retained characters of the accepted ones (metrics and change_intervals)."""

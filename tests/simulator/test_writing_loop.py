@@ -64,7 +64,7 @@ def test_each_arm_against_its_seeds_paused_runs(
     assert out.splitlines()[0].startswith(
         "| seed | arm | kept chars / 100 req | accept rate of shown | not taken / req |"
     )
-    assert "| 0 | learning | 60.0 | 0.750 | 0.150 | 121.0 | 20.0% |" in out
+    assert "| 0 | learning | 60.0 | 0.750 | 0.150 | – | 121.0 | 20.0% |" in out  # no expected
     assert "| 5 (3, 1) |" in out
     # the loop's figures beside the paused mean (seed 0: 40 and 60 -> 50), with the ratio
     assert "| 0 | kept chars / 100 req | 60.0 | 50.0 | 1.20 |" in out
@@ -78,6 +78,58 @@ def test_each_arm_against_its_seeds_paused_runs(
     assert "wrong_shown_per_request: -50%, +0% (mean -25%)" in out
     assert out.index("kept_chars_per_100:") < out.index("useful_chars_per_100:")
     assert (tmp_path / "loop.png").stat().st_size > 0
+    assert "on the same cursors" not in out  # no records.jsonl: the reports alone
+
+
+def record(t: float, line_no: int, shown: bool = True, kept: float = 0.0) -> dict[str, Any]:
+    """A records.jsonl row: a request at line `line_no` of one file, `kept` characters kept
+    (accepted when above 0) and expected."""
+    return {
+        "t": t,
+        "user_id": "u",
+        "version": 1,
+        "shown": shown,
+        "family": False,
+        "shown_chars": 10 if shown else 0,
+        "verdict": "correct" if shown else None,
+        "action": ("accept" if kept else "ignore") if shown else "abstained",
+        "accepted_chars": int(kept),
+        "retained_chars": kept,
+        "reward": 0.0,
+        "latency_ms": 10.0,
+        "path": "a.py",
+        "line_no": line_no,
+        "expected_kept": kept / 2,
+        "some_later_field": 1,  # read past: fields a later simulator adds
+    }
+
+
+def test_same_cursors_compare_the_lines_both_runs_asked_at(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the cursors both runs asked at in their last thirds (here lines 10-13 of 90 s runs:
+    the paused run's last third also has line 9, the learning run's line 14, and line 1 is in
+    both runs' first thirds)."""
+    paused = [record(1.0, 1, kept=100.0), record(61.0, 9, kept=50.0)]
+    paused += [record(62.0 + i, 10 + i, kept=10.0 * (i == 0)) for i in range(4)]
+    learning = [record(1.0, 1)] + [record(70.0 + i, 10 + i, kept=20.0) for i in range(4)]
+    learning += [record(75.0, 14, kept=100.0)]
+    runs = []
+    for arm, rows in (("paused", paused), ("learning", learning)):
+        path = Path(write_run(tmp_path, arm, 0, third(100.0, 0.2)))
+        report = json.loads((path / "report.json").read_text())
+        report["config"]["duration_s"] = 90.0
+        (path / "report.json").write_text(json.dumps(report))
+        (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(f"{arm}={path}")
+    assert main(runs) == 0
+    out = capsys.readouterr().out
+    # paused: 10 kept of 4 requests, 1 accept of 4 shown; learning: 80 kept, all 4 accepted
+    assert (
+        "| 0 | learning | 4 | 250.0 → 2000.0 | 0.250 → 1.000 | 0.750 → 0.000 | 125.0 → 1000.0 |"
+        in out
+    )
+    assert "- learning, kept chars / 100 req: +700% (mean +700%)" in out
 
 
 def test_a_report_before_the_loops_keys_gives_them_from_its_figures() -> None:
