@@ -90,16 +90,16 @@ def last_third(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def last_third_records(run: Path, report: dict[str, Any]) -> list[RequestRecord]:
-    """The requests of the run's last third, from its records.jsonl (as report.json `thirds`)."""
+def last_third_records(run: Path, report: dict[str, Any]) -> tuple[list[RequestRecord], bool]:
+    """The requests of the run's last third, from its records.jsonl (as report.json `thirds`),
+    and whether they hold their expected kept characters (records written before do not)."""
     fields = set(RequestRecord.__dataclass_fields__)
     with (run / "records.jsonl").open() as f:
-        records = [
-            RequestRecord(**{k: v for k, v in json.loads(line).items() if k in fields})
-            for line in f
-        ]
+        rows = [json.loads(line) for line in f]
+    records = [RequestRecord(**{k: v for k, v in r.items() if k in fields}) for r in rows]
     duration = float(report["config"]["duration_s"])
-    return split_by_time(records, duration / 3, duration)[-1][2]
+    expected = all("expected_kept" in r for r in rows)
+    return split_by_time(records, duration / 3, duration)[-1][2], expected
 
 
 def print_same_cursors(runs: list[tuple[str, int, Path, dict[str, Any]]]) -> None:
@@ -111,10 +111,15 @@ def print_same_cursors(runs: list[tuple[str, int, Path, dict[str, Any]]]) -> Non
     for arm, seed, path, report in runs:
         if arm == PAUSED or seed not in paused:
             continue
-        base_records, records = same_cursors(
-            last_third_records(*paused[seed]), last_third_records(path, report)
+        (base_all, base_expected), (mine_all, expected) = (
+            last_third_records(*paused[seed]),
+            last_third_records(path, report),
         )
-        rows.append((arm, seed, len(records), metrics(base_records), metrics(records)))
+        base_records, records = same_cursors(base_all, mine_all)
+        base, mine = metrics(base_records), metrics(records)
+        if not (base_expected and expected):
+            base[EXPECTED[0]] = mine[EXPECTED[0]] = None
+        rows.append((arm, seed, len(records), base, mine))
     if not rows:
         return
     print("\non the same cursors (those both runs of a seed asked at in their last thirds):\n")

@@ -130,6 +130,16 @@ def test_same_cursors_compare_the_lines_both_runs_asked_at(
         in out
     )
     assert "- learning, kept chars / 100 req: +700% (mean +700%)" in out
+    # records written before the expected kept characters: none shown
+    for r in learning:
+        del r["expected_kept"]
+    (tmp_path / "learning" / "records.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in learning)
+    )
+    assert main(runs) == 0
+    assert "| 0 | learning | 4 | 250.0 → 2000.0 | 0.250 → 1.000 | 0.750 → 0.000 | – → – |" in (
+        capsys.readouterr().out
+    )
 
 
 def test_a_report_before_the_loops_keys_gives_them_from_its_figures() -> None:
