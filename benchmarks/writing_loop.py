@@ -7,8 +7,9 @@ An arm is a label of your choosing (`paused` for the runs with the trainer pause
 policy serving); RUN is a run's directory (with report.json). Per run, from the last third of
 its requests (report.json `thirds`, computed from its records): kept chars per 100 requests
 (characters accepted x the fraction retained: the loop's measure), the accept rate of shown and
-shown-but-not-taken per request, then the expected kept and useful chars per 100 requests, whole rest of line, exact
-of shown, shown and wrong shown per request, and the gated deploys (promoted, rolled back).
+shown-but-not-taken per request, then the expected kept and useful chars per 100 requests, whole
+rest of line, exact of shown, shown and wrong shown per request, and the gated deploys
+(promoted, rolled back).
 Then, for every arm but `paused`, per seed, the three first figures and the expected kept
 characters (in expectation over the people's own draws) beside the mean of that seed's paused
 runs with their ratio (arm / paused), and each figure's change against the paused mean, with the
