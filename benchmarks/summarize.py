@@ -34,8 +34,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from simulator.output import read_records
 from simulator.phases import compare_sides, learning_records
-from simulator.report import RequestRecord, gated_deploys
+from simulator.report import gated_deploys
 
 # kept characters first (report.json's retained_chars_per_100 = kept_chars_per_100, the name
 # every report has)
@@ -177,8 +178,7 @@ def along_the_way(run: Path, minutes: list[float], lines: str) -> None:
     report: dict[str, Any] = json.loads((run / "report.json").read_text())
     baseline_s = 60 * float(report["config"]["baseline_minutes"])
     assert baseline_s > 0, f"{run}: --at needs a run with a baseline phase"
-    with (run / "records.jsonl").open() as f:
-        records = [RequestRecord(**json.loads(line)) for line in f]
+    records = read_records(run)
     if lines == "fresh":
         records = [r for r in records if r.fresh]
     baseline = [r for r in records if r.phase == "baseline"]

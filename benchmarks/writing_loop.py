@@ -28,13 +28,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from simulator.report import (
-    RequestRecord,
-    loop_rates,
-    metrics,
-    same_cursors,
-    split_by_time,
-)
+from simulator.output import read_records
+from simulator.report import RequestRecord, loop_rates, metrics, same_cursors, third_windows
 
 PAUSED = "paused"
 # the loop's measure, then how it was reached: (report key, column title, format)
@@ -91,34 +86,28 @@ def last_third(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def last_third_records(run: Path, report: dict[str, Any]) -> tuple[list[RequestRecord], bool]:
-    """The requests of the run's last third, from its records.jsonl (as report.json `thirds`),
-    and whether they hold their expected kept characters (records written before do not)."""
-    fields = set(RequestRecord.__dataclass_fields__)
-    with (run / "records.jsonl").open() as f:
-        rows = [json.loads(line) for line in f]
-    records = [RequestRecord(**{k: v for k, v in r.items() if k in fields}) for r in rows]
-    duration = float(report["config"]["duration_s"])
-    expected = all("expected_kept" in r for r in rows)
-    return split_by_time(records, duration / 3, duration)[-1][2], expected
+def last_third_records(run: Path, report: dict[str, Any]) -> list[RequestRecord]:
+    """The requests of the run's last third, from its records.jsonl (as report.json `thirds`)."""
+    return third_windows(read_records(run), float(report["config"]["duration_s"]))[-1]
 
 
 def print_same_cursors(runs: list[tuple[str, int, Path, dict[str, Any]]]) -> None:
     """Every arm but `paused` against its seed's (first) paused run on the cursors both asked at
     in their last thirds: the same people's same lines, whatever else either reached."""
     runs = [r for r in runs if (r[2] / "records.jsonl").exists()]  # older runs: report only
-    paused = {seed: (path, report) for arm, seed, path, report in reversed(runs) if arm == PAUSED}
+    thirds = {path: last_third_records(path, report) for _, _, path, report in runs}
+    # runs written before the expected kept characters were recorded (their reports lack it)
+    unmeasured = {
+        path for _, _, path, report in runs if EXPECTED[0] not in report["thirds"]["last"]
+    }
+    paused = {seed: path for arm, seed, path, _ in reversed(runs) if arm == PAUSED}
     rows = []
-    for arm, seed, path, report in runs:
+    for arm, seed, path, _ in runs:
         if arm == PAUSED or seed not in paused:
             continue
-        (base_all, base_expected), (mine_all, expected) = (
-            last_third_records(*paused[seed]),
-            last_third_records(path, report),
-        )
-        base_records, records = same_cursors(base_all, mine_all)
+        base_records, records = same_cursors(thirds[paused[seed]], thirds[path])
         base, mine = metrics(base_records), metrics(records)
-        if not (base_expected and expected):
+        if {path, paused[seed]} & unmeasured:
             base[EXPECTED[0]] = mine[EXPECTED[0]] = None
         rows.append((arm, seed, len(records), base, mine))
     if not rows:

@@ -188,6 +188,14 @@ def write_outputs(
     print_summary(console, report, cfg.out)
 
 
+def read_records(out: Path) -> list[rpt.RequestRecord]:
+    """The requests a run wrote to records.jsonl; fields a later simulator added are skipped."""
+    fields = set(rpt.RequestRecord.__dataclass_fields__)
+    with (out / "records.jsonl").open() as f:
+        rows = [json.loads(line) for line in f]
+    return [rpt.RequestRecord(**{k: v for k, v in r.items() if k in fields}) for r in rows]
+
+
 def read_settled_lines(out: Path) -> set[tuple[str, int]]:
     """The (path, line) keys a run wrote to settled_lines.json (empty when it has none)."""
     path = out / "settled_lines.json"

@@ -363,9 +363,8 @@ def decide(
     if not accept:
         return Decision(verdict, "reject" if explicit else "ignore", delay, expected_kept=expected)
     chars = taken_chars(person, verdict, text, truth, rng)
-    return Decision(
-        verdict, "accept", delay, chars, matched_fraction(text[:chars], truth), True, expected
-    )
+    retained = matched_fraction(text[:chars], truth)
+    return Decision(verdict, "accept", delay, chars, retained, expected_kept=expected)
 
 
 def taken_chars(

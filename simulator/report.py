@@ -326,8 +326,13 @@ def fifths(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any
 
 def thirds(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any]:
     """`metrics` of the run's first and last third (writing mode's comparison)."""
-    windows = [p for _, _, p in split_by_time(records, duration_s / 3, duration_s)]
+    windows = third_windows(records, duration_s)
     return {"first": metrics(windows[0]), "last": metrics(windows[-1])}
+
+
+def third_windows(records: Sequence[RequestRecord], duration_s: float) -> list[list[RequestRecord]]:
+    """The run's requests in three windows of equal time."""
+    return [p for _, _, p in split_by_time(records, duration_s / 3, duration_s)]
 
 
 def same_cursors(

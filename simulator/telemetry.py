@@ -304,4 +304,4 @@ def decide_telemetry(
     chars = taken_chars(person, verdict, text, truth, rng)
     kept = habits.kept_when_edited if u_edit < habits.edit_later else 1.0
     retained = kept * matched_fraction(text[:chars], truth)
-    return Decision(verdict, "accept", delay, chars, retained, True, expected)
+    return Decision(verdict, "accept", delay, chars, retained, expected_kept=expected)

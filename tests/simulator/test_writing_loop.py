@@ -119,6 +119,7 @@ def test_same_cursors_compare_the_lines_both_runs_asked_at(
         path = Path(write_run(tmp_path, arm, 0, third(100.0, 0.2)))
         report = json.loads((path / "report.json").read_text())
         report["config"]["duration_s"] = 90.0
+        report["thirds"]["last"]["expected_kept_per_100"] = 0.0  # recorded by this simulator
         (path / "report.json").write_text(json.dumps(report))
         (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         runs.append(f"{arm}={path}")
@@ -130,12 +131,16 @@ def test_same_cursors_compare_the_lines_both_runs_asked_at(
         in out
     )
     assert "- learning, kept chars / 100 req: +700% (mean +700%)" in out
-    # records written before the expected kept characters: none shown
+    # a run written before the expected kept characters (its report and records lack them):
+    # none shown
     for r in learning:
         del r["expected_kept"]
     (tmp_path / "learning" / "records.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in learning)
     )
+    report = json.loads((tmp_path / "learning" / "report.json").read_text())
+    del report["thirds"]["last"]["expected_kept_per_100"]
+    (tmp_path / "learning" / "report.json").write_text(json.dumps(report))
     assert main(runs) == 0
     assert "| 0 | learning | 4 | 250.0 → 2000.0 | 0.250 → 1.000 | 0.750 → 0.000 | – → – |" in (
         capsys.readouterr().out
