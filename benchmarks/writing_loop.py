@@ -10,11 +10,12 @@ its requests (report.json `thirds`, computed from its records): kept chars per 1
 shown-but-not-taken per request, then the expected kept and useful chars per 100 requests, whole
 rest of line, exact of shown, shown and wrong shown per request, and the gated deploys
 (promoted, rolled back).
-Then, for every arm but `paused`, per seed, the three first figures and the expected kept
-characters (in expectation over the people's own draws) beside the mean of that seed's paused
-runs with their ratio (arm / paused), and each figure's change against the paused mean, with the
-mean change over the seeds; then the same against the seed's paused run on the same cursors (the
-lines both runs asked at in their last thirds; from records.jsonl, for runs that have one).
+Then, for every arm but `paused`, per seed, the three first figures, the expected kept
+characters (in expectation over the people's own draws) and the useful characters beside the
+mean of that seed's paused runs with their ratio (arm / paused), and each figure's change
+against the paused mean, with the mean change over the seeds; then the same against the
+seed's paused run on the same cursors (the lines both runs asked at in their last thirds; from
+records.jsonl, for runs that have one).
 `--plot` draws kept and expected kept characters, useful characters and not taken per request,
 a bar per run, grouped by seed.
 """
@@ -40,10 +41,12 @@ LOOP = (
 )
 # kept characters in expectation over the people's own coin flips (simulator/report.py)
 EXPECTED = ("expected_kept_per_100", "expected kept / 100 req", "{:.1f}")
+# characters of shown suggestions that match the true code: the proxy people's measure
+USEFUL = ("useful_chars_per_100", "useful chars / 100 req", "{:.1f}")
 COLUMNS = (
     *LOOP,
     EXPECTED,
-    ("useful_chars_per_100", "useful chars / 100 req", "{:.1f}"),
+    USEFUL,
     ("whole_line_rate", "whole rest of line", "{:.1%}"),
     ("exact_of_shown", "exact of shown", "{:.3f}"),
     ("shown_per_request", "shown / req", "{:.3f}"),
@@ -51,6 +54,8 @@ COLUMNS = (
     ("multi_line_of_shown", "several lines, of shown", "{:.3f}"),
     ("multi_line_of_kept", "several lines, of kept chars", "{:.3f}"),
 )
+# the figures compared on the same cursors
+SAME = (*LOOP, EXPECTED, USEFUL)
 CHANGES = (
     *(key for key, _, _ in LOOP),
     "expected_kept_per_100",
@@ -113,12 +118,12 @@ def print_same_cursors(runs: list[tuple[str, int, Path, dict[str, Any]]]) -> Non
     if not rows:
         return
     print("\non the same cursors (those both runs of a seed asked at in their last thirds):\n")
-    print("| seed | arm | cursors | " + " | ".join(t for _, t, _ in (*LOOP, EXPECTED)) + " |")
-    print("|" + "---|" * (4 + len(LOOP)))
+    print("| seed | arm | cursors | " + " | ".join(t for _, t, _ in SAME) + " |")
+    print("|" + "---|" * (3 + len(SAME)))
     changes: dict[tuple[str, str], list[float]] = defaultdict(list)
     for arm, seed, n, base, mine in rows:
         cells = []
-        for key, title, form in (*LOOP, EXPECTED):
+        for key, title, form in SAME:
             r = ratio(mine[key], base[key])
             cells.append(f"{cell(base[key], form)} → {cell(mine[key], form)}")
             if r is not None:
@@ -173,7 +178,7 @@ def print_loop(arm: str, rows: list[tuple[int, dict[str, Any], dict[str, Any]]])
     print("|" + "---|" * 5)
     ratios: dict[str, list[float]] = defaultdict(list)
     for seed, last, base in rows:
-        for key, title, form in (*LOOP, EXPECTED):
+        for key, title, form in SAME:
             r = ratio(last[key], base[key])
             if r is not None:
                 ratios[title].append(r)
