@@ -26,6 +26,7 @@ from kafka.errors import KafkaError
 from tabloop.core.config import Settings
 from tabloop.core.policy.checkpoint import save_checkpoint
 from tabloop.core.policy.device import resolve
+from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.registry import Deployment, current_deployment
 from tabloop.core.retention import code_cutoff
 from tabloop.core.reward_store import current_spec
@@ -40,6 +41,7 @@ from tabloop.core.tables import (
     utcnow,
 )
 from trainer import store
+from trainer.blocks import block_labels
 from trainer.canary import ArmStats, arm_stats, canary_verdict
 from trainer.candidate import split_for_check, train_candidate
 from trainer.caps import cap_weights, capped
@@ -173,8 +175,10 @@ class Trainer:
         return store.code_kept(code_cutoff(self.settings, self.horizon.total_seconds(), utcnow()))
 
     def _replay_rows(self) -> list[sa.Row]:
-        """Shown rollouts already trained on, newest first, for the gate's fit (gate_fit)."""
-        if not self.cfg.update.gate_fit or self.cfg.update.gate_fit_replay <= 0:
+        """Shown rollouts already trained on, newest first, for the gate's fit (gate_fit) and
+        the lines head's (lines_fit)."""
+        fits = self.cfg.update.gate_fit or self.cfg.update.lines_fit
+        if not fits or self.cfg.update.gate_fit_replay <= 0:
             return []
         limit = self.cfg.update.gate_fit_replay
         return store.trained_rows(self.engine, limit, store.shown(), *self._code_kept())
@@ -193,9 +197,14 @@ class Trainer:
             [r.user_id for r in rows], [r.api_key_id for r in rows], self.cfg.max_share
         )
 
-    def _with_settled(self, rows: list[sa.Row]) -> Batch:
+    def _blocks(self, rows: list[sa.Row], tokenizer: CodeTokenizer) -> list[float | None] | None:
+        """Each row's block label (trainer/blocks.py); None when the lines fit is off."""
+        return block_labels(self.engine, tokenizer, rows) if self.cfg.update.lines_fit else None
+
+    def _with_settled(self, rows: list[sa.Row], tokenizer: CodeTokenizer) -> Batch:
         """The rows as a batch, capped (`_weights`), each with the text its person settled on
-        (None: no report, or the settled-text term is off and nothing is read)."""
+        (None: no report, or the settled-text term is off and nothing is read) and its block
+        label."""
         texts = (
             settled_texts(self.engine, suggestion_ids=[r.suggestion_id for r in rows])
             if self.cfg.update.settled_epochs
@@ -206,6 +215,7 @@ class Trainer:
             [r.value for r in rows],
             [texts.get(r.suggestion_id) for r in rows],
             self._weights(rows),
+            self._blocks(rows, tokenizer),
         )
 
     def _batch_rows(self) -> list[sa.Row]:
@@ -239,15 +249,20 @@ class Trainer:
         )
         rows.sort(key=lambda r: r.suggestion_id)  # random uuids: an unbiased train/gate split
         train_rows, gate_rows = split_for_check(rows, self.cfg.gate_fraction)
-        batch = self._with_settled(train_rows)
+        batch = self._with_settled(train_rows, tokenizer)
         earlier = self._replay_rows()
         replay = (
-            Batch.of(earlier, [r.value for r in earlier], weights=self._weights(earlier))
+            Batch.of(
+                earlier,
+                [r.value for r in earlier],
+                weights=self._weights(earlier),
+                blocks=self._blocks(earlier, tokenizer),
+            )
             if earlier
             else None
         )
         earlier_settled = self._settled_replay_rows()
-        settled = self._with_settled(earlier_settled) if earlier_settled else None
+        settled = self._with_settled(earlier_settled, tokenizer) if earlier_settled else None
         generic = (
             self.policies.generic(tokenizer, live_model)
             if self.cfg.update.generic_mix > 0
@@ -341,6 +356,11 @@ class Trainer:
             if metrics.get("gate_fit/fitted")
             else ""
         )
+        if metrics.get("lines_fit/fitted"):
+            fit += (
+                f", lines fit on {metrics['lines_fit/labels']:.0f} blocks"
+                f" ({100 * metrics['lines_fit/stands']:.0f}% stand)"
+            )
         log.info(
             "candidate v%d (from v%d, %d rollouts, mean reward %.3f%s) gated and deployed as "
             "a %.0f%% canary",

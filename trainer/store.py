@@ -43,6 +43,8 @@ ROLLOUT_ROWS = (
         rollouts.c.policy_version,
         rollouts.c.user_id,  # whose and which key's: each one's share of a batch is capped
         rollouts.c.api_key_id,
+        rollouts.c.workspace_id,  # where its document is (trainer/blocks.py)
+        rollouts.c.file_path,
         rewards.c.value,
         kept_chars().label("kept_chars"),  # what the deploy check weighs besides the reward
     )

@@ -27,6 +27,9 @@ class Batch:
     settled: Sequence[str | None] | None = None
     # (B,) each row's weight, mean 1 (trainer/caps.py); None: all 1
     weights: torch.Tensor | None = None
+    # how much of each copy's next lines stands in what its person wrote (trainer/blocks.py),
+    # None where that is not known; None: not read
+    blocks: Sequence[float | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.actions)
@@ -42,6 +45,7 @@ class Batch:
         assert self.settled is None or len(self.settled) == n, "one settled text (or None) each"
         assert self.weights is None or self.weights.shape == (n,), f"weights shape != ({n},)"
         assert self.weights is None or bool((self.weights >= 0).all()), "weights must be >= 0"
+        assert self.blocks is None or len(self.blocks) == n, "one block label (or None) each"
 
     @classmethod
     def of(
@@ -50,6 +54,7 @@ class Batch:
         rewards: Sequence[float],
         settled: Sequence[str | None] | None = None,
         weights: Sequence[float] | None = None,
+        blocks: Sequence[float | None] | None = None,
     ) -> Batch:
         """From logged rollouts (Completions or rollout rows): totals and per-part log-probs."""
         return cls(
@@ -60,6 +65,7 @@ class Batch:
             behaviour_decision_logp=torch.tensor([float(a.decision_logprob) for a in actions]),
             settled=settled,
             weights=None if weights is None else torch.tensor([float(w) for w in weights]),
+            blocks=blocks,
         )
 
     def to(self, device: torch.device) -> Batch:
@@ -91,6 +97,7 @@ class Batch:
             ),
             settled=None if self.settled is None else [self.settled[i] for i in idx],
             weights=None if self.weights is None else self.weights[idx],
+            blocks=None if self.blocks is None else [self.blocks[i] for i in idx],
         )
 
 

@@ -34,6 +34,13 @@ class UpdateConfig:
     # above gate_fit_sharpness: the sharpness grows with the verdicts, as
     # sqrt(verdicts / gate_fit_min_shown), up to this (exploration fades as the evidence grows)
     gate_fit_sharpness_max: float = 0.0
+    # set the lines head by a cost-weighted logistic fit on block labels (fit_lines_to_blocks:
+    # how much of each copy's next lines stands in what its person wrote, trainer/blocks.py)
+    # of this batch and the replayed rollouts, once there are lines_fit_min of them; its logit
+    # times a sharpness from lines_fit_sharpness, growing with the labels up to 3x that
+    lines_fit: bool = True
+    lines_fit_min: int = 20
+    lines_fit_sharpness: float = 2.0
     # the supervised term on settled text (settled_passes): after the policy-gradient epochs,
     # this many passes (0: off) over the batch's rollouts that have a settled text and the
     # earlier ones the caller replays, each step minimizing the mean token NLL of what the

@@ -177,28 +177,10 @@ def fit_gate_to_rewards(
     x = torch.cat([feats, person], 1)
     w = gain.abs() * row_w[shown]
     w = w / w.mean()
-    inputs = torch.cat([h[shown], x[shown]], 1).double()
-    mu, sd = inputs.mean(0), inputs.std(0) + 1e-6
-    z = torch.cat([(inputs - mu) / sd, torch.ones(len(inputs), 1, dtype=torch.float64)], 1)
-    ridge = torch.zeros(z.shape[1], dtype=torch.float64)
-    ridge[: h.shape[1]] = l2
-    coef = torch.zeros(z.shape[1], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([coef], max_iter=500, line_search_fn="strong_wolfe")
-    yd, wd = y.double(), w.double()
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = (wd * F.binary_cross_entropy_with_logits(z @ coef, yd, reduction="none")).sum()
-        loss = loss + 0.5 * (ridge * coef * coef).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
     if sharpness_max > sharpness and min_shown > 0:
         sharpness = min(sharpness_max, sharpness * math.sqrt(len(y) / min_shown))
-    c = coef.detach()
-    scaled = sharpness * c[:-1] / sd  # on raw inputs: logit = scaled . inputs + bias
-    bias = sharpness * c[-1] - (scaled * mu).sum()
+    scaled, bias = logistic_fit(torch.cat([h[shown], x[shown]], 1), y, w, h.shape[1], l2)
+    scaled, bias = sharpness * scaled, sharpness * bias
     with torch.no_grad():
         model.gate.hidden.weight.copy_(scaled[: h.shape[1]].float()[None])
         f = h.shape[1] + feats.shape[1]
@@ -214,3 +196,31 @@ def fit_gate_to_rewards(
         "gate_fit/sharpness": sharpness,
         "gate/p_show": float(p_show.mean()),
     }
+
+
+def logistic_fit(
+    inputs: torch.Tensor, y: torch.Tensor, w: torch.Tensor, ridged: int, l2: float
+) -> tuple[torch.Tensor, float]:
+    """A weighted logistic regression of `y` (0/1) on `inputs` (N, D), to convergence (L-BFGS)
+    on standardised inputs with L2 `l2` on the first `ridged` columns' weights: the weights
+    (D,) and the bias on the raw inputs (logit = weights . inputs + bias)."""
+    x = inputs.double()
+    mu, sd = x.mean(0), x.std(0) + 1e-6
+    z = torch.cat([(x - mu) / sd, torch.ones(len(x), 1, dtype=torch.float64)], 1)
+    ridge = torch.zeros(z.shape[1], dtype=torch.float64)
+    ridge[:ridged] = l2
+    coef = torch.zeros(z.shape[1], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([coef], max_iter=500, line_search_fn="strong_wolfe")
+    yd, wd = y.double(), w.double()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (wd * F.binary_cross_entropy_with_logits(z @ coef, yd, reduction="none")).sum()
+        loss = loss + 0.5 * (ridge * coef * coef).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    c = coef.detach()
+    scaled = c[:-1] / sd
+    return scaled, float(c[-1] - (scaled * mu).sum())

@@ -17,6 +17,7 @@ from trainer.settled import settled_passes
 from trainer.update.batch import Batch, UpdateInputs, _to
 from trainer.update.config import UpdateConfig
 from trainer.update.gate import fit_gate_to_rewards, gate_passes
+from trainer.update.lines import fit_lines_to_blocks
 from trainer.update.loss import PG_METRICS, pg_loss, weighted_advantages
 
 if TYPE_CHECKING:
@@ -172,7 +173,9 @@ def update(inputs: UpdateInputs, group: DataParallel | None = None) -> dict[str,
                 )
             if cfg.gate_epochs and not gate.get("gate_fit/fitted"):
                 gate.update(gate_passes(model, tokenizer, batch, adv, optimizer, cfg, group))
-            if group is not None and (cfg.gate_fit or cfg.gate_epochs):
+            if cfg.lines_fit:
+                gate.update(fit_lines_to_blocks(model, tokenizer, batch, replay, cfg, group))
+            if group is not None and (cfg.gate_fit or cfg.gate_epochs or cfg.lines_fit):
                 group.broadcast_params(model.gate.parameters())  # the ranks' own fits: rank 0's
         model.zero_grad(set_to_none=True)  # no gradients left behind in the model (or its copies)
         return {**{k: v / steps for k, v in totals.items()}, **settled, **gate}
