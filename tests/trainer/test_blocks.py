@@ -18,10 +18,10 @@ from tabloop.core.memory import remember
 from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.context import prepare_context
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.sampling import complete
 from tabloop.core.policy.tokenizer import CodeTokenizer
 from tabloop.core.recall import Proposal
 from tests.service.conftest import make_settings
+from tests.trainer.test_update import FAMILY_A, FAMILY_B, _set_gate, proposal_rollouts
 from trainer.blocks import block_label, block_labels, prefix_tail
 from trainer.update import Batch, UpdateConfig, UpdateInputs, make_optimizer, update
 
@@ -135,8 +135,6 @@ def test_the_lines_fit_shows_lines_where_they_stand(
     and one that does not costs. One update with the block labels sets the lines head apart:
     p(more) below 0.2 on A and above 0.8 on B (from 0.5). Without labels the fit leaves the
     head as it was."""
-    from tests.trainer.test_update import FAMILY_A, FAMILY_B, _set_gate
-
     _set_gate(tiny_model, -30.0)
     with torch.no_grad():
         tiny_model.gate.copy.weight.zero_()
@@ -145,12 +143,7 @@ def test_the_lines_fit_shows_lines_where_they_stand(
     proposal = Proposal("value + offset", "memory", 24, 3, 3, "    return value\n    pass")
     gen = torch.Generator().manual_seed(0)
 
-    def rollouts(prompts: list[str], n: int) -> list[Completion]:
-        return [
-            complete(tiny_model, tiny_tokenizer, p, "", 6, 1.0, None, gen, None, proposal=proposal)
-            for p in prompts
-            for _ in range(n)
-        ]
+    rollouts = proposal_rollouts(tiny_model, tiny_tokenizer, proposal, gen)
 
     def p_more(comps: list[Completion]) -> float:
         assert all(c.recall and "lines" in c.recall for c in comps)

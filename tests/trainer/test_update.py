@@ -646,6 +646,21 @@ def test_synthetic_learning_gate_follows_the_reward(
     assert final_b > 0.8, f"p(show) on B {final_b:.3f} after {len(history)} updates: {history}"
 
 
+def proposal_rollouts(
+    model: GPT, tokenizer: CodeTokenizer, proposal: Proposal, gen: torch.Generator
+) -> Callable[[list[str], int], list[Completion]]:
+    """Sampling `n` rollouts a prompt, each offered `proposal`, at temperature 1."""
+
+    def rollouts(prompts: list[str], n: int) -> list[Completion]:
+        return [
+            complete(model, tokenizer, p, "", 6, 1.0, None, gen, None, proposal=proposal)
+            for p in prompts
+            for _ in range(n)
+        ]
+
+    return rollouts
+
+
 def _learn_apart(
     model: GPT,
     tokenizer: CodeTokenizer,
@@ -661,12 +676,7 @@ def _learn_apart(
     optimizer = make_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(0)
 
-    def rollouts(prompts: list[str], n: int) -> list[Completion]:
-        return [
-            complete(model, tokenizer, p, "", 6, 1.0, None, gen, None, proposal=proposal)
-            for p in prompts
-            for _ in range(n)
-        ]
+    rollouts = proposal_rollouts(model, tokenizer, proposal, gen)
 
     def p_yes(comps: list[Completion]) -> float:
         p = [(yes, math.exp(lp)) for yes, lp in map(drawn, comps)]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # simulated people (docs/RESULTS.md) showing a block's lines raised the reward above it, and not
 # below it; what the rewards say it is worth is weighed in the fit, this only draws the line
 CLOSE = 0.6
-LINES_FIT_CELL = 5  # labelled rows of each kind (stands or not, lines shown or not) for a fit
+LINES_FIT_CELL = 10  # labelled rows of each kind (stands or not, lines shown or not) for a fit
 
 
 def fit_lines_to_blocks(
@@ -43,7 +43,8 @@ def fit_lines_to_blocks(
     block, or one that does not, is worth shown or not comes from the rewards, pooled over
     all the labelled rows: gain G = mean reward of standing blocks shown with their lines minus
     of those shown without; loss L = mean reward of the blocks that do not stand, shown without
-    their lines minus with them. "Show iff P(stands | x) G > (1 - P) L" is then a weighted
+    their lines minus with them; each less its standard error, so that a few lucky or unlucky
+    accepts do not set the head. "Show iff P(stands | x) G > (1 - P) L" is then a weighted
     classification (as the gate's fit, trainer/update/gate.py): label stands, weight G or L.
     Its logistic regression on the head's own inputs (the last hidden state, L2
     `cfg.gate_fit_l2` on its weights, and the person inputs on the longer text) over the
@@ -52,7 +53,8 @@ def fit_lines_to_blocks(
     sqrt(labels / cfg.lines_fit_min) up to 3x that. The draw stays a draw, logged and recomputed
     exactly. No fit (the head left as it is) with fewer than cfg.lines_fit_min labels, fewer
     than LINES_FIT_CELL of each kind (standing or not, shown with lines or without), or where
-    the rewards do not favour either choice anywhere (G and L both <= 0).
+    the rewards do not yet favour either choice anywhere (G and L both <= 0): the policy
+    gradient moves it meanwhile.
     With a `group` every rank fits on the gathered inputs (and the caller broadcasts rank 0's).
     """
     parts = [b for b in (batch, replay) if b is not None and b.blocks is not None]
@@ -67,15 +69,20 @@ def fit_lines_to_blocks(
         if share is not None
     ]
     out = {"lines_fit/labels": float(len(rows)), "lines_fit/fitted": 0.0}
-    mean: dict[tuple[bool, bool], float] = {}
+    mean: dict[tuple[bool, bool], tuple[float, float]] = {}  # (mean reward, its variance)
     for cell in ((True, True), (True, False), (False, True), (False, False)):
         got = [(w, r) for _, y, more, w, r in rows if (y, more) == cell]
         total = sum(w for w, _ in got)
         if len(got) < LINES_FIT_CELL or total <= 0:
             return out
-        mean[cell] = sum(w * r for w, r in got) / total
-    gain = mean[True, True] - mean[True, False]
-    loss = mean[False, False] - mean[False, True]
+        m = sum(w * r for w, r in got) / total
+        mean[cell] = (m, sum((w * (r - m)) ** 2 for w, r in got) / total**2)
+    # each at its estimate less one standard error: the fit acts on what the rewards show beyond
+    # their noise, and leaves the head to the policy gradient while they show nothing either way
+    gain = mean[True, True][0] - mean[True, False][0]
+    gain -= math.sqrt(mean[True, True][1] + mean[True, False][1])
+    loss = mean[False, False][0] - mean[False, True][0]
+    loss -= math.sqrt(mean[False, False][1] + mean[False, True][1])
     out.update({"lines_fit/gain": gain, "lines_fit/loss": loss})
     if len(rows) < cfg.lines_fit_min or (gain <= 0 and loss <= 0):
         return out
