@@ -60,6 +60,7 @@ class TrainerConfig:
             cfg.canary = replace(cfg.canary, min_rollouts=settings.trainer_canary_min_rollouts)
         if settings.trainer_gate_fit is not None:
             cfg.update = replace(cfg.update, gate_fit=settings.trainer_gate_fit)
+        cfg.update = replace(cfg.update, lines_fit=settings.trainer_lines_fit)
         cfg.max_share = settings.trainer_max_share
         return cfg
 

@@ -130,6 +130,9 @@ class Settings(BaseSettings):
     # How the show/abstain gate learns: true, a fit on every shown verdict so far; false, the
     # policy gradient alone; unset: the profile's (sim: the fit; prod: the policy gradient).
     trainer_gate_fit: bool | None = None
+    # Whether the lines head is set by a fit on how much of each copy's next lines the person
+    # went on to write (trainer/blocks.py); false: the policy gradient alone moves it.
+    trainer_lines_fit: bool = True
     # Processes one policy-gradient update runs on (data-parallel over torch.distributed, gloo;
     # each with torch_threads threads): `tabloop train --nproc N`. 1: the trainer's own.
     trainer_nproc: int = Field(1, ge=1, le=64)

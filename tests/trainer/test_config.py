@@ -29,3 +29,12 @@ def test_the_gate_rule_is_a_setting_whatever_the_profile(tmp_path: Path) -> None
             # nothing else of the profile moves
             assert cfg.batch_size == PROFILES[profile].batch_size
             assert cfg.update.minibatch_size == PROFILES[profile].update.minibatch_size
+
+
+def test_the_lines_fit_is_a_setting(tmp_path: Path) -> None:
+    for profile in ("prod", "sim"):
+        on = TrainerConfig.for_settings(make_settings(tmp_path, profile=profile))
+        off = TrainerConfig.for_settings(
+            make_settings(tmp_path, profile=profile, trainer_lines_fit=False)
+        )
+        assert on.update.lines_fit is True and off.update.lines_fit is False
