@@ -18,7 +18,7 @@ from tabloop.core.memory import remember
 from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.context import prepare_context
 from tabloop.core.policy.model import GPT
-from tabloop.core.policy.tokenizer import CodeTokenizer
+from tabloop.core.policy.tokenizer import CodeTokenizer, train_tokenizer
 from tabloop.core.recall import Proposal
 from tests.service.conftest import make_settings
 from tests.trainer.test_update import FAMILY_A, FAMILY_B, _set_gate, proposal_rollouts
@@ -66,12 +66,15 @@ def test_block_label_needs_the_cursor_found_once() -> None:
     assert block_label("unrelated text\n" * 5, PREFIX, MORE) is None
 
 
+@pytest.mark.parametrize("fim", [False, True], ids=["left-to-right", "fim"])
 def test_prefix_tail_is_the_prefix_the_rollout_was_sampled_after(
-    tiny_tokenizer: CodeTokenizer,
+    small_code: list[str], tiny_tokenizer: CodeTokenizer, fim: bool
 ) -> None:
-    """The logged context, decoded, and the healed bytes give back the end of the prefix."""
-    healing = prepare_context(tiny_tokenizer, PREFIX, 512, 32)
-    tail = prefix_tail(tiny_tokenizer, healing.context_ids, healing.constraint.decode())
+    """The logged context, decoded, and the healed bytes give back the end of the prefix (a
+    FIM context's suffix part left out)."""
+    tokenizer = train_tokenizer(small_code, vocab_size=400, fim=True) if fim else tiny_tokenizer
+    healing = prepare_context(tokenizer, PREFIX, 512, 32, suffix="\n    return total\n")
+    tail = prefix_tail(tokenizer, healing.context_ids, healing.constraint.decode())
     assert healing.constraint and PREFIX.endswith(tail) and len(tail) > 40
 
 
