@@ -216,6 +216,7 @@ class Trainer:
             [texts.get(r.suggestion_id) for r in rows],
             self._weights(rows),
             self._blocks(rows, tokenizer),
+            [float(r.kept_chars) for r in rows],
         )
 
     def _batch_rows(self) -> list[sa.Row]:
@@ -257,6 +258,7 @@ class Trainer:
                 [r.value for r in earlier],
                 weights=self._weights(earlier),
                 blocks=self._blocks(earlier, tokenizer),
+                kept=[float(r.kept_chars) for r in earlier],
             )
             if earlier
             else None

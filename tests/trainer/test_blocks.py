@@ -134,8 +134,8 @@ def test_the_lines_fit_shows_lines_where_they_stand(
     tiny_model: GPT, tiny_tokenizer: CodeTokenizer
 ) -> None:
     """Both families copy a proposal with lines after its first; what the people wrote has
-    those lines on B and something else on A, and the rewards say a standing block pays shown
-    and one that does not costs. One update with the block labels sets the lines head apart:
+    those lines on B and something else on A, and what people kept says a standing block pays
+    shown and one that does not costs. One update with the block labels sets the lines head apart:
     p(more) below 0.2 on A and above 0.8 on B (from 0.5). Without labels the fit leaves the
     head as it was."""
     _set_gate(tiny_model, -30.0)
@@ -158,13 +158,14 @@ def test_the_lines_fit_shows_lines_where_they_stand(
     before = copy.deepcopy(tiny_model)
     labels = [0.1] * len(a) + [0.9] * len(b)
     shown = [bool(c.recall["lines"]["more"]) for c in a + b]  # type: ignore[index]
-    # shown with its lines: 1.0 where they stand, -0.5 where not; the first line alone: 0.2
-    rewards = [
-        (1.0 if y > 0.5 else -0.5) if more else 0.2 for y, more in zip(labels, shown, strict=True)
+    # kept characters: a standing block shown with its lines 60, one that does not stand none,
+    # the first line alone 30
+    kept = [
+        (60.0 if y > 0.5 else 0.0) if more else 30.0 for y, more in zip(labels, shown, strict=True)
     ]
     for blocks in (None, labels):
         model = copy.deepcopy(before)
-        batch = Batch.of(a + b, rewards, blocks=blocks)
+        batch = Batch.of(a + b, [k / 20 for k in kept], blocks=blocks, kept=kept)
         m = update(
             UpdateInputs(model, before, tiny_tokenizer, batch, make_optimizer(model, cfg), cfg)
         )

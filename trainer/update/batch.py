@@ -30,6 +30,8 @@ class Batch:
     # how much of each copy's next lines stands in what its person wrote (trainer/blocks.py),
     # None where that is not known; None: not read
     blocks: Sequence[float | None] | None = None
+    # (B,) the characters each rollout's person kept (accepted x retained); None: not read
+    kept: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.actions)
@@ -46,6 +48,7 @@ class Batch:
         assert self.weights is None or self.weights.shape == (n,), f"weights shape != ({n},)"
         assert self.weights is None or bool((self.weights >= 0).all()), "weights must be >= 0"
         assert self.blocks is None or len(self.blocks) == n, "one block label (or None) each"
+        assert self.kept is None or self.kept.shape == (n,), f"kept shape != ({n},)"
 
     @classmethod
     def of(
@@ -55,6 +58,7 @@ class Batch:
         settled: Sequence[str | None] | None = None,
         weights: Sequence[float] | None = None,
         blocks: Sequence[float | None] | None = None,
+        kept: Sequence[float] | None = None,
     ) -> Batch:
         """From logged rollouts (Completions or rollout rows): totals and per-part log-probs."""
         return cls(
@@ -66,6 +70,7 @@ class Batch:
             settled=settled,
             weights=None if weights is None else torch.tensor([float(w) for w in weights]),
             blocks=blocks,
+            kept=None if kept is None else torch.tensor([float(k) for k in kept]),
         )
 
     def to(self, device: torch.device) -> Batch:
@@ -78,6 +83,7 @@ class Batch:
             rewards=self.rewards.to(device),
             behaviour_decision_logp=_to(self.behaviour_decision_logp, device),
             weights=_to(self.weights, device),
+            kept=_to(self.kept, device),
         )
 
     def row_weights(self) -> torch.Tensor:
@@ -98,6 +104,7 @@ class Batch:
             settled=None if self.settled is None else [self.settled[i] for i in idx],
             weights=None if self.weights is None else self.weights[idx],
             blocks=None if self.blocks is None else [self.blocks[i] for i in idx],
+            kept=None if self.kept is None else self.kept[idx],
         )
 
 

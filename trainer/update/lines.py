@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 # a block whose share (trainer.blocks.stands) is at least this stands. In paused runs of the
 # simulated people (docs/RESULTS.md) showing a block's lines raised the reward above it, and not
-# below it; what the rewards say it is worth is weighed in the fit, this only draws the line
+# below it; what it is worth is weighed in the fit, this only draws the line
 CLOSE = 0.6
 LINES_FIT_CELL = 10  # labelled rows of each kind (stands or not, lines shown or not) for a fit
 
@@ -39,37 +39,45 @@ def fit_lines_to_blocks(
     not. The question is whether those lines are near what the person goes on to write. The
     block labels (trainer/blocks.py) say that for every such copy, shown with its lines or
     without, from what the person wrote afterwards: a block *stands* when its share (`stands`)
-    is at least CLOSE. What a standing
-    block, or one that does not, is worth shown or not comes from the rewards, pooled over
-    all the labelled rows: gain G = mean reward of standing blocks shown with their lines minus
-    of those shown without; loss L = mean reward of the blocks that do not stand, shown without
-    their lines minus with them; each less its standard error, so that a few lucky or unlucky
-    accepts do not set the head. "Show iff P(stands | x) G > (1 - P) L" is then a weighted
-    classification (as the gate's fit, trainer/update/gate.py): label stands, weight G or L.
-    Its logistic regression on the head's own inputs (the last hidden state, L2
-    `cfg.gate_fit_l2` on its weights, and the person inputs on the longer text) over the
-    labelled rows of the batch and the replay, times the rows' weights (trainer/caps.py), is
-    written into the head times a sharpness from cfg.lines_fit_sharpness, growing as
-    sqrt(labels / cfg.lines_fit_min) up to 3x that. The draw stays a draw, logged and recomputed
-    exactly. No fit (the head left as it is) with fewer than cfg.lines_fit_min labels, fewer
-    than LINES_FIT_CELL of each kind (standing or not, shown with lines or without), or where
-    the rewards do not yet favour either choice anywhere (G and L both <= 0): the policy
-    gradient moves it meanwhile.
+    is at least CLOSE. What a standing block, or one that does not, is worth shown or not is
+    measured in what the loop is judged on, the characters people kept (accepted times
+    retained; `batch.kept`), pooled over all the labelled rows: gain G = mean kept of standing
+    blocks shown with their lines minus of those shown without; loss L = mean kept of the blocks
+    that do not stand, shown without their lines minus with them; each less its standard error,
+    so that a few lucky or unlucky accepts do not set the head. (Not the reward: the draw does
+    not change what is shown, only how long it is, and the reward spec's size scale stops at 3
+    chars_norm, 60 characters in the sim profile, where most blocks begin.) "Show iff
+    P(stands | x) G > (1 - P) L" is then a weighted classification (as the gate's fit,
+    trainer/update/gate.py): label stands, weight G or L. Its logistic regression on the head's
+    own inputs (the last hidden state, L2 `cfg.gate_fit_l2` on its weights, and the person
+    inputs on the longer text) over the labelled rows of the batch and the replay, times the
+    rows' weights (trainer/caps.py), is written into the head times a sharpness from
+    cfg.lines_fit_sharpness, growing as sqrt(labels / cfg.lines_fit_min) up to 3x that. The
+    draw stays a draw, logged and recomputed exactly. No fit (the head left as it is) with
+    fewer than cfg.lines_fit_min labels, fewer than LINES_FIT_CELL of each kind (standing or
+    not, shown with lines or without), or where what was kept does not yet favour either
+    choice anywhere (G and L both <= 0): the policy gradient moves it meanwhile.
     With a `group` every rank fits on the gathered inputs (and the caller broadcasts rank 0's).
     """
-    parts = [b for b in (batch, replay) if b is not None and b.blocks is not None]
+    parts = [
+        b for b in (batch, replay) if b is not None and b.blocks is not None and b.kept is not None
+    ]
     if not parts:  # no labels were read
         return {}
     rows = [
-        (a, share >= CLOSE, bool((lines_drawn(a) or {}).get("more")), float(w), float(r))
+        (a, share >= CLOSE, bool((lines_drawn(a) or {}).get("more")), float(w), float(k))
         for b in parts
-        for a, share, w, r in zip(
-            b.actions, b.blocks or (), b.row_weights().tolist(), b.rewards.tolist(), strict=True
+        for a, share, w, k in zip(
+            b.actions,
+            b.blocks or (),
+            b.row_weights().tolist(),
+            b.kept.tolist() if b.kept is not None else (),
+            strict=True,
         )
         if share is not None
     ]
     out = {"lines_fit/labels": float(len(rows)), "lines_fit/fitted": 0.0}
-    mean: dict[tuple[bool, bool], tuple[float, float]] = {}  # (mean reward, its variance)
+    mean: dict[tuple[bool, bool], tuple[float, float]] = {}  # (mean kept, its variance)
     for cell in ((True, True), (True, False), (False, True), (False, False)):
         got = [(w, r) for _, y, more, w, r in rows if (y, more) == cell]
         total = sum(w for w, _ in got)
@@ -77,8 +85,8 @@ def fit_lines_to_blocks(
             return out
         m = sum(w * r for w, r in got) / total
         mean[cell] = (m, sum((w * (r - m)) ** 2 for w, r in got) / total**2)
-    # each at its estimate less one standard error: the fit acts on what the rewards show beyond
-    # their noise, and leaves the head to the policy gradient while they show nothing either way
+    # each at its estimate less one standard error: the fit acts on what was kept beyond its
+    # noise, and leaves the head to the policy gradient while that shows nothing either way
     gain = mean[True, True][0] - mean[True, False][0]
     gain -= math.sqrt(mean[True, True][1] + mean[True, False][1])
     loss = mean[False, False][0] - mean[False, True][0]
