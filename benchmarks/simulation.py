@@ -2,7 +2,7 @@
 
     python benchmarks/simulation.py --mode embedded --minutes 15 --users 16 --seed 0 --out DIR
     python benchmarks/simulation.py --mode full --minutes 15 --users 16 --seed 0 --out DIR \
-        [--baseline DIR/baseline.json] [--reward chars_norm=8 ...] [--paused] \
+        [--baseline DIR/baseline.json] [--reward chars_norm=8 ...] [--paused] [--no-lines-fit] \
         [--baseline-minutes 5] [--settled 1.0] [--corpus DIR] [--exact-cursors 1000] \
         [--adversaries 2 --adversary-kinds accept_all,reject_all]
 
@@ -18,7 +18,8 @@ rate limit, which is lifted (16 people send ~10 requests/s with one key).
 Then `tabloop simulate --no-live` writes DIR/report.json, records.jsonl and
 learning_curve.png (with --baseline, the offline baseline from that file instead of computing
 one: it depends only on the base policy and the seed, so one file serves every run), and
-this script adds the service's mode to the report (`config.service_mode`: embedded or full).
+this script adds the service's mode to the report (`config.service_mode`: embedded or full)
+and whether the trainer fit the lines head (`config.lines_fit`).
 The service logs are in DIR/logs/. Before the service stops, the learning-related rows of its
 database go to DIR/db/*.jsonl (rollouts without their tokens, rewards, policies, deployments),
 so two runs can be compared after their databases are gone (`--no-dump` skips it).
@@ -26,7 +27,7 @@ so two runs can be compared after their databases are gone (`--no-dump` skips it
 `--paused` pauses the trainer (POST /admin/training/pause) before the people start: the base
 policy serves the whole run, a control for how much a run's first and last fifths differ
 without any learning (with --baseline-minutes, how much the baseline phase and the last fifth
-differ).
+differ). `--no-lines-fit` runs the trainer without the lines head's fit (an ablation).
 
 `--baseline-minutes`, `--settled`, `--corpus`, `--adversaries` and `--adversary-kinds` go to
 `tabloop simulate` (a baseline phase with the trainer paused; the share of people sending
@@ -103,6 +104,12 @@ def main() -> int:
         help="pause the trainer first: the base policy serves throughout (a control)",
     )
     p.add_argument(
+        "--no-lines-fit",
+        action="store_true",
+        help="TABLOOP_TRAINER_LINES_FIT=false: the lines head learns by the policy gradient "
+        "alone (docs/TRAINER.md)",
+    )
+    p.add_argument(
         "--baseline-minutes",
         type=float,
         default=0.0,
@@ -166,6 +173,7 @@ def main() -> int:
         TABLOOP_LOG_LEVEL="INFO",
         TABLOOP_RATE_LIMIT_PER_S="100000",
         TABLOOP_RATE_LIMIT_BURST="100000",
+        TABLOOP_TRAINER_LINES_FIT="false" if args.no_lines_fit else "true",
     )
     procs: list[Proc] = []
     pg = broker = None
@@ -271,6 +279,7 @@ def main() -> int:
             report_path = out / "report.json"
             report = json.loads(report_path.read_text())
             report["config"]["service_mode"] = args.mode
+            report["config"]["lines_fit"] = not args.no_lines_fit
             report_path.write_text(json.dumps(report, indent=1, default=str))
         url = env.get("TABLOOP_DATABASE_URL") or f"sqlite:///{work / 'data' / 'tabloop.db'}"
         if rc == 0 and args.exact_cursors > 0:  # the checkpoints, before the database goes
