@@ -201,10 +201,10 @@ class Trainer:
         """Each row's block label (trainer/blocks.py); None when the lines fit is off."""
         return block_labels(self.engine, tokenizer, rows) if self.cfg.update.lines_fit else None
 
-    def _with_settled(self, rows: list[sa.Row], tokenizer: CodeTokenizer) -> Batch:
+    def _with_settled(self, rows: list[sa.Row], tokenizer: CodeTokenizer | None = None) -> Batch:
         """The rows as a batch, capped (`_weights`), each with the text its person settled on
-        (None: no report, or the settled-text term is off and nothing is read) and its block
-        label."""
+        (None: no report, or the settled-text term is off and nothing is read) and, given the
+        `tokenizer`, its block label (the lines fit reads them; the settled term does not)."""
         texts = (
             settled_texts(self.engine, suggestion_ids=[r.suggestion_id for r in rows])
             if self.cfg.update.settled_epochs
@@ -215,7 +215,7 @@ class Trainer:
             [r.value for r in rows],
             [texts.get(r.suggestion_id) for r in rows],
             self._weights(rows),
-            self._blocks(rows, tokenizer),
+            None if tokenizer is None else self._blocks(rows, tokenizer),
             [float(r.kept_chars) for r in rows],
         )
 
@@ -264,7 +264,7 @@ class Trainer:
             else None
         )
         earlier_settled = self._settled_replay_rows()
-        settled = self._with_settled(earlier_settled, tokenizer) if earlier_settled else None
+        settled = self._with_settled(earlier_settled) if earlier_settled else None
         generic = (
             self.policies.generic(tokenizer, live_model)
             if self.cfg.update.generic_mix > 0

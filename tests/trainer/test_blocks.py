@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import sqlalchemy as sa
 import torch
 
-from tabloop.core.db import make_engine, upgrade
 from tabloop.core.memory import remember
 from tabloop.core.policy.actions import Completion
 from tabloop.core.policy.context import prepare_context
 from tabloop.core.policy.model import GPT
 from tabloop.core.policy.tokenizer import CodeTokenizer, train_tokenizer
 from tabloop.core.recall import Proposal
-from tests.service.conftest import make_settings
 from tests.trainer.test_update import FAMILY_A, FAMILY_B, _set_gate, proposal_rollouts
 from trainer.blocks import block_label, block_labels, prefix_tail
 from trainer.update import Batch, UpdateConfig, UpdateInputs, make_optimizer, update
@@ -76,15 +72,6 @@ def test_prefix_tail_is_the_prefix_the_rollout_was_sampled_after(
     healing = prepare_context(tokenizer, PREFIX, 512, 32, suffix="\n    return total\n")
     tail = prefix_tail(tokenizer, healing.context_ids, healing.constraint.decode())
     assert healing.constraint and PREFIX.endswith(tail) and len(tail) > 40
-
-
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[sa.Engine]:
-    settings = make_settings(tmp_path)
-    upgrade(settings)
-    e = make_engine(settings)
-    yield e
-    e.dispose()
 
 
 def _row(tokenizer: CodeTokenizer, user: str, path: str, more: str, drawn: bool = True) -> object:

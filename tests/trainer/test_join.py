@@ -5,34 +5,21 @@ user's rewards are untouched."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from service.admin.users.purge import purge_user
-from tabloop.core.db import make_engine, upgrade
 from tabloop.core.reward_spec import RewardSpec
 from tabloop.core.stream.consumer import Record
 from tabloop.core.stream.topics import FEEDBACK, ROLLOUTS, encode, user_purged
 from tabloop.core.tables import rewards, rollouts, utcnow
 from tabloop.testing.factories import event
-from tests.service.conftest import make_settings
 from trainer.join import Join
 
 LATER = timedelta(hours=1)  # past every window of the default spec
-
-
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[sa.Engine]:
-    settings = make_settings(tmp_path)
-    upgrade(settings)
-    e = make_engine(settings)
-    yield e
-    e.dispose()
 
 
 def _rollout(engine: sa.Engine, user: str) -> dict[str, Any]:
