@@ -15,7 +15,9 @@ characters (in expectation over the people's own draws) and the useful character
 mean of that seed's paused runs with their ratio (arm / paused), and each figure's change
 against the paused mean, with the mean change over the seeds; then the same against the
 seed's paused run on the same cursors (the lines both runs asked at in their last thirds; from
-records.jsonl, for runs that have one).
+records.jsonl, for runs that have one); with `--fresh`, that once more on the cursors at fresh
+lines only (lines whose text no request had sent before, in any form: a long run's second pass
+over the files sends none).
 `--plot` draws kept and expected kept characters, useful characters and not taken per request,
 a bar per run, grouped by seed.
 """
@@ -96,11 +98,17 @@ def last_third_records(run: Path, report: dict[str, Any]) -> list[RequestRecord]
     return third_windows(read_records(run), float(report["config"]["duration_s"]))[-1]
 
 
-def print_same_cursors(runs: list[tuple[str, int, Path, dict[str, Any]]]) -> None:
+def print_same_cursors(
+    runs: list[tuple[str, int, Path, dict[str, Any]]], fresh: bool = False
+) -> None:
     """Every arm but `paused` against its seed's (first) paused run on the cursors both asked at
-    in their last thirds: the same people's same lines, whatever else either reached."""
+    in their last thirds: the same people's same lines, whatever else either reached. `fresh`:
+    only the cursors on fresh lines (RequestRecord.fresh)."""
     runs = [r for r in runs if (r[2] / "records.jsonl").exists()]  # older runs: report only
-    thirds = {path: last_third_records(path, report) for _, _, path, report in runs}
+    thirds = {
+        path: [r for r in last_third_records(path, report) if r.fresh or not fresh]
+        for _, _, path, report in runs
+    }
     # runs written before the expected kept characters were recorded (their reports lack it)
     unmeasured = {
         path for _, _, path, report in runs if EXPECTED[0] not in report["thirds"]["last"]
@@ -117,7 +125,8 @@ def print_same_cursors(runs: list[tuple[str, int, Path, dict[str, Any]]]) -> Non
         rows.append((arm, seed, len(records), base, mine))
     if not rows:
         return
-    print("\non the same cursors (those both runs of a seed asked at in their last thirds):\n")
+    which = "those both runs of a seed asked at in their last thirds"
+    print(f"\non the same cursors ({which}{', on fresh lines only' if fresh else ''}):\n")
     print("| seed | arm | cursors | " + " | ".join(t for _, t, _ in SAME) + " |")
     print("|" + "---|" * (3 + len(SAME)))
     changes: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -192,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", metavar="ARM=RUN", help="a run's arm and its directory")
     p.add_argument("--plot", type=Path, help="write the plot here (PNG)")
+    p.add_argument(
+        "--fresh", action="store_true", help="the same cursors again, on fresh lines only"
+    )
     args = p.parse_args(argv)
     loaded = sorted((load(a) for a in args.runs), key=lambda r: (r[1], r[0] != PAUSED, r[0]))
     runs = [(arm, seed, report) for arm, seed, _, report in loaded]
@@ -219,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             mean_change = f"mean {statistics.mean(values):+.0%}" if values else "no ratio"
             print(f"  {key}: {each} ({mean_change})")
     print_same_cursors(loaded)
+    if args.fresh:
+        print_same_cursors(loaded, fresh=True)
     if args.plot:
         draw(runs, args.plot)
         print(f"\nplot: {args.plot}")

@@ -81,9 +81,11 @@ def test_each_arm_against_its_seeds_paused_runs(
     assert "on the same cursors" not in out  # no records.jsonl: the reports alone
 
 
-def record(t: float, line_no: int, shown: bool = True, kept: float = 0.0) -> dict[str, Any]:
+def record(
+    t: float, line_no: int, shown: bool = True, kept: float = 0.0, fresh: bool = True
+) -> dict[str, Any]:
     """A records.jsonl row: a request at line `line_no` of one file, `kept` characters kept
-    (accepted when above 0) and expected."""
+    (accepted when above 0) and expected; `fresh`: on a line never sent before."""
     return {
         "t": t,
         "user_id": "u",
@@ -101,6 +103,7 @@ def record(t: float, line_no: int, shown: bool = True, kept: float = 0.0) -> dic
         "path": "a.py",
         "line_no": line_no,
         "expected_kept": kept / 2,
+        "fresh": fresh,
         "some_later_field": 1,  # read past: fields a later simulator adds
     }
 
@@ -112,7 +115,7 @@ def test_same_cursors_compare_the_lines_both_runs_asked_at(
     the paused run's last third also has line 9, the learning run's line 14, and line 1 is in
     both runs' first thirds)."""
     paused = [record(1.0, 1, kept=100.0), record(61.0, 9, kept=50.0)]
-    paused += [record(62.0 + i, 10 + i, kept=10.0 * (i == 0)) for i in range(4)]
+    paused += [record(62.0 + i, 10 + i, kept=10.0 * (i == 0), fresh=i > 0) for i in range(4)]
     learning = [record(1.0, 1)] + [record(70.0 + i, 10 + i, kept=20.0) for i in range(4)]
     learning += [record(75.0, 14, kept=100.0)]
     runs = []
@@ -132,6 +135,15 @@ def test_same_cursors_compare_the_lines_both_runs_asked_at(
         "| 250.0 → 1000.0 |" in out
     )
     assert "- learning, kept chars / 100 req: +700% (mean +700%)" in out
+    assert "fresh lines only" not in out
+    # --fresh: again on the fresh lines, here 11-13 (line 10 was sent before the paused run
+    # asked at it): nothing kept paused
+    assert main([*runs, "--fresh"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "| 0 | learning | 3 | 0.0 → 2000.0 | 0.000 → 1.000 | 1.000 → 0.000 |"
+        in out.split("fresh lines only")[1]
+    )
     # a run written before the expected kept characters (its report and records lack them):
     # none shown
     for r in learning:
