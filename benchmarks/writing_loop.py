@@ -75,6 +75,8 @@ def load(arg: str) -> tuple[str, int, Path, dict[str, Any]]:
     arm, sep, path = arg.partition("=")
     if not sep or not arm or not path:
         raise SystemExit(f"{arg!r}: expected ARM=RUN_DIR")
+    if not (Path(path) / "report.json").is_file():
+        raise SystemExit(f"{path}: no report.json (a run still going, or not a run's directory)")
     report = json.loads((Path(path) / "report.json").read_text())
     return arm, int(report["config"]["seed"]), Path(path), report
 

@@ -194,3 +194,5 @@ def test_against_paused_needs_a_paused_run_of_the_seed() -> None:
 def test_a_run_without_its_arm_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="expected ARM=RUN_DIR"):
         main([str(tmp_path)])
+    with pytest.raises(SystemExit, match="no report.json"):
+        main([f"paused={tmp_path}"])
