@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
+    # a SIGTERM (kill, a job's timeout) stops the service, broker and database as Ctrl-C does,
+    # through the `finally` below, instead of leaving them running with no parent
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["embedded", "full"], default="embedded")
     p.add_argument("--minutes", type=float, default=15)
