@@ -95,7 +95,8 @@ def canary_verdict(
     canary: ArmStats, live: ArmStats, age_s: float, cfg: CanaryConfig
 ) -> tuple[Literal["wait", "promote", "rollback"], str]:
     """Wait for enough data, then roll back on collapse or on a significant drop in mean reward,
-    kept characters per request or accept rate (Welch's and the two-proportion z, one-sided);
+    kept characters per request or accept rate (Welch's, and Agresti-Caffo's two-proportion z;
+    one-sided);
     otherwise promote. A canary that wins reward by showing less, and so gives people less code,
     is rolled back.
 
@@ -140,11 +141,20 @@ def canary_verdict(
                 f"{what} {m_c:.{digits}f} < live {m_l:.{digits}f} (s.e. {se:.{digits}f})",
             )
     if live.shown:
-        p_c, p_l = canary.accept_rate, live.accept_rate
+        # two proportions, Agresti-Caffo: each arm's rate and its variance with one accept and
+        # one not added. The plain (Wald) variance p(1 - p) / n is 0 at a rate of 0 or 1, which
+        # a few dozen shown suggestions at the telemetry people's few percent often give: 0 of
+        # 25 against live's 3 of 25 was then a "significant" drop
+        p_c, p_l = ((arm.accepted + 1) / (arm.shown + 2) for arm in (canary, live))
         d_accept = p_c - p_l + cfg.accept_tolerance
-        se_accept = math.sqrt(p_c * (1 - p_c) / canary.shown + p_l * (1 - p_l) / live.shown)
+        se_accept = math.sqrt(
+            p_c * (1 - p_c) / (canary.shown + 2) + p_l * (1 - p_l) / (live.shown + 2)
+        )
         if significantly_below(d_accept, se_accept, cfg.z):
-            return "rollback", f"accept rate {p_c:.2f} < live {p_l:.2f} (s.e. {se_accept:.2f})"
+            return "rollback", (
+                f"accept rate {canary.accept_rate:.2f} < live {live.accept_rate:.2f} "
+                f"(s.e. {se_accept:.2f})"
+            )
     return "promote", (
         f"mean reward {canary.mean_reward:.3f} vs live {live.mean_reward:.3f}, "
         f"kept chars/request {canary.mean_kept:.2f} vs {live.mean_kept:.2f}, "

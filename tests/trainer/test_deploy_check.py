@@ -123,6 +123,21 @@ def test_canary_verdict_rolls_back_on_significant_drops_only(
         assert canary_verdict(canary, LIVE_SIM, 10, replace(SIG, z=0.0))[0] == "rollback"
 
 
+def test_no_accept_in_a_small_canary_is_not_a_significant_drop() -> None:
+    """At the telemetry people's few percent, 0 of 25 shown accepted against live's 3 of 25 is
+    what an equally good canary often shows (P(0 of 25 | 12%) = 4%). The plain two-proportion
+    variance is 0 at a rate of 0, which made it a drop of 1.85 standard errors; Agresti-Caffo's
+    (one accept and one not added to each arm) puts it at 1.43. A drop on 100 shown a side is
+    still caught."""
+    live = ArmStats(120, 25, 3, 0.0, 0.0225)
+    got, why = canary_verdict(ArmStats(120, 25, 0, 0.0, 0.0225), live, 10, SIG)
+    assert got == "promote", why
+    got, why = canary_verdict(
+        ArmStats(480, 100, 0, 0.0, 0.0225), ArmStats(480, 100, 12, 0.0, 0.0225), 10, SIG
+    )
+    assert got == "rollback" and why.startswith("accept rate 0.00 < live 0.12"), why
+
+
 def test_a_canary_that_wins_reward_by_silence_is_rolled_back() -> None:
     """Fewer shown, each one accepted more often: a higher mean reward and accept rate, but
     people keep a third of the characters per request they kept from live."""
