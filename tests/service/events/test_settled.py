@@ -1,33 +1,21 @@
-"""settled_texts: the latest code_settled text per suggestion, on a real SQLite database."""
+"""settled_texts: the latest code_settled text per suggestion, on a real database of each mode
+(the `engine` of tests/service/conftest.py)."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from service.events.ingest import ingest_events
 from service.events.schemas import parse_event
-from tabloop.core.db import make_engine, upgrade
 from tabloop.core.settled import settled_texts
 from tabloop.core.tables import events, rollouts
 from tabloop.testing.factories import event
-from tests.service.conftest import make_settings
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-
-
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[sa.Engine]:
-    settings = make_settings(tmp_path)
-    upgrade(settings)
-    e = make_engine(settings)
-    yield e
-    e.dispose()
 
 
 def rollout(engine: sa.Engine, user: str = "u-1", *, shown: bool = True) -> str:
