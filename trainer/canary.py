@@ -96,9 +96,8 @@ def canary_verdict(
 ) -> tuple[Literal["wait", "promote", "rollback"], str]:
     """Wait for enough data, then roll back on collapse or on a significant drop in mean reward,
     kept characters per request or accept rate (Welch's, and Agresti-Caffo's two-proportion z;
-    one-sided);
-    otherwise promote. A canary that wins reward by showing less, and so gives people less code,
-    is rolled back.
+    one-sided); otherwise promote. A canary that wins reward by showing less, and so gives people
+    less code, is rolled back.
 
     The candidate already passed the off-policy gate; the canary guards against what that
     estimate cannot see. A canary of a few dozen shown suggestions cannot show a small gain:
