@@ -380,8 +380,10 @@
       ["heartbeat", t.alive ? ago(t.heartbeat_at) : `offline (last ${ago(t.heartbeat_at)})`],
       ["join lag", seconds(info.join_lag_s)],
       ["pending rollouts", int(pending)],
-      ["batch fill", info.batch_size ? `${int(info.batch_fill)} / ${int(info.batch_size)}`
-                                     : int(info.batch_fill)],
+      // only rewards whose rollouts are past the reward horizon (all of their time's feedback
+      // is in) fill a batch, so this trails "rewards not yet trained on" by the horizon
+      ["batch fill (past the horizon)", info.batch_size
+        ? `${int(info.batch_fill)} / ${int(info.batch_size)}` : int(info.batch_fill)],
       ["rewards finalized", int(t.rewards_finalized)],
       ["rewards not yet trained on", int(t.rewards_untrained)],
       ["late events", int(t.late_events)],
