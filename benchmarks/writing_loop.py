@@ -19,7 +19,8 @@ records.jsonl, for runs that have one); with `--fresh`, that once more on the cu
 lines only (lines whose text no request had sent before, in any form: a long run's second pass
 over the files sends none).
 `--plot` draws kept and expected kept characters, useful characters and not taken per request,
-a bar per run, grouped by seed.
+a bar per run, grouped by seed: on the same cursors as above where the runs have their records
+(each seed's paused run once), otherwise over each run's whole last third.
 """
 
 from __future__ import annotations
@@ -100,9 +101,12 @@ def last_third_records(run: Path, report: dict[str, Any]) -> list[RequestRecord]
     return third_windows(read_records(run), float(report["config"]["duration_s"]))[-1]
 
 
-def print_same_cursors(
+SameCursors = tuple[str, int, int, dict[str, Any], dict[str, Any]]  # arm, seed, n, paused, arm's
+
+
+def same_cursor_rows(
     runs: list[tuple[str, int, Path, dict[str, Any]]], fresh: bool = False
-) -> None:
+) -> list[SameCursors]:
     """Every arm but `paused` against its seed's (first) paused run on the cursors both asked at
     in their last thirds: the same people's same lines, whatever else either reached. `fresh`:
     only the cursors on fresh lines (RequestRecord.fresh)."""
@@ -116,7 +120,7 @@ def print_same_cursors(
         path for _, _, path, report in runs if EXPECTED[0] not in report["thirds"]["last"]
     }
     paused = {seed: path for arm, seed, path, _ in reversed(runs) if arm == PAUSED}
-    rows = []
+    rows: list[SameCursors] = []
     for arm, seed, path, _ in runs:
         if arm == PAUSED or seed not in paused:
             continue
@@ -125,6 +129,10 @@ def print_same_cursors(
         if {path, paused[seed]} & unmeasured:
             base[EXPECTED[0]] = mine[EXPECTED[0]] = None
         rows.append((arm, seed, len(records), base, mine))
+    return rows
+
+
+def print_same_cursors(rows: list[SameCursors], fresh: bool = False) -> None:
     if not rows:
         return
     which = "those both runs of a seed asked at in their last thirds"
@@ -232,23 +240,40 @@ def main(argv: list[str] | None = None) -> int:
             each = ", ".join(f"{v:+.0%}" for v in values)
             mean_change = f"mean {statistics.mean(values):+.0%}" if values else "no ratio"
             print(f"  {key}: {each} ({mean_change})")
-    print_same_cursors(loaded)
+    same = same_cursor_rows(loaded)
+    print_same_cursors(same)
     if args.fresh:
-        print_same_cursors(loaded, fresh=True)
+        print_same_cursors(same_cursor_rows(loaded, fresh=True), fresh=True)
     if args.plot:
-        draw(runs, args.plot)
+        draw(*plot_bars(runs, same), args.plot)
         print(f"\nplot: {args.plot}")
     return 0
 
 
-def draw(runs: list[tuple[str, int, dict[str, Any]]], path: Path) -> None:
+def plot_bars(
+    runs: list[Run], same: list[SameCursors]
+) -> tuple[list[tuple[str, int, dict[str, Any]]], str]:
+    """The plot's bars, (arm, seed, figures), and what they cover: on the same cursors where
+    the runs have their records (each seed's paused run once, then every other arm), as the
+    comparisons are made; otherwise each run's whole last third."""
+    if not same:
+        return [(arm, seed, last_third(report)) for arm, seed, report in runs], "each run's last third"
+    bars: list[tuple[str, int, dict[str, Any]]] = []
+    for arm, seed, _, base, mine in same:
+        if not any(s == seed for _, s, _ in bars):
+            bars.append((PAUSED, seed, base))
+        bars.append((arm, seed, mine))
+    return bars, "last thirds, on the cursors both runs of a seed asked at"
+
+
+def draw(bars: list[tuple[str, int, dict[str, Any]]], covers: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    seeds = sorted({seed for _, seed, _ in runs})
-    arms = sorted({arm for arm, _, _ in runs}, key=lambda a: (a != PAUSED, a))
+    seeds = sorted({seed for _, seed, _ in bars})
+    arms = sorted({arm for arm, _, _ in bars}, key=lambda a: (a != PAUSED, a))
     panels = (
         ("kept_chars_per_100", "kept chars / 100 requests"),
         ("expected_kept_per_100", "expected kept / 100 requests"),
@@ -259,15 +284,16 @@ def draw(runs: list[tuple[str, int, dict[str, Any]]], path: Path) -> None:
     colors = {arm: f"C{i}" for i, arm in enumerate(arms)}
     for ax, (key, title) in zip(axes, panels, strict=True):
         for s_i, seed in enumerate(seeds):
-            mine = [(arm, r) for arm, sd, r in runs if sd == seed]
+            mine = [(arm, figures) for arm, sd, figures in bars if sd == seed]
             width = 0.8 / max(1, len(mine))
-            for j, (arm, report) in enumerate(mine):
+            for j, (arm, figures) in enumerate(mine):
                 x = s_i - 0.4 + width * (j + 0.5)
-                ax.bar(x, last_third(report)[key] or 0.0, width, color=colors[arm])
+                ax.bar(x, figures[key] or 0.0, width, color=colors[arm])
         ax.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds])
-        ax.set_title(title + " (last third)")
+        ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[a]) for a in arms]
     fig.legend(handles, arms, loc="lower center", ncol=len(arms))
+    fig.suptitle(covers)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

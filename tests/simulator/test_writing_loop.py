@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from benchmarks.writing_loop import against_paused, last_third, main, ratio
+from benchmarks.writing_loop import (
+    against_paused,
+    last_third,
+    load,
+    main,
+    plot_bars,
+    ratio,
+    same_cursor_rows,
+)
 
 
 def third(
@@ -136,6 +144,17 @@ def test_same_cursors_compare_the_lines_both_runs_asked_at(
     )
     assert "- learning, kept chars / 100 req: +700% (mean +700%)" in out
     assert "fresh lines only" not in out
+    # the plot's bars are the same cursors' figures, the paused run's once
+    loaded = [load(r) for r in runs]
+    bars, covers = plot_bars([(a, s, rep) for a, s, _, rep in loaded], same_cursor_rows(loaded))
+    assert [(arm, seed, f["kept_chars_per_100"]) for arm, seed, f in bars] == [
+        ("paused", 0, 250.0),
+        ("learning", 0, 2000.0),
+    ]
+    assert covers == "last thirds, on the cursors both runs of a seed asked at"
+    assert main([*runs, "--plot", str(tmp_path / "same.png")]) == 0
+    assert (tmp_path / "same.png").stat().st_size > 0
+    capsys.readouterr()
     # --fresh: again on the fresh lines, here 11-13 (line 10 was sent before the paused run
     # asked at it): nothing kept paused
     assert main([*runs, "--fresh"]) == 0
