@@ -257,7 +257,8 @@ def plot_bars(
     the runs have their records (each seed's paused run once, then every other arm), as the
     comparisons are made; otherwise each run's whole last third."""
     if not same:
-        return [(arm, seed, last_third(report)) for arm, seed, report in runs], "each run's last third"
+        whole = [(arm, seed, last_third(report)) for arm, seed, report in runs]
+        return whole, "each run's last third"
     bars: list[tuple[str, int, dict[str, Any]]] = []
     for arm, seed, _, base, mine in same:
         if not any(s == seed for _, s, _ in bars):
