@@ -102,6 +102,7 @@ def last_third_records(run: Path, report: dict[str, Any]) -> list[RequestRecord]
 
 
 SameCursors = tuple[str, int, int, dict[str, Any], dict[str, Any]]  # arm, seed, n, paused, arm's
+Bar = tuple[str, int, dict[str, Any]]  # a plotted bar: arm, seed, its figures
 
 
 def same_cursor_rows(
@@ -250,24 +251,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def plot_bars(
-    runs: list[Run], same: list[SameCursors]
-) -> tuple[list[tuple[str, int, dict[str, Any]]], str]:
+def plot_bars(runs: list[Run], same: list[SameCursors]) -> tuple[list[Bar], str]:
     """The plot's bars, (arm, seed, figures), and what they cover: on the same cursors where
     the runs have their records (each seed's paused run once, then every other arm), as the
     comparisons are made; otherwise each run's whole last third."""
     if not same:
         whole = [(arm, seed, last_third(report)) for arm, seed, report in runs]
         return whole, "each run's last third"
-    bars: list[tuple[str, int, dict[str, Any]]] = []
+    bars: list[Bar] = []
     for arm, seed, _, base, mine in same:
-        if not any(s == seed for _, s, _ in bars):
+        if seed not in {s for _, s, _ in bars}:
             bars.append((PAUSED, seed, base))
         bars.append((arm, seed, mine))
     return bars, "last thirds, on the cursors both runs of a seed asked at"
 
 
-def draw(bars: list[tuple[str, int, dict[str, Any]]], covers: str, path: Path) -> None:
+def draw(bars: list[Bar], covers: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
